@@ -1,0 +1,186 @@
+"""Block bookkeeping: the pool of KV blocks (ref counts, free queue) and per-request block tables.
+
+Block 0 is reserved as the null block (padding in block tables) and never handed out.
+
+Free queue order is eviction order: blocks at the front are reused first. A freed block that holds no
+cached content goes to the front (nothing is lost by reusing it); a freed cached block goes to the back,
+a request's blocks in reverse order so its tail is evicted before its head (a shorter prefix stays
+useful longer). Taking a cached block with ref count 0 (a prefix hit) pulls it out of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
+from workers.request import Request
+
+
+class BlockPool:
+    """Owns every block id's ref count and the free queue."""
+
+    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.prefix_cache = prefix_cache
+        self.ref_counts = [0] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def allocate(self, num: int) -> list[int]:
+        """Take ``num`` blocks from the front of the free queue (evicting their cached content)."""
+        if num > len(self.free_queue):
+            raise RuntimeError(f"allocate({num}) with only {len(self.free_queue)} free blocks")
+        block_ids: list[int] = []
+        for _ in range(num):
+            block_id, _ = self.free_queue.popitem(last=False)
+            if self.prefix_cache is not None:
+                self.prefix_cache.evict(block_id)
+            self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Add a user to cached blocks (prefix hit); a block with no user leaves the free queue."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one user of each block, tail first; blocks that reach 0 users join the free queue."""
+        for block_id in reversed(block_ids):
+            count = self.ref_counts[block_id] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            self.ref_counts[block_id] = count
+            if count == 0:
+                self.free_queue[block_id] = None
+                if self.prefix_cache is None or not self.prefix_cache.is_cached(block_id):
+                    self.free_queue.move_to_end(block_id, last=False)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    block_ids: list[int]
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.block_ids) * block_size
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool, plus prefix-cache lookups and registration.
+
+    Contract: a request holds blocks from its first successful ``allocate_slots`` until ``free``; the
+    scheduler frees on finish, abort and preemption, or later (``release``) for a held handoff.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
+        self.block_tables: dict[str, list[int]] = {}
+        # full-block hashes computed so far per request (also those not registered: duplicates)
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """Longest cached prefix of the request's tokens, leaving >= 1 token to compute (for logits)."""
+        if self.prefix_cache is None:
+            return PrefixHit([])
+        hashes = self._request_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit = self.prefix_cache.lookup(hashes[:max_blocks])
+        self.prefix_cache.record_query(request.num_tokens, len(hit) * self.block_size)
+        return PrefixHit(hit)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` (plus the
+        prefix hit, for a request not yet holding blocks). False, with nothing changed, if blocks are short."""
+        table = self.block_tables.get(request.request_id)
+        hit_ids = hit.block_ids if hit is not None else []
+        num_held = (len(table) if table is not None else 0) + len(hit_ids)
+        num_tokens = request.num_computed_tokens + len(hit_ids) * self.block_size + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - num_held
+        if num_needed <= 0 and not hit_ids:
+            return True
+        # a hit block with no users sits in the free queue: taking it uses up a free slot too
+        num_hit_free = sum(1 for b in hit_ids if self.pool.ref_counts[b] == 0)
+        if max(num_needed, 0) + num_hit_free > self.pool.num_free:
+            return False
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+        if hit_ids:
+            self.pool.touch(hit_ids)
+            table.extend(hit_ids)
+            self._num_cached_blocks[request.request_id] = len(table)
+        if num_needed > 0:
+            table.extend(self.pool.allocate(num_needed))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if self.prefix_cache is None:
+            return
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._request_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.prefix_cache.insert(table[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        table = self.block_tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        if table:
+            self.pool.free(table)
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks (prompt + output so far)."""
+        return list(self._request_hashes(request))
+
+    def _request_hashes(self, request: Request, num_blocks: int | None = None) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        want = request.num_tokens // self.block_size if num_blocks is None else num_blocks
+        if len(hashes) < want:
+            start = len(hashes)
+            tokens = request.token_slice(start * self.block_size, want * self.block_size)
+            parent = hashes[-1] if hashes else b""
+            hashes.extend(hash_full_blocks(tokens, self.block_size, 0, parent))
+        return hashes
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks with at least one user."""
+        return 1.0 - self.pool.num_free / self.pool.num_usable
+
+    def check_no_leaks(self) -> None:
+        """Leak invariant: no table left, every block free (cached blocks with ref 0 count as free)."""
+        problems = []
+        if self.block_tables:
+            problems.append(f"block tables left for {sorted(self.block_tables)}")
+        if self._hashes or self._num_cached_blocks:
+            problems.append("per-request hash state left")
+        used = [b for b in range(1, self.pool.num_blocks) if self.pool.ref_counts[b] != 0]
+        if used:
+            problems.append(f"blocks with users: {used[:16]}")
+        if self.pool.num_free != self.pool.num_usable:
+            problems.append(f"{self.pool.num_free} of {self.pool.num_usable} blocks free")
+        if problems:
+            raise AssertionError("KV leak: " + "; ".join(problems))

@@ -1,0 +1,216 @@
+"""Engine: the streaming core under the offline LLM API and the workers.
+
+Single-threaded by contract: ``add_request``, ``step``, ``abort`` and ``release`` are called from one
+thread (a worker's step loop); callers in other threads hand work over through a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import EngineConfig
+from cluster.protocol import SamplingParams, TokenDelta
+from workers.detokenizer import IncrementalDetokenizer
+from workers.model_runner import ModelRunner
+from workers.request import Request, RequestStatus
+from workers.scheduler import Scheduler
+from workers.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "pdserve-tiny")
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_mixed_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    schedule_time_s: float = 0.0  # host time: scheduling + update (forward excluded)
+    prepare_time_s: float = 0.0  # host time: building the step's input tensors
+    forward_time_s: float = 0.0  # model forward + sampling (includes the one device sync)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = config.model.path or BUNDLED_MODEL
+        self.runner = ModelRunner(config, self.model_dir)
+        self.arch = self.runner.arch
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        limit = config.model.max_model_len or self.arch.max_position_embeddings
+        # NOTE: a sequence can never outgrow the KV pool, so the pool caps the usable length too.
+        self.max_model_len = min(limit, (self.runner.num_blocks - 1) * config.block_size)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._stats = EngineStats()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- admission -------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; nothing is queued."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least 1 token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold: bool
+    ) -> Request:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+        return request
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, hold_after_prefill: bool = False
+    ) -> None:
+        """Queue a request. With ``hold_after_prefill`` (prefill worker) it stops after its first token
+        and keeps its blocks in SENDING_KV until ``release`` (or ``abort``)."""
+        self.scheduler.add_request(self._new_request(request_id, prompt_token_ids, params, hold_after_prefill))
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> tuple[list[int], int] | None:
+        """Decode side of a handoff: reserve blocks for the prompt's KV. Returns (block ids, leading
+        blocks already held from the prefix cache) or None when blocks or seats are short; then
+        ``commit_prefilled`` once the KV landed, or ``abort`` on failure (frees the blocks)."""
+        request = self._new_request(request_id, prompt_token_ids, params, hold=False)
+        request.output_token_ids.append(first_token_id)
+        request.first_token_time = time.time()
+        reserved = self.scheduler.reserve_prefilled(request)
+        if reserved is None:
+            self._drop(request_id)
+            return None
+        detok = self.detokenizers.get(request_id)
+        if detok is not None:
+            detok.update([first_token_id])
+            detok.get_delta(finished=False)  # the first token's text went to the client from prefill
+        return reserved
+
+    def commit_prefilled(self, request_id: str) -> None:
+        self.scheduler.commit_prefilled(request_id)
+
+    # ---- stepping ----------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[TokenDelta]:
+        """Schedule, run one forward, sample; returns one delta per request that got a token."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        t2 = time.perf_counter()
+        updated = self.scheduler.update_from_output(out, sampled)
+        deltas = [self._delta(r) for r in updated]
+        t3 = time.perf_counter()
+
+        st = self._stats
+        st.num_steps += 1
+        st.num_mixed_steps += out.is_mixed
+        st.num_prompt_tokens += sum(len(s.token_ids) for s in out.scheduled if not s.is_decode)
+        st.num_generation_tokens += len(sampled)
+        st.prepare_time_s += self.runner.prepare_time_s
+        st.forward_time_s += (t2 - t1) - self.runner.prepare_time_s
+        st.schedule_time_s += (t1 - t0) + (t3 - t2)
+        return deltas
+
+    def _delta(self, request: Request) -> TokenDelta:
+        token_id = request.output_token_ids[-1]
+        detok = self.detokenizers.get(request.request_id)
+        text = ""
+        if detok is not None:
+            matched = detok.update([token_id])
+            if matched is not None and not request.status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            text = detok.get_delta(finished=request.status.is_finished)
+        logprobs = [request.logprobs[-1]] if request.params.logprobs is not None and request.logprobs else None
+        delta = TokenDelta(
+            request_id=request.request_id,
+            token_ids=[token_id],
+            text=text,
+            logprobs=logprobs,
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        if request.status.is_finished:
+            self._drop(request.request_id)
+        return delta
+
+    # ---- endings -----------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request in any state and free its blocks; False if it is not (or no longer) here."""
+        found = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+        self._drop(request_id)
+        return found
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the handoff of a held request is over; its blocks go free (or to the cache)."""
+        self.scheduler.release(request_id)
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self.runner.remove(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        """Block table of a request (e.g. held for a handoff); None if it holds none."""
+        return self.scheduler.kv.block_tables.get(request_id)
+
+    # ---- observability -----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        st = self._stats
+        kv = self.scheduler.kv
+        if kv.prefix_cache is not None:
+            st.prefix_cache_queries = kv.prefix_cache.num_query_tokens
+            st.prefix_cache_hits = kv.prefix_cache.num_hit_tokens
+        st.num_preemptions = self.scheduler.num_preemptions
+        st.num_free_blocks = kv.pool.num_free
+        st.num_total_blocks = kv.pool.num_usable
+        st.num_running = len(self.scheduler.running)
+        st.num_waiting = len(self.scheduler.waiting)
+        return EngineStats(**vars(st))
+
+    def check_no_leaks(self) -> None:
+        """Leak invariant: every block free or cache-owned with ref count 0, and every map empty."""
+        self.scheduler.check_no_leaks()
+        if self.detokenizers or self.runner.generators:
+            raise AssertionError(
+                f"per-request state left: detokenizers {sorted(self.detokenizers)}, "
+                f"generators {sorted(self.runner.generators)}"
+            )

@@ -1,0 +1,87 @@
+"""Offline API: ``LLM(model, **engine_options).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from cluster.config import EngineConfig
+from cluster.protocol import RequestOutput, SamplingParams
+from workers.engine import Engine, EngineStats
+
+
+class LLM:
+    """Batch generation over one Engine. ``engine_options`` are EngineConfig / ModelConfig fields
+    (block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+    attention_backend, dtype, max_model_len, device, ...); unknown names are an error."""
+
+    def __init__(self, model: str = "", **engine_options: Any) -> None:
+        self.engine = Engine(EngineConfig.from_options(model, **engine_options))
+        self._counter = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. All inputs are validated before any is
+        queued, so a bad one raises ValueError and leaves the engine as it was."""
+        token_prompts = [self._tokens(p) for p in prompts]
+        if params is None:
+            params = SamplingParams()
+        param_list = [params] * len(token_prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(token_prompts):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(token_prompts)} prompts")
+        for tokens, p in zip(token_prompts, param_list):
+            self.engine.validate(tokens, p)
+
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for tokens, p in zip(token_prompts, param_list):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, tokens, p)
+            outputs[request_id] = RequestOutput(request_id, tokens, arrival_time=time.time())
+            if p.logprobs is not None:
+                outputs[request_id].logprobs = []
+            order.append(request_id)
+
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                out = outputs[delta.request_id]
+                now = time.time()
+                if out.first_token_time is None:
+                    out.first_token_time = now
+                out.token_ids.extend(delta.token_ids)
+                out.text += delta.text
+                out.num_cached_tokens = delta.num_cached_tokens
+                if delta.logprobs is not None and out.logprobs is not None:
+                    out.logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    out.finish_reason = delta.finish_reason
+                    out.finish_time = now
+                    bar.update(1)
+        bar.close()
+        return [outputs[r] for r in order]
+
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer.json in the model directory; pass token ids")
+            return self.engine.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_no_leaks(self) -> None:
+        self.engine.check_no_leaks()

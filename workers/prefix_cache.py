@@ -1,0 +1,90 @@
+"""Prefix cache over full blocks, keyed by chained content hashes.
+
+A full block's hash covers its tokens and, through the parent hash, every token before it, so equal
+hashes mean equal prefixes. The digest is blake2b-128 over bytes, identical in every process: the router
+(prefix affinity) and the decode worker (which blocks it already holds) compute the same hashes.
+
+This module only maps hash <-> block id and counts queries/hits; who may evict, and when, is the block
+pool's business (an evictable block is a cached block with ref count 0 waiting in the free queue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+ROOT_HASH: BlockHash = b""
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int], block_size: int, start_block: int = 0, parent: BlockHash = ROOT_HASH
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks ``start_block, start_block + 1, ...`` of ``token_ids``.
+
+    ``parent`` is the hash of block ``start_block - 1`` (ROOT_HASH for block 0).
+    """
+    hashes: list[BlockHash] = []
+    for b in range(start_block, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixCache:
+    """hash <-> block id maps plus query/hit counters (in tokens)."""
+
+    def __init__(self) -> None:
+        self._block_of: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes``."""
+        hit: list[int] = []
+        for h in hashes:
+            block_id = self._block_of.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def insert(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a freshly filled block. False (and nothing changes) if that content is already
+        cached under another block, or this block already carries a hash."""
+        if block_hash in self._block_of or block_id in self._hash_of:
+            return False
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        return True
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of
+
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        return self._hash_of.get(block_id)
+
+    def evict(self, block_id: int) -> bool:
+        """Forget a block (it is being reused for other content). False if it was not cached."""
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is None:
+            return False
+        del self._block_of[block_hash]
+        return True
+
+    def clear(self) -> None:
+        self._block_of.clear()
+        self._hash_of.clear()

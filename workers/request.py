@@ -1,0 +1,94 @@
+"""One request's engine-side state.
+
+There is no prefill or decode phase: ``num_computed_tokens`` catches up with ``num_tokens`` (prompt plus
+generated tokens). A request whose next step computes exactly one token and samples is decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.protocol import FinishReason, SamplingParams, TokenLogprobs
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    RUNNING = "running"  # scheduled in the running set; holds blocks
+    PREEMPTED = "preempted"  # blocks freed, back at the front of waiting, recomputes from its prefix
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, KV bytes still arriving
+    SENDING_KV = "sending_kv"  # prefill side: finished its prompt, blocks held for the handoff
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    # prefill worker of a disaggregated pair: stop after the first token and keep the blocks (SENDING_KV)
+    hold_after_prefill: bool = False
+    arrival_time: float = field(default_factory=time.time)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop after appending a token: EOS / stop_token_ids / max_tokens / max_model_len."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in self.params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,239 @@
+"""Continuous-batching scheduler: policy only, never touches tensors.
+
+Each step packs, under ``max_num_batched_tokens`` and ``max_num_seqs``, first the running requests (a
+decode costs one token; an unfinished prefill continues with its next chunk), then waiting requests
+(prefix-cache hit first, then a chunk of what is left). Everything goes into ONE flat ragged batch.
+When blocks run out, the lowest-priority running request (the newest) is preempted by recompute: its
+blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.config import EngineConfig
+from cluster.protocol import SamplingParams, TokenLogprobs
+from workers.block_manager import KVCacheManager, PrefixHit
+from workers.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_position: int  # num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table (shared list: read, never mutate)
+    needs_sample: bool  # this chunk reaches the last known token, so a token is sampled
+    is_decode: bool  # generating (one token after the prompt), as opposed to a prompt chunk / recompute
+    params: SamplingParams
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # sequences with one query token first
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        """Leading sequences with exactly one query token (decode-like for the attention kernels)."""
+        n = 0
+        for s in self.scheduled:
+            if len(s.token_ids) != 1:
+                break
+            n += 1
+        return n
+
+    @property
+    def is_mixed(self) -> bool:
+        kinds = {s.is_decode for s in self.scheduled}
+        return len(kinds) == 2
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_prefilled(self, request: Request) -> tuple[list[int], int] | None:
+        """Decode side of a handoff: reserve blocks for the prompt's KV (its first token is already in
+        ``output_token_ids``). Returns (block ids, number of leading blocks already filled from the
+        prefix cache) or None if blocks are short. The request waits in WAITING_FOR_KV, holding its
+        blocks and a seat among max_num_seqs, until ``commit_prefilled`` or ``finish_request``."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if len(self.running) + self._num_waiting_for_kv() >= self.config.max_num_seqs:
+            return None
+        hit = self.kv.get_computed_blocks(request)
+        num_hit = len(hit.block_ids)
+        if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit * self.kv.block_size, hit):
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_tokens = num_hit * self.kv.block_size
+        self.requests[request.request_id] = request
+        return self.kv.block_tables[request.request_id], num_hit
+
+    def commit_prefilled(self, request_id: str) -> None:
+        """The prompt's KV has landed: the request decodes from its first token on."""
+        request = self.requests[request_id]
+        if request.status != RequestStatus.WAITING_FOR_KV:
+            raise RuntimeError(f"commit_prefilled({request_id!r}) in status {request.status}")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _num_waiting_for_kv(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_KV)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            num_seats = self.config.max_num_seqs - self._num_waiting_for_kv()
+            while self.waiting and budget > 0 and len(self.running) < num_seats:
+                request = self.waiting[0]
+                hit = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else PrefixHit([])
+                num_hit_tokens = hit.num_tokens(self.kv.block_size)
+                num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+                if not self.kv.allocate_slots(request, num_new, hit):
+                    break
+                self.waiting.popleft()
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_hit_tokens
+                request.num_computed_tokens += num_hit_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+
+        # NOTE: stable sort keeps running order; one-token sequences first is the kernels' contract.
+        scheduled.sort(key=lambda s: len(s.token_ids) != 1)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, end),
+            start_position=start,
+            block_ids=self.kv.block_tables[request.request_id],
+            needs_sample=end == request.num_tokens,
+            is_decode=num_new == 1 and start >= request.num_prompt_tokens,
+            params=request.params,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+
+        Returns the requests that received a token this step (finished ones included, already freed
+        unless held for a handoff)."""
+        now = time.time()
+        updated: list[Request] = []
+        for s in output.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_full_blocks(request)
+            token = sampled.get(s.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token.token_id)
+            if token.logprobs is not None:
+                request.logprobs.append(token.logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            updated.append(request)
+            stop = request.check_stop(self.max_model_len)
+            if stop is not None:
+                self.finish_request(request.request_id, stop)
+            elif request.hold_after_prefill:
+                self.running.remove(request)
+                request.status = RequestStatus.SENDING_KV
+        return updated
+
+    # ---- endings ---------------------------------------------------------------------------------
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request in any state (waiting, running, held for a handoff, waiting for KV) and free
+        every block it holds. Returns the request, or None if it is unknown (already ended)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_time = time.time()
+        del self.requests[request_id]
+        self.kv.free(request_id)
+        return request
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the handoff of a held request is over (acked, aborted or lease expired)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.SENDING_KV:
+            raise RuntimeError(f"release({request_id!r}): not a held request")
+        self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def check_no_leaks(self) -> None:
+        if self.requests or self.waiting or self.running:
+            raise AssertionError(f"requests left: {sorted(self.requests)}")
+        self.kv.check_no_leaks()
