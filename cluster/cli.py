@@ -15,13 +15,15 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params)):
+    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params), strict=True):
         ttft = (out.first_token_time or out.arrival_time) - out.arrival_time
         total = (out.finish_time or out.arrival_time) - out.arrival_time
         print(f"--- {prompt!r}")
         print(f"{out.text}")
-        print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason.value if out.finish_reason else None}, "
-              f"ttft={ttft * 1000:.1f} ms, total={total * 1000:.1f} ms]")
+        print(
+            f"[{len(out.token_ids)} tokens, finish={out.finish_reason.value if out.finish_reason else None}, "
+            f"ttft={ttft * 1000:.1f} ms, total={total * 1000:.1f} ms]"
+        )
     return 0
 
 

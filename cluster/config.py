@@ -101,3 +101,138 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     if unknown:
         raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; known: {sorted(names)}")
     return cls(**data)
+
+
+ROUTER_MODES = ("disaggregated", "colocated", "conditional")
+TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
+FAILURE_POLICIES = ("fail", "recompute")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of identical workers. num_gpus 0 runs on CPU; 1 pins each worker to its own GPU."""
+
+    num_workers: int = 1
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
+    torch_threads: int = 1  # CPU workers: threads per worker (2 workers on 2 cores: 1 each)
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
+        _require(
+            self.num_gpus in (0, 0.0, 1, 1.0), f"num_gpus must be 0 or 1 per worker, got {self.num_gpus}"
+        )
+        _require(self.num_cpus >= 0, f"num_cpus must be >= 0, got {self.num_cpus}")
+        _require(self.torch_threads >= 1, f"torch_threads must be >= 1, got {self.torch_threads}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "auto"  # auto: nccl when every worker has a GPU, else gloo
+    timeout_s: float = 30.0  # bound on one transfer, handshake to ack
+    lease_s: float = 60.0  # prefill side frees held blocks after this long without a transfer
+    failure_policy: str = "fail"  # fail: error to the client; recompute: decode worker prefills it
+
+    def __post_init__(self) -> None:
+        _require(self.backend in TRANSFER_BACKENDS, f"transfer backend must be one of {TRANSFER_BACKENDS}")
+        _require(self.timeout_s > 0, f"transfer timeout_s must be > 0, got {self.timeout_s}")
+        _require(self.lease_s > 0, f"lease_s must be > 0, got {self.lease_s}")
+        _require(
+            self.failure_policy in FAILURE_POLICIES,
+            f"failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}",
+        )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    mode: str = "disaggregated"
+    # conditional mode: prompts of at most this many tokens are prefilled on the decode worker
+    conditional_max_prompt_tokens: int = 64
+    request_timeout_s: float = 300.0  # default deadline when the caller gives none
+    max_pending_requests: int = 1024  # beyond this the router answers QueueFull (HTTP 429)
+    health_interval_s: float = 0.5  # worker stats / liveness poll period
+    health_timeout_s: float = 5.0  # a worker silent this long is treated as dead
+    # prefix affinity: keep a prompt's first block on the same prefill worker unless that worker has
+    # this many more outstanding prompt tokens than the least loaded one
+    affinity_slack_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")
+        _require(self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        _require(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
+        _require(self.health_interval_s > 0, "health_interval_s must be > 0")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A whole deployment: the model, engine options shared by every worker, the pools, transfer,
+    router and HTTP server. Pools: ``prefill`` + ``decode`` (disaggregated / conditional) or
+    ``colocated``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields except model
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    colocated: PoolConfig = field(default_factory=lambda: PoolConfig(num_workers=0))
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    placement_strategy: str = "PACK"
+    ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local cluster
+
+    def __post_init__(self) -> None:
+        self.engine_config()  # validates engine options (unknown keys are an error)
+        _require(
+            self.placement_strategy in PLACEMENT_STRATEGIES,
+            f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}",
+        )
+        if self.router.mode == "colocated":
+            _require(
+                self.colocated.num_workers >= 1, "router mode colocated needs colocated.num_workers >= 1"
+            )
+        else:
+            _require(
+                self.prefill.num_workers >= 1,
+                f"router mode {self.router.mode} needs prefill.num_workers >= 1",
+            )
+            _require(
+                self.decode.num_workers >= 1, f"router mode {self.router.mode} needs decode.num_workers >= 1"
+            )
+
+    def engine_config(self) -> EngineConfig:
+        return from_dict(EngineConfig, {**self.engine, "model": self.model})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        nested: dict[str, type] = {
+            "model": ModelConfig,
+            "prefill": PoolConfig,
+            "decode": PoolConfig,
+            "colocated": PoolConfig,
+            "transfer": TransferConfig,
+            "router": RouterConfig,
+            "server": ServerConfig,
+        }
+        parsed = {k: from_dict(nested[k], v or {}) if k in nested else v for k, v in data.items()}
+        return from_dict(cls, parsed)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> ClusterConfig:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: top level must be a mapping")
+        return cls.from_dict(data)

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 MAX_LOGPROBS = 20
 
 
@@ -145,3 +147,120 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    timings: RequestTimings | None = None  # set by the router on the final delta
+    scheduled_time: float | None = None  # engine: when the request was first scheduled (first delta only)
+
+
+@dataclass
+class GenerateRequest:
+    """What the HTTP server hands the router: already tokenized and validated at the edge.
+
+    deadline: absolute time.time() after which the request fails with DeadlineExceeded (None: no bound
+    beyond the router's default).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None = None
+
+
+@dataclass
+class RequestTimings:
+    """Per-request split measured by the router (seconds); attached to the final TokenDelta."""
+
+    queue_s: float = 0.0  # arrival at the router -> a worker started computing it
+    prefill_s: float = 0.0  # prefill compute until the first token
+    transfer_s: float = 0.0  # KV handoff (0 when colocated)
+    decode_s: float = 0.0  # first token -> finish
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass
+class ModelInfo:
+    """What the edge needs to validate and label requests."""
+
+    name: str
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+
+
+class RouterError(Exception):
+    """A request the cluster cannot serve; ``status`` is the HTTP status the server answers with."""
+
+    status = 500
+    code = "internal_error"
+
+
+class InvalidRequestError(RouterError):
+    status = 400
+    code = "invalid_request"
+
+
+class QueueFullError(RouterError):
+    status = 429
+    code = "queue_full"
+
+
+class DeadlineExceededError(RouterError):
+    status = 504
+    code = "deadline_exceeded"
+
+
+class ClusterUnavailableError(RouterError):
+    status = 503
+    code = "unavailable"
+
+
+class WorkerFailedError(RouterError):
+    status = 500
+    code = "worker_failed"
+
+
+@dataclass
+class WorkerStats:
+    """One worker's gauges and cumulative counters (the router polls these; /metrics exports them)."""
+
+    worker_id: str
+    pool: str  # "prefill" | "decode" | "colocated"
+    healthy: bool = True
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    kv_usage: float = 0.0  # fraction of usable KV blocks with a user
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    num_transfers: int = 0
+    num_failed_transfers: int = 0
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    """msgpack a message of builtins (dataclasses go through ``to_dict`` first); never pickle."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    message = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if not isinstance(message, dict):
+        raise ValueError(f"expected a msgpack map, got {type(message).__name__}")
+    return message
+
+
+def token_delta_from_dict(d: dict[str, Any]) -> TokenDelta:
+    d = dict(d)
+    if d.get("finish_reason") is not None:
+        d["finish_reason"] = FinishReason(d["finish_reason"])
+    if d.get("logprobs") is not None:
+        d["logprobs"] = [TokenLogprobs(**x) for x in d["logprobs"]]
+    if d.get("timings") is not None:
+        d["timings"] = RequestTimings(**d["timings"])
+    return TokenDelta(**d)

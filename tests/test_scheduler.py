@@ -14,7 +14,9 @@ def make(num_blocks: int = 64, block_size: int = 4, **kw: object) -> Scheduler:
 
 
 def add(s: Scheduler, rid: str, n: int, max_tokens: int = 8, **kw: object) -> Request:
-    r = Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=(2,))  # type: ignore[arg-type]
+    r = Request(
+        rid, list(range(100, 100 + n)), SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=(2,)
+    )  # type: ignore[arg-type]
     s.add_request(r)
     return r
 
@@ -62,7 +64,9 @@ def test_stop_conditions_and_leak_free() -> None:
     add(s, "eos", 3, max_tokens=5)
     add(s, "stop_id", 3, max_tokens=5, stop_token_ids=[9])
     out = s.schedule()
-    upd = s.update_from_output(out, {"len": SampledToken(5), "eos": SampledToken(2), "stop_id": SampledToken(9)})
+    upd = s.update_from_output(
+        out, {"len": SampledToken(5), "eos": SampledToken(2), "stop_id": SampledToken(9)}
+    )
     assert [(r.request_id, r.status) for r in upd] == [
         ("len", RequestStatus.RUNNING),
         ("eos", RequestStatus.FINISHED_STOPPED),

@@ -63,8 +63,8 @@ class Engine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.arch.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
 
     # ---- admission -------------------------------------------------------------------------------
@@ -91,15 +91,35 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold)
         if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+            self.detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop
+            )
         return request
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, hold_after_prefill: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_after_prefill: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request. With ``hold_after_prefill`` (prefill worker) it stops after its first token
-        and keeps its blocks in SENDING_KV until ``release`` (or ``abort``)."""
-        self.scheduler.add_request(self._new_request(request_id, prompt_token_ids, params, hold_after_prefill))
+        and keeps its blocks in SENDING_KV until ``release`` (or ``abort``). ``output_token_ids``: tokens
+        already generated elsewhere (a handoff recomputed here); they are computed, not re-sampled."""
+        request = self._new_request(request_id, prompt_token_ids, params, hold_after_prefill)
+        if output_token_ids:
+            self._resume(request, output_token_ids)
+        self.scheduler.add_request(request)
+
+    def _resume(self, request: Request, output_token_ids: list[int]) -> None:
+        request.output_token_ids.extend(output_token_ids)
+        request.first_token_time = time.time()
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None:
+            detok.update(output_token_ids)
+            detok.get_delta(finished=False)  # that text already went to the client
 
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
@@ -108,16 +128,10 @@ class Engine:
         blocks already held from the prefix cache) or None when blocks or seats are short; then
         ``commit_prefilled`` once the KV landed, or ``abort`` on failure (frees the blocks)."""
         request = self._new_request(request_id, prompt_token_ids, params, hold=False)
-        request.output_token_ids.append(first_token_id)
-        request.first_token_time = time.time()
+        self._resume(request, [first_token_id])
         reserved = self.scheduler.reserve_prefilled(request)
         if reserved is None:
             self._drop(request_id)
-            return None
-        detok = self.detokenizers.get(request_id)
-        if detok is not None:
-            detok.update([first_token_id])
-            detok.get_delta(finished=False)  # the first token's text went to the client from prefill
         return reserved
 
     def commit_prefilled(self, request_id: str) -> None:
@@ -159,7 +173,9 @@ class Engine:
             if matched is not None and not request.status.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             text = detok.get_delta(finished=request.status.is_finished)
-        logprobs = [request.logprobs[-1]] if request.params.logprobs is not None and request.logprobs else None
+        logprobs = (
+            [request.logprobs[-1]] if request.params.logprobs is not None and request.logprobs else None
+        )
         delta = TokenDelta(
             request_id=request.request_id,
             token_ids=[token_id],
@@ -167,6 +183,7 @@ class Engine:
             logprobs=logprobs,
             finish_reason=request.status.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
+            scheduled_time=request.first_scheduled_time if len(request.output_token_ids) == 1 else None,
         )
         if request.status.is_finished:
             self._drop(request.request_id)
@@ -187,6 +204,10 @@ class Engine:
     def _drop(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
         self.runner.remove(request_id)
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.status
 
     def held_block_ids(self, request_id: str) -> list[int] | None:
         """Block table of a request (e.g. held for a handoff); None if it holds none."""

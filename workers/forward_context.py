@@ -37,5 +37,7 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 
 def get_forward_context() -> ForwardContext:
     if _current is None:
-        raise RuntimeError("no forward context: call the model inside workers.forward_context.forward_context()")
+        raise RuntimeError(
+            "no forward context: call the model inside workers.forward_context.forward_context()"
+        )
     return _current

@@ -40,12 +40,12 @@ class LLM:
         param_list = [params] * len(token_prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(token_prompts):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(token_prompts)} prompts")
-        for tokens, p in zip(token_prompts, param_list):
+        for tokens, p in zip(token_prompts, param_list, strict=True):
             self.engine.validate(tokens, p)
 
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for tokens, p in zip(token_prompts, param_list):
+        for tokens, p in zip(token_prompts, param_list, strict=True):
             request_id = f"llm-{self._counter}"
             self._counter += 1
             self.engine.add_request(request_id, tokens, p)

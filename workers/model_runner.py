@@ -20,7 +20,7 @@ from workers.attention import AttentionMetadata, create_attention_backend
 from workers.forward_context import ForwardContext, forward_context
 from workers.models.arch import ArchConfig
 from workers.models.loader import load_model
-from workers.sampler import Sampler
+from workers.sampler import Sampler, advance_generator, is_greedy
 from workers.scheduler import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
-    """"auto": the checkpoint's dtype on CUDA; float32 on CPU (the oracle runs there)."""
+    """ "auto": the checkpoint's dtype on CUDA; float32 on CPU (the oracle runs there)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
@@ -53,6 +53,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
     sample_ids: list[str]
     sample_params: list[SamplingParams]
+    sample_num_outputs: list[int]
 
 
 class ModelRunner:
@@ -71,8 +72,14 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_blocks = config.num_kv_blocks or self._size_kv_cache()
         self.kv_cache = torch.zeros(
-            (self.arch.num_hidden_layers, self.num_blocks, 2, self.block_size)
-            + (self.arch.num_key_value_heads, self.arch.head_dim),
+            (
+                self.arch.num_hidden_layers,
+                self.num_blocks,
+                2,
+                self.block_size,
+                self.arch.num_key_value_heads,
+                self.arch.head_dim,
+            ),
             dtype=self.dtype,
             device=self.device,
         )
@@ -96,14 +103,20 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         num_profile_blocks = -(-num_tokens // self.block_size) + 1
         shape = (num_profile_blocks, 2, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)]
+        caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.arch.num_hidden_layers)
+        ]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % max(1, self.arch.max_position_embeddings)
         meta = self._build_metadata(
-            np.array([0, num_tokens]), np.array([num_tokens]), np.arange(1, num_profile_blocks)[None, :], positions
+            np.array([0, num_tokens]),
+            np.array([num_tokens]),
+            np.arange(1, num_profile_blocks)[None, :],
+            positions,
         )
         with torch.inference_mode(), forward_context(ForwardContext(meta, caches, self.backend)):
             hidden = self.model(ids, positions)
@@ -150,7 +163,9 @@ class ModelRunner:
         q_lens = np.fromiter((len(s.token_ids) for s in sched), np.int64, num_seqs)
         starts = np.fromiter((s.start_position for s in sched), np.int64, num_seqs)
         num_tokens = int(q_lens.sum())
-        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in sched), np.int64, num_tokens)
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in sched), np.int64, num_tokens
+        )
         cu_q = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
         seq_idx = np.repeat(np.arange(num_seqs), q_lens)
@@ -188,6 +203,7 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices).to(dev, non_blocking=True),
             sample_ids=[sched[i].request_id for i in sample_rows],
             sample_params=[sched[i].params for i in sample_rows],
+            sample_num_outputs=[sched[i].num_output_tokens for i in sample_rows],
         )
 
     @torch.inference_mode()
@@ -202,17 +218,30 @@ class ModelRunner:
         if not inputs.sample_ids:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        generators = [self._generator(rid, p) for rid, p in zip(inputs.sample_ids, inputs.sample_params)]
-        token_ids, logprobs = self.sampler(logits, inputs.sample_params, generators).to_host(inputs.sample_params)
-        return {rid: SampledToken(t, lp) for rid, t, lp in zip(inputs.sample_ids, token_ids, logprobs)}
+        generators = [
+            self._generator(rid, p, n)
+            for rid, p, n in zip(
+                inputs.sample_ids, inputs.sample_params, inputs.sample_num_outputs, strict=True
+            )
+        ]
+        token_ids, logprobs = self.sampler(logits, inputs.sample_params, generators).to_host(
+            inputs.sample_params
+        )
+        return {
+            rid: SampledToken(t, lp)
+            for rid, t, lp in zip(inputs.sample_ids, token_ids, logprobs, strict=True)
+        }
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None or params.is_greedy:
+    def _generator(self, request_id: str, params: SamplingParams, num_sampled: int) -> torch.Generator | None:
+        """A seeded request's own generator: its state is a function of (seed, tokens sampled so far),
+        so it is the same wherever the request's earlier tokens were sampled."""
+        if params.seed is None or is_greedy(params):
             return None
         gen = self.generators.get(request_id)
         if gen is None:
             gen = self.generators[request_id] = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
+            advance_generator(gen, self.arch.vocab_size, num_sampled, self.device)
         return gen
 
     def remove(self, request_id: str) -> None:

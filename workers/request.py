@@ -57,6 +57,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None

@@ -28,6 +28,7 @@ class ScheduledRequest:
     needs_sample: bool  # this chunk reaches the last known token, so a token is sampled
     is_decode: bool  # generating (one token after the prompt), as opposed to a prompt chunk / recompute
     params: SamplingParams
+    num_output_tokens: int  # tokens sampled before this step (a seeded generator skips that many draws)
 
 
 @dataclass
@@ -136,7 +137,11 @@ class Scheduler:
             num_seats = self.config.max_num_seqs - self._num_waiting_for_kv()
             while self.waiting and budget > 0 and len(self.running) < num_seats:
                 request = self.waiting[0]
-                hit = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else PrefixHit([])
+                hit = (
+                    self.kv.get_computed_blocks(request)
+                    if request.num_computed_tokens == 0
+                    else PrefixHit([])
+                )
                 num_hit_tokens = hit.num_tokens(self.kv.block_size)
                 num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
                 if not self.kv.allocate_slots(request, num_new, hit):
@@ -146,6 +151,8 @@ class Scheduler:
                     request.num_cached_tokens = num_hit_tokens
                 request.num_computed_tokens += num_hit_tokens
                 request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.time()
                 self.running.append(request)
                 scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
@@ -165,6 +172,7 @@ class Scheduler:
             needs_sample=end == request.num_tokens,
             is_decode=num_new == 1 and start >= request.num_prompt_tokens,
             params=request.params,
+            num_output_tokens=len(request.output_token_ids),
         )
 
     def _preempt(self, request: Request) -> None:

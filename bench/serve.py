@@ -1,0 +1,277 @@
+"""Online serving benchmark against a running pdserve server (``pdserve bench serve``).
+
+Sends random token-id prompts (lengths drawn from ranges, fixed seed) as streaming completions with
+Poisson / gamma arrivals (``--request-rate``, ``--burstiness``: 1 is Poisson, < 1 burstier) or a fixed
+concurrency, and measures at the client: TTFT, time between tokens (TBT), E2E, output tokens/s and
+goodput (requests/s meeting ``--slo-ttft-ms`` and ``--slo-tbt-ms``, TBT as the request's mean gap),
+plus the server's queue/prefill/transfer/decode split. Writes ``<out>/<scenario>.json`` and ``.png``.
+
+Scenarios (``--scenario``; flags override their fields):
+
+* smoke: 8 short requests, 4 at a time; a liveness check.
+* staggered: 48 mixed requests, Poisson arrivals at 4 req/s.
+* long_prompts: long prompts, short outputs at 1 req/s; prefill-bound, where disaggregation keeps
+  decoders' TBT flat.
+* long_decode: short prompts, long outputs, 8 at a time; decode-bound.
+* stress: 256 requests at once: more than the decode pool's slots, so requests queue.
+* batch_pressure: 64 concurrent requests against a server whose decode engines run tiny batches
+  (expects e.g. ``max_num_seqs: 4`` and a small ``num_kv_blocks`` in the decode pool's engine config),
+  so requests wait for decode slots and KV blocks (``waiting_for_kv`` grows, preemptions appear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from cluster.client import APIError, AsyncClient
+
+
+@dataclass(frozen=True)
+class Scenario:
+    num_requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    request_rate: float = math.inf  # requests/s; inf sends all at once (bounded by max_concurrency)
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+
+
+SCENARIOS = {
+    "smoke": Scenario(8, (16, 64), (8, 32), max_concurrency=4),
+    "staggered": Scenario(48, (32, 256), (32, 128), request_rate=4.0),
+    "long_prompts": Scenario(16, (1024, 3072), (8, 32), request_rate=1.0),
+    "long_decode": Scenario(16, (16, 64), (512, 1024), max_concurrency=8),
+    "stress": Scenario(256, (64, 512), (64, 256)),
+    "batch_pressure": Scenario(64, (64, 256), (128, 256), max_concurrency=64),
+}
+
+
+@dataclass
+class Record:
+    prompt_len: int
+    max_tokens: int
+    send_time: float = 0.0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    tbt_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    server: dict[str, float] | None = None
+    error: str | None = None
+
+
+def build_dataset(s: Scenario, vocab_size: int, max_model_len: int, seed: int) -> list[tuple[list[int], int]]:
+    """Random token-id prompts and output lengths, clamped so every request fits max_model_len."""
+    rng = np.random.default_rng(seed)
+    out_hi = min(s.output_len[1], max_model_len // 2)
+    out_lo = min(s.output_len[0], out_hi)
+    dataset = []
+    for _ in range(s.num_requests):
+        out = int(rng.integers(out_lo, out_hi + 1))
+        p_hi = max(1, min(s.prompt_len[1], max_model_len - out))
+        p_lo = max(1, min(s.prompt_len[0], p_hi))
+        n = int(rng.integers(p_lo, p_hi + 1))
+        # NOTE: ids from the low end of the vocabulary up to 1/4 of it skip most special tokens.
+        dataset.append((rng.integers(10, max(11, vocab_size // 4), size=n).tolist(), out))
+    return dataset
+
+
+def arrival_offsets(s: Scenario, seed: int) -> list[float]:
+    if math.isinf(s.request_rate):
+        return [0.0] * s.num_requests
+    rng = np.random.default_rng(seed + 1)
+    gaps = rng.gamma(s.burstiness, 1.0 / (s.request_rate * s.burstiness), size=s.num_requests)
+    return np.cumsum(gaps).tolist()
+
+
+async def run(args: argparse.Namespace, s: Scenario) -> tuple[list[Record], float]:
+    async with AsyncClient(args.url, args.api_key, timeout=args.timeout, max_retries=0) as client:
+        card = (await client.models())[0]
+        dataset = build_dataset(
+            s, int(card.get("vocab_size", 1000)), int(card.get("max_model_len", 2048)), args.seed
+        )
+        offsets = arrival_offsets(s, args.seed)
+        sem = asyncio.Semaphore(s.max_concurrency or s.num_requests)
+        bar = tqdm(total=s.num_requests, desc=args.scenario, disable=args.quiet)
+        start = time.perf_counter()
+
+        async def one(prompt: list[int], max_tokens: int, offset: float) -> Record:
+            rec = Record(len(prompt), max_tokens)
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            async with sem:
+                rec.send_time = time.perf_counter() - start
+                try:
+                    stream = await client.completions.create(
+                        model=args.model,
+                        prompt=prompt,
+                        max_tokens=max_tokens,
+                        temperature=args.temperature,
+                        ignore_eos=args.ignore_eos,
+                        stream=True,
+                    )
+                    async for delta in stream:
+                        rec.token_times.append(delta.arrival_time - start)
+                    r = stream.result
+                    rec.output_tokens, rec.ttft_s, rec.tbt_s, rec.e2e_s = (
+                        len(r.token_ids),
+                        r.ttft_s,
+                        r.tbt_s,
+                        r.e2e_s,
+                    )
+                    rec.server = asdict(r.timings) if r.timings else None
+                except APIError as e:
+                    rec.error = str(e)
+            bar.update(1)
+            return rec
+
+        records = await asyncio.gather(*(one(p, m, o) for (p, m), o in zip(dataset, offsets, strict=True)))
+        bar.close()
+        return list(records), time.perf_counter() - start
+
+
+def _pct(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    a = np.asarray(values) * 1000.0
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+    }
+
+
+def summarize(
+    records: list[Record], duration_s: float, slo_ttft_ms: float, slo_tbt_ms: float
+) -> dict[str, Any]:
+    ok = [r for r in records if r.error is None and r.ttft_s is not None]
+    tokens = sum(r.output_tokens for r in ok)
+    good = [
+        r
+        for r in ok
+        if (r.ttft_s or 0) * 1000 <= slo_ttft_ms and (np.mean(r.tbt_s) * 1000 if r.tbt_s else 0) <= slo_tbt_ms
+    ]
+    split = (
+        {
+            k: float(np.mean([r.server[k] for r in ok if r.server])) * 1000
+            for k in ("queue_s", "prefill_s", "transfer_s", "decode_s")
+        }
+        if any(r.server for r in ok)
+        else {}
+    )
+    return {
+        "num_requests": len(records),
+        "num_ok": len(ok),
+        "num_errors": len(records) - len(ok),
+        "duration_s": duration_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / duration_s,
+        "requests_per_s": len(ok) / duration_s,
+        "goodput_requests_per_s": len(good) / duration_s,
+        "goodput_ratio": len(good) / max(1, len(records)),
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tbt_ms": slo_tbt_ms,
+        "ttft_ms": _pct([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tbt_ms": _pct([g for r in ok for g in r.tbt_s]),
+        "e2e_ms": _pct([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "server_split_mean_ms": split,
+        "errors": sorted({r.error for r in records if r.error})[:10],
+    }
+
+
+def plot(records: list[Record], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if r.error is None and r.ttft_s is not None]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ttft = np.sort([(r.ttft_s or 0) * 1000 for r in ok])
+    axes[0, 0].plot(ttft, np.arange(1, len(ttft) + 1) / max(1, len(ttft)))
+    axes[0, 0].set(title="TTFT CDF", xlabel="ms", ylabel="fraction")
+    axes[0, 1].hist([g * 1000 for r in ok for g in r.tbt_s] or [0.0], bins=50)
+    axes[0, 1].set(title="time between tokens", xlabel="ms", ylabel="count")
+    axes[1, 0].scatter([r.prompt_len for r in ok], [(r.e2e_s or 0) * 1000 for r in ok], s=8)
+    axes[1, 0].set(title="E2E latency vs prompt length", xlabel="prompt tokens", ylabel="ms")
+    times = np.sort([t for r in ok for t in r.token_times])
+    axes[1, 1].plot(times, np.arange(1, len(times) + 1))
+    axes[1, 1].set(title="streamed deltas over time", xlabel="s since start", ylabel="cumulative deltas")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="model name (default: the server's)")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="smoke")
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--request-rate", type=float, help="requests/s (inf: all at once)")
+    p.add_argument("--burstiness", type=float, help="gamma shape of inter-arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="client read timeout, seconds")
+    p.add_argument("--out", type=Path, default=Path("bench_results"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {
+        k: v
+        for k, v in {
+            "num_requests": args.num_requests,
+            "request_rate": args.request_rate,
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "prompt_len": tuple(args.prompt_len) if args.prompt_len else None,
+            "output_len": tuple(args.output_len) if args.output_len else None,
+        }.items()
+        if v is not None
+    }
+    scenario = replace(SCENARIOS[args.scenario], **overrides)
+    records, duration = asyncio.run(run(args, scenario))
+    summary = {
+        "scenario": args.scenario,
+        "config": asdict(scenario),
+        **summarize(records, duration, args.slo_ttft_ms, args.slo_tbt_ms),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    out_json = args.out / f"{args.scenario}.json"
+    out_json.write_text(json.dumps({"summary": summary, "requests": [asdict(r) for r in records]}, indent=1))
+    if not args.no_plot:
+        plot(records, args.out / f"{args.scenario}.png", f"pdserve bench serve: {args.scenario}")
+    for key in ("ttft_ms", "tbt_ms", "e2e_ms"):
+        q = summary[key]
+        if q["p50"] is not None:
+            print(f"{key:>7}: p50 {q['p50']:9.2f}  p90 {q['p90']:9.2f}  p99 {q['p99']:9.2f}")
+    print(
+        f"{summary['num_ok']}/{summary['num_requests']} ok in {duration:.2f} s: "
+        f"{summary['output_tokens_per_s']:.1f} output tok/s, {summary['requests_per_s']:.2f} req/s, "
+        f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['goodput_ratio']:.0%} within SLOs)"
+    )
+    print(f"wrote {out_json}")
+    return 0 if summary["num_errors"] == 0 else 1

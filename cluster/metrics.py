@@ -1,0 +1,204 @@
+"""Every pdserve metric, defined once, in one dedicated prometheus-client registry.
+
+Two sources feed it:
+
+* the HTTP server calls the small observation API below (``observe_first_token``, ``observe_token_gap``,
+  ``observe_finished``, ``observe_error``) as it sees token deltas;
+* a custom collector turns ``router.worker_stats()`` (a cached snapshot, cheap) into per-worker gauges
+  and counters at scrape time, so nothing polls the workers on the metrics path.
+
+Names carry the ``pdserve_`` prefix. Counters are declared without ``_total``; the exposition adds it.
+The registry is never the global one, so two apps in one process (tests) never collide.
+This module imports no torch and nothing of the project beyond ``cluster.protocol``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cluster.protocol import RequestTimings, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+# NOTE: one bucket set spans GPU decode steps (sub-ms) and CPU prefill of long prompts (tens of s):
+# roughly 1-2.5-5 per decade from 0.5 ms to 120 s, 22 buckets.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    120.0,
+)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+StatsSource = Callable[[], Sequence[WorkerStats]]
+
+
+class WorkerStatsCollector(Collector):
+    """Scrape-time view of ``WorkerStats`` snapshots: gauges and counters labelled worker + pool.
+
+    A failing stats source yields no worker metrics for that scrape instead of failing the scrape.
+    """
+
+    GAUGES: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
+        ("pdserve_worker_healthy", "1 if the worker answers, else 0", lambda s: float(s.healthy)),
+        ("pdserve_num_requests_running", "Requests in the worker's running batch", lambda s: s.num_running),
+        ("pdserve_num_requests_waiting", "Requests queued in the worker", lambda s: s.num_waiting),
+        (
+            "pdserve_num_requests_waiting_for_kv",
+            "Decode-side requests waiting for their KV transfer",
+            lambda s: s.num_waiting_for_kv,
+        ),
+        ("pdserve_kv_cache_usage_ratio", "Fraction of usable KV blocks in use", lambda s: s.kv_usage),
+        ("pdserve_kv_cache_free_blocks", "Free KV blocks", lambda s: s.num_free_blocks),
+        ("pdserve_kv_cache_total_blocks", "Usable KV blocks", lambda s: s.num_total_blocks),
+    )
+    COUNTERS: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
+        ("pdserve_preemptions", "Requests preempted (recompute)", lambda s: s.num_preemptions),
+        (
+            "pdserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            lambda s: s.prefix_cache_queries,
+        ),
+        (
+            "pdserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            lambda s: s.prefix_cache_hits,
+        ),
+        ("pdserve_kv_transfer_bytes", "KV bytes moved by this worker", lambda s: s.transfer_bytes),
+        ("pdserve_kv_transfer_seconds", "Seconds spent moving KV", lambda s: s.transfer_seconds),
+        ("pdserve_kv_transfers", "KV handoffs completed", lambda s: s.num_transfers),
+    )
+
+    def __init__(self, source: StatsSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = list(self.source())
+        except Exception:  # NOTE: a broken stats source must not take the whole scrape down.
+            logger.exception("worker_stats() failed during a /metrics scrape")
+            return
+        labels = ["worker", "pool"]
+        for name, doc, get in self.GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            for s in stats:
+                gauge.add_metric([s.worker_id, s.pool], float(get(s)))
+            yield gauge
+        for name, doc, get in self.COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            for s in stats:
+                counter.add_metric([s.worker_id, s.pool], float(get(s)))
+            yield counter
+
+
+class Metrics:
+    """The server-side metrics of one cluster; ``render()`` is the /metrics body.
+
+    ``mode`` labels the latency histograms ("disaggregated" | "colocated" | "conditional") so one
+    dashboard compares runs of different modes.
+    """
+
+    def __init__(self, stats_source: StatsSource | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("pdserve_time_to_first_token_seconds", "Server arrival -> first token delta")
+        self.tbt = histogram("pdserve_time_between_tokens_seconds", "Gap between token deltas of one request")
+        self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Server arrival -> last token delta")
+        self.queue = histogram("pdserve_queue_time_seconds", "Router arrival -> a worker computes it")
+        self.prefill = histogram("pdserve_prefill_time_seconds", "Prefill compute until the first token")
+        self.transfer = histogram("pdserve_kv_transfer_time_seconds", "KV handoff of one request")
+        self.decode = histogram("pdserve_decode_time_seconds", "First token -> finish")
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", ["mode"], registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens",
+            "Generated tokens streamed to clients",
+            ["mode"],
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "pdserve_cached_prompt_tokens",
+            "Prompt tokens served from a prefix cache",
+            ["mode"],
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "pdserve_requests",
+            "Finished requests by finish reason",
+            ["finish_reason", "mode"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "pdserve_request_errors",
+            "Requests answered with an error, by HTTP status",
+            ["status", "code"],
+            registry=self.registry,
+        )
+        if stats_source is not None:
+            self.registry.register(WorkerStatsCollector(stats_source))
+
+    def observe_first_token(self, ttft_s: float, mode: str) -> None:
+        self.ttft.labels(mode).observe(ttft_s)
+
+    def observe_token_gap(self, gap_s: float, mode: str) -> None:
+        self.tbt.labels(mode).observe(gap_s)
+
+    def observe_finished(
+        self,
+        timings: RequestTimings | None,
+        finish_reason: str,
+        mode: str,
+        *,
+        e2e_s: float,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Record one finished router request: e2e as the server saw it, the router's phase split."""
+        self.e2e.labels(mode).observe(e2e_s)
+        if timings is not None:
+            self.queue.labels(mode).observe(timings.queue_s)
+            self.prefill.labels(mode).observe(timings.prefill_s)
+            self.decode.labels(mode).observe(timings.decode_s)
+            # NOTE: colocated requests (and conditional-mode requests that skipped the handoff) move
+            # no KV; recording their zeros would drag the transfer quantiles to 0.
+            if timings.transfer_s > 0.0:
+                self.transfer.labels(mode).observe(timings.transfer_s)
+        self.prompt_tokens.labels(mode).inc(num_prompt_tokens)
+        self.generation_tokens.labels(mode).inc(num_generation_tokens)
+        self.cached_tokens.labels(mode).inc(num_cached_tokens)
+        self.requests.labels(finish_reason, mode).inc()
+
+    def observe_error(self, status: int, code: str) -> None:
+        self.errors.labels(str(status), code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Deployment: launch.py builds the actor graph from a ClusterConfig; *.yaml configs; grafana/ dashboards."""

@@ -1,0 +1,357 @@
+"""The only place that creates placement groups and actors.
+
+    ray job submit --working-dir . -- python -m deploy.launch --config deploy/cpu-disagg.yaml
+    python -m deploy.launch --config deploy/cpu-disagg.yaml            # local Ray cluster
+    python -m deploy.launch --config ... --prompt "Once upon a time"   # one request, then exit
+
+Python API (tests, benchmarks):
+
+    handle = start_cluster("deploy/cpu-disagg.yaml")   # or a ClusterConfig / dict
+    out = handle.generate(prompt_token_ids, SamplingParams(max_tokens=16))
+    async for delta in handle.agenerate(prompt_token_ids, params): ...
+    handle.shutdown()                                   # no actor, placement group or thread left
+
+The router runs on an event loop owned by the handle (its own thread); the HTTP server, when asked
+for, is served on that same loop so handlers and router share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ClusterConfig, PoolConfig
+from cluster.protocol import (
+    GenerateRequest,
+    ModelInfo,
+    RequestOutput,
+    SamplingParams,
+    TokenDelta,
+)
+from cluster.router import Router, WorkerRef
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_START_TIMEOUT_S = 600.0
+_ids = itertools.count()
+
+
+def _worker_classes() -> dict[str, type]:
+    from workers.decode_worker import DecodeWorker
+    from workers.prefill_worker import PrefillWorker
+    from workers.worker import EngineWorker
+
+    return {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": EngineWorker}
+
+
+def _pools(cfg: ClusterConfig) -> list[tuple[str, PoolConfig]]:
+    if cfg.router.mode == "colocated":
+        return [("colocated", cfg.colocated)]
+    return [("prefill", cfg.prefill), ("decode", cfg.decode)]
+
+
+class ClusterHandle:
+    """A running cluster: actors, placement group, router (on the handle's own event loop)."""
+
+    def __init__(self, config: ClusterConfig, started_ray: bool) -> None:
+        self.config = config
+        self._started_ray = started_ray
+        self.actors: dict[str, Any] = {}
+        self.pg: Any = None
+        self.router: Router | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the router's loop from any other thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        assert self.router is not None
+        return self.router.model_info
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> RequestOutput:
+        """Blocking: the whole request. Router errors (RouterError subclasses) propagate."""
+        return self.run(self._collect(prompt_token_ids, params or SamplingParams(), timeout_s))
+
+    async def _collect(
+        self, prompt: list[int], params: SamplingParams, timeout_s: float | None
+    ) -> RequestOutput:
+        assert self.router is not None
+        rid = f"req-{next(_ids)}"
+        out = RequestOutput(rid, list(prompt), arrival_time=time.time())
+        if params.logprobs is not None:
+            out.logprobs = []
+        deadline = None if timeout_s is None else time.time() + timeout_s
+        async for d in self.router.generate(GenerateRequest(rid, list(prompt), params, deadline)):
+            _apply(out, d)
+        return out
+
+    async def agenerate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Async streaming from any event loop: yields the router's TokenDeltas as they arrive."""
+        assert self.router is not None
+        router = self.router
+        rid = request_id or f"req-{next(_ids)}"
+        req = GenerateRequest(rid, list(prompt_token_ids), params or SamplingParams())
+        caller = asyncio.get_running_loop()
+        inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for d in router.generate(req):
+                    caller.call_soon_threadsafe(inbox.put_nowait, ("delta", d))
+                caller.call_soon_threadsafe(inbox.put_nowait, ("end", None))
+            except Exception as e:  # noqa: BLE001 - handed to the caller's loop and re-raised there
+                caller.call_soon_threadsafe(inbox.put_nowait, ("error", e))
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while True:
+                kind, item = await inbox.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise item
+                yield item
+        finally:
+            if not fut.done():
+                fut.cancel()
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(router.abort(rid), self.loop))
+
+    # ---- observability & tests ------------------------------------------------------------------------
+    def worker_stats(self) -> list[Any]:
+        assert self.router is not None
+        return self.router.worker_stats()
+
+    def check_leaks(self, timeout_s: float = 30.0) -> dict[str, str | None]:
+        """Leak invariant on every live worker: None where clean."""
+        assert self.router is not None
+        live = {w.worker_id: self.actors[w.worker_id] for w in self.router.workers if w.healthy}
+        refs = {wid: a.check_leaks.remote() for wid, a in live.items()}
+        return {wid: ray.get(ref, timeout=timeout_s) for wid, ref in refs.items()}
+
+    def wait_until_quiet(self, timeout_s: float = 30.0) -> None:
+        """Wait (bounded) until no worker runs, waits, or waits for KV (e.g. after aborts)."""
+        deadline = time.monotonic() + timeout_s
+        assert self.router is not None
+        while time.monotonic() < deadline:
+            stats = [
+                ray.get(self.actors[w.worker_id].stats.remote(), timeout=timeout_s)
+                for w in self.router.workers
+                if w.healthy
+            ]
+            idle = all(
+                s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_waiting_for_kv"] == 0
+                for s in stats
+            )
+            if idle and all(v is None for v in self.check_leaks(timeout_s).values()):
+                return
+            time.sleep(0.05)  # NOTE: polling a condition with a bound, not waiting for readiness
+        raise TimeoutError(f"workers still busy after {timeout_s} s: {self.check_leaks(timeout_s)}")
+
+    def kill_worker(self, worker_id: str) -> None:
+        """Failure injection: kill one worker actor (no restart)."""
+        ray.kill(self.actors[worker_id], no_restart=True)
+
+    def shutdown(self) -> None:
+        if self.router is not None:
+            try:
+                self.run(self.router.close(), timeout=10)
+            except Exception:
+                logger.exception("router close failed")
+        for actor in self.actors.values():
+            # NOTE: a dead actor cannot shut down; it is killed regardless
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=10)
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _apply(out: RequestOutput, d: TokenDelta) -> None:
+    now = time.time()
+    if out.first_token_time is None:
+        out.first_token_time = now
+    out.token_ids.extend(d.token_ids)
+    out.text += d.text
+    out.num_cached_tokens = d.num_cached_tokens
+    if d.logprobs is not None and out.logprobs is not None:
+        out.logprobs.extend(d.logprobs)
+    if d.finish_reason is not None:
+        out.finish_reason = d.finish_reason
+        out.finish_time = now
+
+
+def _init_ray(cfg: ClusterConfig) -> bool:
+    """Join the given / RAY_ADDRESS cluster, else start a local one. True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    needed = sum(p.num_cpus * p.num_workers for _, p in _pools(cfg))
+    ray.init(num_cpus=max(int(needed) + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def start_cluster(config: ClusterConfig | dict[str, Any] | str) -> ClusterHandle:
+    """Placement group -> worker actors -> torch.distributed world -> router. See module docstring."""
+    if isinstance(config, str):
+        cfg = ClusterConfig.from_yaml(config)
+    elif isinstance(config, dict):
+        cfg = ClusterConfig.from_dict(config)
+    else:
+        cfg = config
+    handle = ClusterHandle(cfg, _init_ray(cfg))
+    try:
+        _build(handle, cfg)
+    except BaseException:
+        handle.shutdown()
+        raise
+    return handle
+
+
+def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
+    classes = _worker_classes()
+    specs = [(pool, i, pc) for pool, pc in _pools(cfg) for i in range(pc.num_workers)]
+    bundles = [
+        {"CPU": max(pc.num_cpus, 0.001), **({"GPU": pc.num_gpus} if pc.num_gpus else {})}
+        for _, _, pc in specs
+    ]
+    handle.pg = placement_group(bundles, strategy=cfg.placement_strategy)
+    ray.get(handle.pg.ready(), timeout=_START_TIMEOUT_S)
+    engine_config = cfg.engine_config()
+    for index, (pool, i, pc) in enumerate(specs):
+        worker_id = f"{pool}-{i}"
+        actor_cls: Any = ray.remote(classes[pool])
+        handle.actors[worker_id] = actor_cls.options(
+            name=None,
+            num_cpus=max(pc.num_cpus, 0.001),
+            num_gpus=pc.num_gpus,
+            max_restarts=pc.max_restarts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                handle.pg, placement_group_bundle_index=index
+            ),
+        ).remote(
+            worker_id,
+            engine_config,
+            cfg.transfer,
+            torch_threads=pc.torch_threads if not pc.num_gpus else None,
+        )
+    infos = dict(
+        zip(
+            handle.actors,
+            ray.get([a.info.remote() for a in handle.actors.values()], timeout=_START_TIMEOUT_S),
+            strict=True,
+        )
+    )
+
+    if cfg.router.mode != "colocated":
+        actors = list(handle.actors.values())
+        all_gpu = all(pc.num_gpus for _, _, pc in specs)
+        backend = cfg.transfer.backend if cfg.transfer.backend != "auto" else ("nccl" if all_gpu else "gloo")
+        master = ray.get(actors[0].rendezvous_address.remote(), timeout=60)
+        ray.get(
+            [
+                a.init_process_group.remote(rank, len(actors), master, backend)
+                for rank, a in enumerate(actors)
+            ],
+            timeout=_START_TIMEOUT_S,
+        )
+
+    first = next(iter(infos.values()))
+    model_info = ModelInfo(
+        name=cfg.server.served_model_name or os.path.basename(first["model_dir"].rstrip("/")),
+        model_dir=first["model_dir"],
+        max_model_len=min(i["max_model_len"] for i in infos.values()),
+        vocab_size=first["vocab_size"],
+    )
+    refs = [
+        WorkerRef(wid, info["pool"], handle.actors[wid], info["request_endpoint"], info["block_size"])
+        for wid, info in infos.items()
+    ]
+
+    async def make_router() -> Router:
+        router = Router(cfg.router, refs, model_info)
+        await router.start()
+        return router
+
+    handle.router = handle.run(make_router(), timeout=60)
+    ray.get([a.start.remote(handle.router.endpoint) for a in handle.actors.values()], timeout=60)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deploy.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="ClusterConfig YAML (deploy/*.yaml)")
+    ap.add_argument("--prompt", action="append", help="send this prompt, print the output, exit (repeatable)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handle = start_cluster(args.config)
+    try:
+        if args.prompt:
+            from workers.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_pretrained(handle.model_info.model_dir)
+            if tok is None:
+                raise SystemExit("the model has no tokenizer.json; --prompt needs one")
+            for prompt in args.prompt:
+                out = handle.generate(
+                    tok.encode(prompt), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+                )
+                print(
+                    f"PROMPT {prompt!r}\nOUTPUT {out.text!r}\nTOKENS {len(out.token_ids)} "
+                    f"finish={out.finish_reason.value if out.finish_reason else None}",
+                    flush=True,
+                )
+            return 0
+        return serve_http(handle)
+    finally:
+        handle.shutdown()
+
+
+def serve_http(handle: ClusterHandle) -> int:
+    """Serve the OpenAI-compatible API on the router's loop until interrupted."""
+    from cluster.server import serve_on_loop
+
+    serve_on_loop(handle)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

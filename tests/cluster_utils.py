@@ -1,0 +1,72 @@
+"""Test utilities for cluster tests (not a test module)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cluster.protocol import SamplingParams
+from deploy.launch import ClusterHandle
+
+
+def shared_prefix_prompts(num: int, seed: int, vocab: int = 512) -> list[list[int]]:
+    """Prompts of 1..~200 tokens; every fourth one extends a shared 48-token prefix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(48)]
+    prompts = []
+    for i in range(num):
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 160))]
+        prompts.append(prefix + tail if i % 4 == 0 else tail)
+    return prompts
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def collect(
+    handle: ClusterHandle, prompt: list[int], params: SamplingParams, rid: str | None = None
+) -> list[int]:
+    tokens: list[int] = []
+    async for d in handle.agenerate(prompt, params, request_id=rid):
+        tokens.extend(d.token_ids)
+    return tokens
+
+
+def run_concurrently(
+    handle: ClusterHandle, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[list[int]]:
+    async def main() -> list[list[int]]:
+        return list(
+            await asyncio.gather(*(collect(handle, p, sp) for p, sp in zip(prompts, params, strict=True)))
+        )
+
+    return asyncio.run(main())
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll a condition with a bound (never a bare sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} not reached within {timeout_s} s")
+
+
+def cluster_config(model_dir: str, **overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model": {"path": model_dir},
+        "engine": {"block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256},
+        "prefill": {"num_workers": 1},
+        "decode": {"num_workers": 1},
+        "transfer": {"timeout_s": 20.0},
+        "router": {"health_interval_s": 0.2, "health_timeout_s": 5.0, "request_timeout_s": 120.0},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg

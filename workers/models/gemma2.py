@@ -1,0 +1,69 @@
+"""Gemma2 decoder: (1 + w) RMSNorm, pre/post attention and feed-forward norms, GeGLU, embeddings scaled by
+sqrt(hidden) in the model dtype, attention logit soft-capping, sliding window on alternating layers
+(per ``ArchConfig.layer_types``) and final logit soft-capping in ``compute_logits``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.models.arch import ArchConfig
+from workers.models.layers import (
+    Attention,
+    CausalLM,
+    DecoderModel,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        dim, eps = arch.hidden_size, arch.rms_norm_eps
+        self.self_attn = Attention(arch, layer_idx)
+        self.mlp = GatedMLP(arch)
+        self.input_layernorm = RMSNorm(dim, eps, gemma=True)
+        self.post_attention_layernorm = RMSNorm(dim, eps, gemma=True)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, gemma=True)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, gemma=True)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma2Model(DecoderModel):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__(arch)
+        self.hidden_size = arch.hidden_size
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList([Gemma2DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)])
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
+        self.rotary_emb = RotaryEmbedding(arch)
+        self._embed_scales: dict[torch.dtype, float] = {}
+
+    def embed_scale(self, dtype: torch.dtype) -> float:
+        # NOTE: HF rounds sqrt(hidden) to the model dtype first (bf16: sqrt(2304)=48 stays, 55.43 -> 55.5).
+        if dtype not in self._embed_scales:
+            self._embed_scales[dtype] = float(torch.tensor(self.hidden_size**0.5, dtype=dtype).item())
+        return self._embed_scales[dtype]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * self.embed_scale(hidden.dtype)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(CausalLM):
+    """Gemma2 causal LM; ``compute_logits`` applies final_logit_softcapping (from ArchConfig)."""
+
+    model_class = Gemma2Model

@@ -1,0 +1,273 @@
+"""Building blocks shared by every architecture: linear layers (fused q/k/v and gate/up), RMSNorm,
+rotary embedding with scaling, the paged Attention layer, the gated MLP, and HF-name weight loading.
+
+Parameters are created with ``torch.empty`` (no init work): a model is either filled from a checkpoint
+or initialised by ``loader.build_random_model``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention.base import AttentionSpec
+from workers.forward_context import get_forward_context
+from workers.models.arch import ArchConfig
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+# HF module name -> (our fused module name, shard index).
+PACKED_MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with HF's parameter names; ``out_sizes`` > 1 entries fuse several HF linears."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__()
+        self.out_sizes = out_sizes
+        self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        """The rows of ``param`` that HF's ``index``-th fused linear owns."""
+        start = sum(self.out_sizes[:index])
+        return param.narrow(0, start, self.out_sizes[index])
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, in float32. ``gemma``: scale by ``(1 + w)`` and cast after it, as HF."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        # NOTE: Llama casts back to the input dtype before the weight multiply (HF does the same).
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
+    """Float32 inverse frequencies on the CPU, with "linear" / "llama3" scaling applied as HF does."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes (cos, sin) for the batch's positions once per forward; layers apply them.
+
+    ``inv_freq`` is a non-persistent float32 buffer: after ``to_empty``/``to(dtype)`` call
+    ``reset_buffers()`` to recompute it on the module's device.
+    """
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.arch).to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's non-interleaved RoPE on ``[T, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """q/k/v projection, optional per-head q/k norm, RoPE, then the backend over this layer's paged cache.
+
+    The KV cache and batch metadata come from the forward context, so ``forward`` only needs the hidden
+    states and this step's (cos, sin).
+    """
+
+    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.qkv_proj = Linear(arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias)
+        self.o_proj = Linear(arch.q_size, [arch.hidden_size], arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.has_qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.has_qk_norm else None
+        self.spec = AttentionSpec(
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            scale=arch.attn_scale,
+            logit_soft_cap=arch.attn_logit_softcapping,
+            sliding_window=arch.layer_sliding_window(layer_idx),
+        )
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.spec)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        if arch.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[arch.hidden_act]
+        self.intermediate_size = arch.intermediate_size
+        size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, [size, size], arch.mlp_bias)
+        self.down_proj = Linear(size, [arch.hidden_size], arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def load_hf_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool]
+) -> None:
+    """Copies HF-named tensors into ``model`` (casting to each parameter's dtype/device), one at a time.
+
+    Names for which ``skip(name)`` is true are ignored. Raises ValueError on an unknown name, a shape
+    mismatch, or when any parameter (or fused shard) was never loaded.
+    """
+    params = dict(model.named_parameters())
+    pending: set[tuple[str, int]] = set()
+    for name in params:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        shards = len(module.out_sizes) if isinstance(module, Linear) else 1
+        pending.update((name, i) for i in range(shards))
+    for hf_name, tensor in weights:
+        if skip(hf_name) or hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        parts = hf_name.split(".")
+        shard = 0
+        if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
+            parts[-2], shard = PACKED_MODULES[parts[-2]]
+        name = ".".join(parts)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter in {type(model).__name__}")
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        target: torch.Tensor = params[name]
+        if isinstance(module, Linear) and len(module.out_sizes) > 1:
+            target = module.shard(target, shard)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        pending.discard((name, shard))
+    if pending:
+        missing = sorted({name for name, _ in pending})
+        raise ValueError(f"checkpoint is missing weights for {missing[:8]} ({len(missing)} parameters)")
+
+
+class DecoderModel(nn.Module):
+    """The ``model.`` part of a causal LM: embeddings, decoder layers, final norm."""
+
+    embed_tokens: Embedding
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CausalLM(nn.Module):
+    """What the model runner calls: ``forward`` -> hidden, ``compute_logits``, ``load_weights``.
+
+    With tied embeddings there is no ``lm_head`` module: logits use ``model.embed_tokens.weight``.
+    """
+
+    model_class: type[DecoderModel]
+
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = self.model_class(arch)
+        self.lm_head = (
+            None if arch.tie_word_embeddings else Linear(arch.hidden_size, [arch.vocab_size], False)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``positions``: [T] int64 -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> float32 logits [N, vocab_size] (final soft-cap applied when the arch has one)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors one by one; ``lm_head.weight`` is ignored when embeddings are tied."""
+        load_hf_weights(self, weights, skip=lambda name: self.lm_head is None and name == "lm_head.weight")
