@@ -1,10 +1,28 @@
-"""`pdserve` command line: generate, bench. Heavy imports happen inside the subcommand that needs them."""
+"""`pdserve` command line: generate, serve, demo, bench. Heavy imports happen inside the subcommand that
+needs them (this module imports neither torch nor ray at load time)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.client import StreamResult
+    from cluster.config import ClusterConfig
+
+DEFAULT_CONFIG = "deploy/cpu-disagg.yaml"
+# (endpoint, prompt): the demo's requests; the first streams alone, the rest concurrently.
+DEMO_REQUESTS = [
+    ("completion", "Once upon a time"),
+    ("chat", "Tell me a story about a brave little robot."),
+    ("completion", "The little dog ran to the park"),
+    ("completion", "One day, a girl named Lily found a box"),
+]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -27,11 +45,112 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_config(path: str, model: str | None) -> ClusterConfig:
+    from cluster.config import ClusterConfig
+
+    # NOTE: the default is relative to the repository, so `pdserve demo` works from any directory.
+    repo_relative = Path(__file__).resolve().parents[1] / path
+    cfg = ClusterConfig.from_yaml(
+        path if Path(path).exists() or not repo_relative.exists() else str(repo_relative)
+    )
+    return cfg if not model else dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.server import serve_on_loop
+    from deploy.launch import start_cluster
+
+    handle = start_cluster(_load_config(args.config, args.model))
+    try:
+        serve_on_loop(handle, args.host, args.port)
+    finally:
+        handle.shutdown()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Local cluster -> HTTP server on a free loopback port -> streaming SDK requests -> latency table."""
+    from cluster.server import start_http
+    from deploy.launch import start_cluster
+
+    cfg = _load_config(args.config, args.model)
+    print(f"starting the {cfg.router.mode} cluster from {args.config} (Ray, CPU workers) ...", flush=True)
+    handle = start_cluster(cfg)
+    try:
+        with start_http(handle) as http:
+            print(f"serving {handle.model_info.name} on {http.url}\n", flush=True)
+            results = asyncio.run(_demo_requests(http.url, args.max_tokens))
+        _print_table(results)
+    finally:
+        handle.shutdown()
+    print("\ncluster shut down", flush=True)
+    return 0
+
+
+def _demo_body(kind: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    key: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": prompt}]} if kind == "chat" else {"prompt": prompt}
+    )
+    return {**key, "max_tokens": max_tokens, "temperature": 0.0}
+
+
+async def _demo_requests(url: str, max_tokens: int) -> list[tuple[str, StreamResult]]:
+    from cluster.client import AsyncClient
+
+    async with AsyncClient(url, max_retries=0, timeout=120) as client:
+
+        async def one(kind: str, prompt: str, live: bool) -> tuple[str, StreamResult]:
+            create = client.chat.completions.create if kind == "chat" else client.completions.create
+            stream = await create(stream=True, **_demo_body(kind, prompt, max_tokens))
+            async for delta in stream:
+                if live:
+                    print(delta.text, end="", flush=True)
+            if not live:
+                print(f"[{kind}] {prompt!r}\n  -> {stream.result.text}\n", flush=True)
+            return prompt, stream.result
+
+        kind, prompt = DEMO_REQUESTS[0]
+        print(f"[{kind}] {prompt!r} (streaming alone)\n  -> ", end="", flush=True)
+        first = await one(kind, prompt, live=True)
+        print(f"\n\n{len(DEMO_REQUESTS) - 1} requests streaming concurrently:\n", flush=True)
+        rest = await asyncio.gather(*(one(k, p, live=False) for k, p in DEMO_REQUESTS[1:]))
+    return [first, *rest]
+
+
+def _print_table(results: list[tuple[str, StreamResult]]) -> None:
+    import numpy as np
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    head = ("prompt", "tokens", "TTFT", "TBT p50", "TBT p90", "E2E", "queue", "prefill", "transfer", "decode")
+    rows = []
+    for prompt, r in results:
+        tbt = np.percentile(r.tbt_s, [50, 90]).tolist() if r.tbt_s else [None, None]
+        t = r.timings
+        split = [t.queue_s, t.prefill_s, t.transfer_s, t.decode_s] if t else [None] * 4
+        label = prompt if len(prompt) <= 28 else prompt[:25] + "..."
+        rows.append((label, str(len(r.token_ids)), *(ms(v) for v in [r.ttft_s, *tbt, r.e2e_s, *split])))
+    widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
+    print("latency in ms; TTFT/TBT/E2E measured at the client, queue/prefill/transfer/decode by the router")
+    for row in [head, *rows]:
+        print(
+            "  ".join(
+                str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.bench == "offline":
         from bench.offline import main as offline_main
 
         return offline_main(args.rest)
+    if args.bench == "serve":
+        from bench.serve import main as serve_main
+
+        return serve_main(args.rest)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
@@ -50,8 +169,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     gen.set_defaults(func=_generate)
 
+    srv = sub.add_parser("serve", help="start the cluster and serve the OpenAI API until interrupted")
+    srv.add_argument("--config", default=DEFAULT_CONFIG, help="ClusterConfig YAML (deploy/*.yaml)")
+    srv.add_argument("--host", default=None, help="default: the config's server.host")
+    srv.add_argument("--port", type=int, default=None, help="default: the config's server.port")
+    srv.add_argument("--model", default=None, help="override the config's model.path")
+    srv.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="local cluster + HTTP server, a few streaming requests, latency table")
+    demo.add_argument("--config", default=DEFAULT_CONFIG, help="ClusterConfig YAML (deploy/*.yaml)")
+    demo.add_argument("--model", default=None, help="override the config's model.path")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=_demo)
+
     bench = sub.add_parser("bench", help="benchmarks that print figures (see bench/)")
-    bench.add_argument("bench", choices=["offline"])
+    bench.add_argument("bench", choices=["offline", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
 

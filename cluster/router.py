@@ -57,6 +57,7 @@ class WorkerRef:
     actor: Any  # Ray actor handle (anything with .stats.remote())
     request_endpoint: str
     block_size: int
+    rank: int | None = None  # torch.distributed rank (None: not in the KV-transfer world)
     socket: zmq.asyncio.Socket | None = None
     healthy: bool = True
     stats: WorkerStats | None = None
@@ -356,6 +357,12 @@ class Router:
             return
         logger.error("router: worker %s is dead (%s)", w.worker_id, why)
         w.healthy = False
+        if w.rank is not None:
+            # NOTE: peers stop waiting on the dead rank at once instead of sitting out transfer timeouts
+            # with other workers' transfers queued behind.
+            for peer in self.workers:
+                if peer.healthy and peer.rank is not None:
+                    self._send(peer, {"op": "peer_dead", "rank": w.rank})
         for flight in list(self._flights.values()):
             if w in (flight.prefill, flight.decode) and not flight.done:
                 flight.events.put_nowait(

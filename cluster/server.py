@@ -18,41 +18,48 @@ choice carries ``pdserve_timings`` (the router's queue/prefill/transfer/decode s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
+import signal
+import socket
+import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol, cast
+from collections.abc import AsyncIterator
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.metrics import CONTENT_TYPE, Metrics
-from cluster.protocol import (
-    MAX_LOGPROBS,
-    FinishReason,
-    GenerateRequest,
-    ModelInfo,
-    RequestTimings,
-    RouterError,
-    SamplingParams,
-    TokenDelta,
-    TokenLogprobs,
-    WorkerStats,
+from cluster.openai_schema import (
+    ApiError,
+    ChoiceBuilder,
+    Plan,
+    as_api_error,
+    envelope,
+    error_body,
+    plan_chat,
+    plan_completion,
+    sse_event,
+    usage,
 )
+from cluster.protocol import FinishReason, GenerateRequest, ModelInfo, RouterError, TokenDelta, WorkerStats
 from workers.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from deploy.launch import ClusterHandle
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 16
 KEEPALIVE_S = 15.0  # an SSE comment while idle, so a vanished client is noticed on the next send
 
 
@@ -66,455 +73,6 @@ class RouterLike(Protocol):
     async def abort(self, request_id: str) -> None: ...
     def is_healthy(self) -> bool: ...
     def worker_stats(self) -> list[WorkerStats]: ...
-
-
-class ApiError(Exception):
-    """A request answered with an OpenAI-shaped error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code or {
-            400: "invalid_request",
-            401: "invalid_api_key",
-            404: "model_not_found",
-            413: "request_too_large",
-        }.get(status, "error")
-
-    @classmethod
-    def from_router(cls, e: RouterError) -> ApiError:
-        return cls(e.status, str(e) or type(e).__name__, code=e.code)
-
-
-def _error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
-def _error_body(e: ApiError) -> dict[str, Any]:
-    return {"error": {"message": e.message, "type": _error_type(e.status), "param": e.param, "code": e.code}}
-
-
-# ---- request schemas: types only; ranges are checked by hand for messages that name the limit ----
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    timeout: float | None = None  # seconds; pdserve extension -> GenerateRequest.deadline
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class _ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: str
-    content: str | list[_ContentPart] | None = None
-
-
-class ChatBody(_Body):
-    messages: list[_Message]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-
-
-@dataclass
-class Plan:
-    """A validated request: what to send to the router and how to shape the answer."""
-
-    kind: Literal["completion", "chat"]
-    id: str
-    model: str
-    stream: bool
-    include_usage: bool
-    logprobs: bool
-    prompts: list[list[int]]
-    jobs: list[tuple[int, GenerateRequest]]  # (choice index, router request)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise ApiError(400, message, param)
-
-
-def _validation_message(e: ValidationError) -> tuple[str, str | None]:
-    err = e.errors()[0]
-    param = str(err["loc"][0]) if err["loc"] else None
-    if param == "prompt" and len(e.errors()) > 1:  # NOTE: one error per union member; say it once
-        return (
-            "prompt must be a string, a list of token ids, a list of strings or a list of token-id lists",
-            param,
-        )
-    loc = ".".join(str(p) for p in err["loc"])
-    return f"{loc}: {err['msg']} (got {str(err.get('input'))[:60]!r})", param
-
-
-def _check_common(body: _Body, info: ModelInfo, names: Sequence[str]) -> None:
-    if body.model is not None and body.model not in names:
-        raise ApiError(404, f"model {body.model!r} does not exist; served: {names[0]!r}", "model")
-    _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
-    _check(body.temperature >= 0, f"temperature must be >= 0, got {body.temperature}", "temperature")
-    _check(0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}", "top_p")
-    _check(body.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {body.top_k}", "top_k")
-    _check(0 <= body.min_p <= 1, f"min_p must be in [0, 1], got {body.min_p}", "min_p")
-    for name, value, neutral in (
-        ("presence_penalty", body.presence_penalty, 0.0),
-        ("frequency_penalty", body.frequency_penalty, 0.0),
-        ("repetition_penalty", body.repetition_penalty, 1.0),
-    ):
-        _check(value == neutral, f"{name} is not supported (must be {neutral}), got {value}", name)
-    _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
-    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    _check(all(stops), "stop strings must be non-empty", "stop")
-    for t in body.stop_token_ids or []:
-        _check(
-            0 <= t < info.vocab_size,
-            f"stop_token_ids entry {t} is outside the vocabulary [0, {info.vocab_size})",
-            "stop_token_ids",
-        )
-    _check(
-        body.seed is None or 0 <= body.seed < 2**63, f"seed must be in [0, 2**63), got {body.seed}", "seed"
-    )
-    _check(
-        body.timeout is None or body.timeout > 0,
-        f"timeout must be > 0 seconds, got {body.timeout}",
-        "timeout",
-    )
-    _check(
-        body.stream or body.stream_options is None,
-        "stream_options is only allowed when stream is true",
-        "stream_options",
-    )
-
-
-def _check_prompt_ids(ids: list[int], info: ModelInfo, param: str) -> None:
-    _check(len(ids) > 0, f"{param} must not be empty", param)
-    for t in ids:
-        _check(
-            0 <= t < info.vocab_size,
-            f"{param} token id {t} is outside the vocabulary [0, {info.vocab_size})",
-            param,
-        )
-
-
-def _resolve_max_tokens(
-    requested: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str
-) -> int:
-    room = info.max_model_len - prompt_len
-    _check(
-        room >= 1,
-        f"prompt ({prompt_len} tokens) leaves no room to generate within max_model_len "
-        f"({info.max_model_len})",
-        "prompt" if param == "max_tokens" else "messages",
-    )
-    max_tokens = requested if requested is not None else min(default or room, room)
-    _check(max_tokens >= 1, f"{param} must be >= 1, got {max_tokens}", param)
-    _check(
-        prompt_len + max_tokens <= info.max_model_len,
-        f"prompt ({prompt_len} tokens) + {param} ({max_tokens}) exceeds max_model_len ({info.max_model_len})",
-        param,
-    )
-    return max_tokens
-
-
-def _build_plan(
-    kind: Literal["completion", "chat"],
-    body: _Body,
-    prompts: list[list[int]],
-    max_tokens: list[int],
-    num_logprobs: int | None,
-    model: str,
-    deadline: float | None,
-) -> Plan:
-    plan_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    jobs: list[tuple[int, GenerateRequest]] = []
-    for p, ids in enumerate(prompts):
-        for j in range(body.n):
-            params = SamplingParams(
-                max_tokens=max_tokens[p],
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                seed=None if body.seed is None else body.seed + j,
-                stop=stop,
-                stop_token_ids=list(body.stop_token_ids or []),
-                ignore_eos=body.ignore_eos,
-                logprobs=num_logprobs,
-            )
-            jobs.append((p * body.n + j, GenerateRequest(f"{plan_id}-{p}-{j}", ids, params, deadline)))
-    include_usage = bool((body.stream_options or {}).get("include_usage", False))
-    return Plan(kind, plan_id, model, body.stream, include_usage, num_logprobs is not None, prompts, jobs)
-
-
-def plan_completion(
-    raw: dict[str, Any],
-    info: ModelInfo,
-    tokenizer: Tokenizer | None,
-    names: Sequence[str],
-    default_timeout_s: float | None,
-) -> Plan:
-    """Validate a /v1/completions body; raises ApiError (400/404) before anything is queued."""
-    try:
-        body = CompletionBody.model_validate(raw)
-    except ValidationError as e:
-        raise ApiError(400, *_validation_message(e)) from None
-    _check_common(body, info, names)
-    _check(not body.echo, "echo is not supported", "echo")
-    _check(body.suffix is None, "suffix is not supported", "suffix")
-    _check(body.best_of in (None, body.n), f"best_of must equal n ({body.n}), got {body.best_of}", "best_of")
-    _check(
-        body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS,
-        f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}",
-        "logprobs",
-    )
-    single = isinstance(body.prompt, str) or (bool(body.prompt) and isinstance(body.prompt[0], int))
-    items = cast("list[str | list[int]]", [body.prompt] if single else list(body.prompt))
-    _check(len(items) > 0, "prompt must not be empty", "prompt")
-    _check(
-        len(items) * body.n <= MAX_N, f"prompts x n must be <= {MAX_N}, got {len(items) * body.n}", "prompt"
-    )
-    prompts: list[list[int]] = []
-    for item in items:
-        if isinstance(item, str):
-            _check(
-                tokenizer is not None,
-                "text prompts need a tokenizer; this model has none: send token ids",
-                "prompt",
-            )
-            _check(item != "", "prompt must not be empty", "prompt")
-            ids = tokenizer.encode(item) if tokenizer is not None else []
-        else:
-            ids = list(item)
-        _check_prompt_ids(ids, info, "prompt")
-        prompts.append(ids)
-    max_tokens = [_resolve_max_tokens(body.max_tokens, 16, len(ids), info, "max_tokens") for ids in prompts]
-    deadline = _deadline(body.timeout, default_timeout_s)
-    return _build_plan("completion", body, prompts, max_tokens, body.logprobs, names[0], deadline)
-
-
-def plan_chat(
-    raw: dict[str, Any],
-    info: ModelInfo,
-    tokenizer: Tokenizer | None,
-    names: Sequence[str],
-    default_timeout_s: float | None,
-) -> Plan:
-    """Validate a /v1/chat/completions body and render its chat template; raises ApiError."""
-    try:
-        body = ChatBody.model_validate(raw)
-    except ValidationError as e:
-        raise ApiError(400, *_validation_message(e)) from None
-    _check_common(body, info, names)
-    _check(len(body.messages) > 0, "messages must not be empty", "messages")
-    _check(
-        body.top_logprobs is None or body.logprobs,
-        "top_logprobs requires logprobs to be true",
-        "top_logprobs",
-    )
-    _check(
-        body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
-        f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
-        "top_logprobs",
-    )
-    _check(
-        tokenizer is not None, "chat needs a tokenizer with a chat template; this model has none", "messages"
-    )
-    messages: list[dict[str, str]] = []
-    for i, m in enumerate(body.messages):
-        if isinstance(m.content, list):
-            _check(
-                all(p.type == "text" and p.text is not None for p in m.content),
-                f"messages[{i}].content: only text parts are supported",
-                "messages",
-            )
-            text = "".join(p.text or "" for p in m.content)
-        else:
-            text = m.content or ""
-        messages.append({"role": m.role, "content": text})
-    try:
-        ids = tokenizer.encode_chat(messages, body.add_generation_prompt) if tokenizer is not None else []
-    except ValueError as e:
-        raise ApiError(400, str(e), "messages") from None
-    _check_prompt_ids(ids, info, "messages")
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = [_resolve_max_tokens(requested, None, len(ids), info, param)]
-    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    deadline = _deadline(body.timeout, default_timeout_s)
-    return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline)
-
-
-def _deadline(timeout: float | None, default_timeout_s: float | None) -> float | None:
-    t = timeout if timeout is not None else default_timeout_s
-    return None if t is None else time.time() + t
-
-
-# ---- response shapes ----
-
-
-class _Choice:
-    """One choice's output so far, and its OpenAI shapes (stream chunk choice or full choice)."""
-
-    def __init__(self, kind: str, tokenizer: Tokenizer | None, want_logprobs: bool) -> None:
-        self.kind, self.tokenizer, self.want_logprobs = kind, tokenizer, want_logprobs
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.finish_reason: FinishReason | None = None
-        self.timings: RequestTimings | None = None
-        self.num_cached_tokens = 0
-        self._text_offset = 0
-
-    def add(self, delta: TokenDelta) -> None:
-        self.text += delta.text
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs or []
-        self.num_cached_tokens = delta.num_cached_tokens
-        if delta.finish_reason is not None:
-            self.finish_reason, self.timings = delta.finish_reason, delta.timings
-
-    def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _format_logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
-        if not self.want_logprobs:
-            return None
-        if self.kind == "chat":
-            content = []
-            for e in entries:
-                tok = self._token(e.token_id)
-                tops = [(self._token(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)]
-                content.append(
-                    {
-                        "token": tok,
-                        "logprob": e.logprob,
-                        "bytes": list(tok.encode()),
-                        "top_logprobs": [
-                            {"token": s, "logprob": lp, "bytes": list(s.encode())} for s, lp in tops
-                        ],
-                    }
-                )
-            return {"content": content}
-        out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for e in entries:
-            tok = self._token(e.token_id)
-            out["tokens"].append(tok)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append(
-                {self._token(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)}
-            )
-            out["text_offset"].append(self._text_offset)
-            self._text_offset += len(tok)
-        return out
-
-    def _tail(
-        self, choice: dict[str, Any], finish: FinishReason | None, timings: RequestTimings | None
-    ) -> None:
-        choice["finish_reason"] = finish.value if finish is not None else None
-        if timings is not None:
-            choice["pdserve_timings"] = asdict(timings)
-
-    def stream_choice(self, index: int, delta: TokenDelta) -> dict[str, Any]:
-        self.add(delta)
-        body: dict[str, Any]
-        if self.kind == "chat":
-            body = {"index": index, "delta": {"content": delta.text}}
-        else:
-            body = {"index": index, "text": delta.text}
-        body["logprobs"] = self._format_logprobs(delta.logprobs or [])
-        body["token_ids"] = list(delta.token_ids)
-        self._tail(body, delta.finish_reason, delta.timings)
-        return body
-
-    def full_choice(self, index: int) -> dict[str, Any]:
-        body: dict[str, Any]
-        if self.kind == "chat":
-            body = {"index": index, "message": {"role": "assistant", "content": self.text}}
-        else:
-            body = {"index": index, "text": self.text}
-        body["logprobs"] = self._format_logprobs(self.logprobs)
-        body["token_ids"] = self.token_ids
-        self._tail(body, self.finish_reason, self.timings)
-        return body
-
-
-def _usage(plan: Plan, choices: dict[int, _Choice]) -> dict[str, Any]:
-    n = len(plan.jobs) // len(plan.prompts)
-    completion = sum(len(c.token_ids) for c in choices.values())
-    prompt = sum(len(p) for p in plan.prompts)
-    cached = sum(
-        max(choices[p * n + j].num_cached_tokens for j in range(n)) for p in range(len(plan.prompts))
-    )
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-
-
-def _envelope(plan: Plan, *, chunk: bool) -> dict[str, Any]:
-    obj = (
-        ("chat.completion.chunk" if chunk else "chat.completion")
-        if plan.kind == "chat"
-        else "text_completion"
-    )
-    return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _as_api_error(e: BaseException) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, RouterError):
-        return ApiError.from_router(e)
-    return ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
 # ---- running a plan against the router ----
@@ -623,13 +181,13 @@ async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyn
         work.cancel()
 
 
-async def _collect(fanout: _Fanout, plan: Plan, tokenizer: Tokenizer | None) -> dict[int, _Choice]:
-    choices = {i: _Choice(plan.kind, tokenizer, plan.logprobs) for i, _ in plan.jobs}
+async def _collect(fanout: _Fanout, plan: Plan, tokenizer: Tokenizer | None) -> dict[int, ChoiceBuilder]:
+    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs) for i, _ in plan.jobs}
     remaining = len(choices)
     while remaining:
         index, event = await fanout.queue.get()
         if isinstance(event, BaseException):
-            raise _as_api_error(event)
+            raise as_api_error(event)
         choices[index].add(event)
         remaining -= event.finish_reason is not None
     return choices
@@ -660,7 +218,7 @@ async def _stream(
     tokenizer: Tokenizer | None,
     metrics: Metrics,
 ) -> AsyncIterator[bytes]:
-    choices = {i: _Choice(plan.kind, tokenizer, plan.logprobs) for i, _ in plan.jobs}
+    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs) for i, _ in plan.jobs}
     usage_field = {"usage": None} if plan.include_usage else {}
     if plan.kind == "chat":
         for i in choices:
@@ -670,7 +228,7 @@ async def _stream(
                 "logprobs": None,
                 "finish_reason": None,
             }
-            yield _sse({**_envelope(plan, chunk=True), "choices": [role], **usage_field})
+            yield sse_event({**envelope(plan, chunk=True), "choices": [role], **usage_field})
     remaining = len(choices)
     item: tuple[int, TokenDelta | BaseException] | None = first
     while remaining:
@@ -679,17 +237,17 @@ async def _stream(
         else:
             index, event = item
             if isinstance(event, BaseException):
-                error = _as_api_error(event)
+                error = as_api_error(event)
                 metrics.observe_error(error.status, error.code)
-                yield _sse(_error_body(error))
+                yield sse_event(error_body(error))
                 break
             choice = choices[index].stream_choice(index, event)
-            yield _sse({**_envelope(plan, chunk=True), "choices": [choice], **usage_field})
+            yield sse_event({**envelope(plan, chunk=True), "choices": [choice], **usage_field})
             remaining -= event.finish_reason is not None
         if remaining:
             item = await fanout.next(KEEPALIVE_S)
     if remaining == 0 and plan.include_usage:
-        yield _sse({**_envelope(plan, chunk=True), "choices": [], "usage": _usage(plan, choices)})
+        yield sse_event({**envelope(plan, chunk=True), "choices": [], "usage": usage(plan, choices)})
     yield b"data: [DONE]\n\n"
 
 
@@ -719,7 +277,7 @@ def create_app(
 
     def error_response(e: ApiError) -> JSONResponse:
         metrics.observe_error(e.status, e.code)
-        return JSONResponse(_error_body(e), status_code=e.status)
+        return JSONResponse(error_body(e), status_code=e.status)
 
     @app.exception_handler(ApiError)
     async def _on_api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -772,16 +330,16 @@ def create_app(
                 # first token still get their HTTP status (and clients may retry them).
                 first = await _until_disconnected(request, asyncio.ensure_future(fanout.queue.get()))
                 if isinstance(first[1], BaseException):
-                    raise _as_api_error(first[1])
+                    raise as_api_error(first[1])
                 handed_off = True
                 return _ClosingStreamingResponse(_stream(plan, fanout, first, tokenizer, metrics), fanout)
             work = asyncio.ensure_future(_collect(fanout, plan, tokenizer))
             choices = await _until_disconnected(request, work)
             response = {
-                **_envelope(plan, chunk=False),
+                **envelope(plan, chunk=False),
                 "choices": [c.full_choice(i) for i, c in choices.items()],
             }
-            return JSONResponse({**response, "usage": _usage(plan, choices)})
+            return JSONResponse({**response, "usage": usage(plan, choices)})
         finally:
             if not handed_off:
                 with anyio.move_on_after(30, shield=True):
@@ -848,3 +406,146 @@ def create_server(
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve ``app`` until interrupted (blocks; uvicorn owns the event loop)."""
     create_server(app, host, port).run()
+
+
+# ---- hosting on a running cluster's router loop ----
+
+
+def create_cluster_app(handle: ClusterHandle) -> FastAPI:
+    """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer."""
+    if handle.router is None:
+        raise RuntimeError("the cluster has no router (start_cluster did not finish)")
+    cfg = handle.config.server
+    return create_app(
+        handle.router,
+        Tokenizer.from_pretrained(handle.model_info.model_dir),
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        served_model_name=cfg.served_model_name,
+    )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    # NOTE: bound here, in the caller's thread: uvicorn answers a bind failure with sys.exit(1), which
+    # on the router's loop would stop that loop instead of reaching the caller.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServerHandle:
+    """The HTTP server of :func:`start_http`, running on a cluster's router loop.
+
+    Lifecycle: ``stop()`` asks uvicorn to exit (in-flight responses get its 5 s graceful window), waits
+    at most ``timeout_s`` for ``serve()`` to return and closes the listening socket; it is idempotent
+    and must run before ``handle.shutdown()`` (which stops the loop the server runs on).
+    """
+
+    def __init__(
+        self, server: uvicorn.Server, future: concurrent.futures.Future[None], sock: socket.socket
+    ) -> None:
+        self.server, self.future, self.sock = server, future, sock
+        host, self.port = sock.getsockname()[:2]
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll GET /health (bounded) until the server answers 200; raise if serve() ended instead."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=max(1.0, timeout_s)) as http:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.TransportError):
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                # NOTE: waiting on serve()'s future (not a bare sleep) also surfaces a startup failure.
+                done, _ = concurrent.futures.wait([self.future], timeout=0.05)
+                if done:
+                    self.future.result()
+                    raise RuntimeError(f"HTTP server on {self.url} stopped during startup")
+        raise TimeoutError(f"HTTP server on {self.url} not healthy within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        # NOTE: uvicorn's main loop polls should_exit every 0.1 s; a plain attribute write is enough.
+        self.server.should_exit = True
+        try:
+            self.future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.server.force_exit = True
+            self.future.cancel()
+            logger.error("HTTP server on %s did not stop within %s s; cancelled", self.url, timeout_s)
+        except concurrent.futures.CancelledError:
+            pass
+        finally:
+            self.sock.close()
+
+    def __enter__(self) -> HttpServerHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def start_http(
+    handle: ClusterHandle,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    ready_timeout_s: float = 30.0,
+    log_level: str = "warning",
+) -> HttpServerHandle:
+    """Serve the cluster's API on ``handle.loop`` without blocking; port 0 picks a free port. Returns
+    once /health answers 200 (bounded by ``ready_timeout_s``). The caller must ``stop()`` it."""
+    sock = _listen(host, port)
+    server = create_server(create_cluster_app(handle), host, int(sock.getsockname()[1]), log_level)
+    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
+    http = HttpServerHandle(server, future, sock)
+    try:
+        http.wait_ready(ready_timeout_s)
+    except BaseException:
+        http.stop()
+        raise
+    return http
+
+
+def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | None = None) -> None:
+    """Serve the cluster's API on ``handle.loop`` and block until Ctrl-C / SIGTERM (then a graceful
+    stop). host/port default to ``handle.config.server``. The caller still owns ``handle.shutdown()``."""
+    cfg = handle.config.server
+    sock = _listen(host or cfg.host, cfg.port if port is None else port)
+    server = create_server(create_cluster_app(handle), host or cfg.host, int(sock.getsockname()[1]))
+    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
+    http = HttpServerHandle(server, future, sock)
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        if server.should_exit:  # a second Ctrl-C: drop in-flight responses
+            server.force_exit = True
+        server.should_exit = True
+
+    # NOTE: uvicorn installs its own handlers only on the main thread's loop; here the loop runs on the
+    # router thread, so the main thread catches the signals and tells uvicorn to exit.
+    previous = (
+        {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    try:
+        print(
+            f"pdserve: serving {handle.model_info.name} ({handle.config.router.mode}) on {http.url}",
+            flush=True,
+        )
+        while not concurrent.futures.wait([future], timeout=0.5)[0]:
+            pass
+        future.result()
+    finally:
+        http.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

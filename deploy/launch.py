@@ -281,7 +281,9 @@ def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
         )
     )
 
+    ranks: dict[str, int] = {}
     if cfg.router.mode != "colocated":
+        ranks = {wid: rank for rank, wid in enumerate(handle.actors)}
         actors = list(handle.actors.values())
         all_gpu = all(pc.num_gpus for _, _, pc in specs)
         backend = cfg.transfer.backend if cfg.transfer.backend != "auto" else ("nccl" if all_gpu else "gloo")
@@ -302,7 +304,7 @@ def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
         vocab_size=first["vocab_size"],
     )
     refs = [
-        WorkerRef(wid, info["pool"], handle.actors[wid], info["request_endpoint"], info["block_size"])
+        WorkerRef(wid, info["pool"], handle.actors[wid], info["request_endpoint"], info["block_size"], ranks.get(wid))
         for wid, info in infos.items()
     ]
 

@@ -149,13 +149,13 @@ class _GlooOp(PendingOp):
         self._work = work
         self._what = what
         self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
         threading.Thread(target=self._run, name=f"gloo-{what}", daemon=True).start()
 
     def _run(self) -> None:
         try:
             self._work.wait()
-        except BaseException as e:  # surfaced to the caller of wait()
+        except Exception as e:  # noqa: BLE001 (re-raised as TransferError by wait())
             self._error = e
         finally:
             self._done.set()

@@ -13,6 +13,7 @@ A request withdrawn with `abort()` while not in flight gets no callback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import secrets
@@ -167,7 +168,8 @@ class KVSender(_Side):
     """Prefill side: serves transfer requests for the requests it `offer`ed, one at a time.
 
     `get_block_ids(request_id)` returns the request's block ids in order (None if the engine no longer
-    holds it); it is called on the transfer thread. Bind `endpoint` (tcp://127.0.0.1:* picks a port; the
+    holds it); it is called in `offer` and then on the transfer thread, so the table must not change
+    while the request is offered. Bind `endpoint` (tcp://127.0.0.1:* picks a port; the
     resolved address is `self.endpoint`).
     """
 
@@ -285,13 +287,20 @@ class KVSender(_Side):
             try:
                 self._pending.append((ident, request_from_dict(body["request"])))
             except (TransferError, KeyError) as e:
-                self._sock.send_multipart([ident, _abort_frame(nonce, _as_transfer_error(e))])
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart(
+                        [ident, _abort_frame(nonce, _as_transfer_error(e))], zmq.NOBLOCK
+                    )
         elif kind is MessageKind.ACK and (ident, nonce) in self._abandoned:
             # NOTE: the receiver posted its recv before acking; feed it (zeros: its checksum fails) so
             # no recv stays pending forever, which would close the gloo pair at the group timeout.
             dst_rank, tag, nbytes = self._abandoned.pop((ident, nonce))
-            filler = torch.zeros(nbytes, dtype=torch.uint8, device=self._staging_device)
-            self._channel.isend(filler, dst_rank, tag)
+            try:
+                self._channel.isend(
+                    torch.zeros(nbytes, dtype=torch.uint8, device=self._staging_device), dst_rank, tag
+                )
+            except Exception:  # NOTE: must not fail the transfer this frame interrupted
+                logger.exception("KVSender rank %d: could not feed an abandoned recv", self.rank)
         elif kind is MessageKind.ABORT:  # the receiver gave up before we served it
             for item in [p for p in self._pending if p[0] == ident and p[1].nonce == nonce]:
                 self._pending.remove(item)
@@ -336,7 +345,9 @@ class KVSender(_Side):
                 )
             header, staging = self._prepare(req)
             result.num_blocks, result.nbytes = header.num_blocks, header.nbytes
-            self._sock.send_multipart([ident, encode_message(MessageKind.HEADER, req.nonce, header=header)])
+            self._sock.send_multipart(
+                [ident, encode_message(MessageKind.HEADER, req.nonce, header=header)], zmq.NOBLOCK
+            )
             try:
                 self._await(ident, req.nonce, MessageKind.ACK, deadline)
             except TransferTimeoutError:
@@ -353,10 +364,11 @@ class KVSender(_Side):
             result.ok = True
         except _PeerAbort as e:
             _fail(result, e.error)
-        except Exception as e:  # NOTE: the transfer thread must outlive any one bad transfer
+        except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
             error = _as_transfer_error(e)
             _fail(result, error)
-            self._sock.send_multipart([ident, _abort_frame(req.nonce, error)])
+            with contextlib.suppress(zmq.ZMQError):  # best effort: the receiver times out anyway
+                self._sock.send_multipart([ident, _abort_frame(req.nonce, error)], zmq.NOBLOCK)
         if not result.ok:
             self._drop_staging()
         result.seconds = time.monotonic() - t0
@@ -497,7 +509,7 @@ class KVReceiver(_Side):
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise TransferTimeoutError(f"no {want.value} from the sender in time")
+                raise TransferTimeoutError(f"no {want.value} from the sender before the transfer deadline")
             if not sock.poll(min(left_ms, _POLL_MS)):
                 continue
             try:
@@ -521,7 +533,7 @@ class KVReceiver(_Side):
         nonce = secrets.randbits(63)
         request = TransferRequest(handoff.request_id, nonce, self.rank, job.skip_first_n_blocks, len(dst_ids))
         try:
-            sock.send(encode_message(MessageKind.REQUEST, nonce, request=request))
+            sock.send(encode_message(MessageKind.REQUEST, nonce, request=request), zmq.NOBLOCK)
             body = self._await(sock, nonce, MessageKind.HEADER, job.deadline)
             header = header_from_dict(body["header"])
             validate_header(
@@ -536,7 +548,7 @@ class KVReceiver(_Side):
             result.nbytes = header.nbytes
             staging = self._staging(header.num_blocks)
             op = self._channel.irecv(staging, handoff.src_rank, header.tag) if header.nbytes else None
-            sock.send(encode_message(MessageKind.ACK, nonce))
+            sock.send(encode_message(MessageKind.ACK, nonce), zmq.NOBLOCK)
             if op is not None:
                 t_wire = time.monotonic()
                 op.wait(job.deadline - t_wire)
@@ -549,15 +561,16 @@ class KVReceiver(_Side):
                     )
                 scatter_blocks(self._kv, dst_ids, staging)
                 self._sync()
-            sock.send(encode_message(MessageKind.DONE, nonce))
+            sock.send(encode_message(MessageKind.DONE, nonce), zmq.NOBLOCK)
             result.ok = True
         except _PeerAbort as e:
             error = e.error
             _fail(result, error)
-        except Exception as e:  # NOTE: the transfer thread must outlive any one bad transfer
+        except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
             error = _as_transfer_error(e)
             _fail(result, error)
-            sock.send(_abort_frame(nonce, error))
+            with contextlib.suppress(zmq.ZMQError):  # best effort: the sender times out anyway
+                sock.send(_abort_frame(nonce, error), zmq.NOBLOCK)
         if not result.ok:
             self._drop_staging()
         result.seconds = time.monotonic() - t0

@@ -124,6 +124,10 @@ class DecodeWorker(EngineWorker):
         else:
             self._send_error(rid, 500, f"KV transfer failed: {type(error).__name__}: {error}")
 
+    def _on_peer_dead(self, rank: int) -> None:
+        if self.receiver is not None:
+            self.receiver.drop_peer(rank)
+
     def _check_transfer_leaks(self) -> None:
         if self.receiver is not None and (self._in_flight or len(self._pending)):
             raise AssertionError(

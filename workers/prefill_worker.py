@@ -69,6 +69,10 @@ class PrefillWorker(EngineWorker):
                 st.num_ok,
             )
 
+    def _on_peer_dead(self, rank: int) -> None:
+        if self.sender is not None:
+            self.sender.drop_peer(rank)
+
     def _check_transfer_leaks(self) -> None:
         if self.sender is not None and self.sender.num_held():
             raise AssertionError(f"KV sender still holds {self.sender.num_held()} offers")

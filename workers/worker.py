@@ -209,6 +209,8 @@ class EngineWorker:
                 self._on_decode(payload)
             elif op == "abort":
                 self._on_abort(payload["rid"])
+            elif op == "peer_dead":
+                self._on_peer_dead(int(payload["rank"]))
             else:
                 logger.warning("%s: unknown op %r", self.worker_id, op)
         elif kind == "check_leaks":
@@ -284,6 +286,9 @@ class EngineWorker:
 
     def _handle_transfer_command(self, kind: str, payload: Any) -> None:
         raise RuntimeError(f"unknown command {kind!r}")
+
+    def _on_peer_dead(self, rank: int) -> None:
+        return None
 
     def _has_pending_work(self) -> bool:
         return False

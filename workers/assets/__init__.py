@@ -1,0 +1,1 @@
+"""Bundled assets: the tiny checkpoint and the code that builds it."""
