@@ -127,3 +127,30 @@ def test_eos_and_stop_token_ids_end_requests(model_dir: pathlib.Path, tmp_path: 
     out = eos_llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
     assert (out.token_ids, out.finish_reason) == (free, FinishReason.LENGTH)
     eos_llm.check_no_leaks()
+
+
+def test_stop_strings_are_trimmed_with_the_bundled_model() -> None:
+    llm = LLM(block_size=8)
+    free = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    words = free.text.split()
+    stop = " " + words[len(words) // 2]  # a word from the middle of the greedy text
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
+    assert out.finish_reason == FinishReason.STOP
+    assert out.text == free.text[: free.text.index(stop)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
+    llm.check_no_leaks()
+
+
+def test_triton_backend_end_to_end_equals_transformers_on_bundled_model() -> None:
+    """The Triton kernels (interpreter on CPU) drive a whole greedy run, token for token equal to HF."""
+    from tests.hf_models import hf_greedy
+    from workers.engine import BUNDLED_MODEL
+
+    llm = LLM(attention_backend="triton", block_size=16, max_num_batched_tokens=8)
+    tok = llm.tokenizer
+    prompts = [tok.encode(p) for p in ("Once upon a time", "Tom said, \"Do you want to", "A cow says moo. A duck")]
+    ref = hf_greedy(BUNDLED_MODEL, prompts, [6, 5, 4])
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 5, 4)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert llm.stats().num_mixed_steps > 0  # chunked prompts ran beside decodes in one forward
+    llm.check_no_leaks()

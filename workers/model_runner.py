@@ -65,8 +65,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.arch = ArchConfig.from_pretrained(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch, self.device)
-        self.model, _ = load_model(model_dir, self.dtype, self.device)
+        # NOTE: before the model: building it imports torch._dynamo, which imports triton, and on CPU the
+        # Triton backend must set TRITON_INTERPRET before triton is first imported.
         self.backend = create_attention_backend(config.attention_backend)
+        self.model, _ = load_model(model_dir, self.dtype, self.device)
         self.block_size = config.block_size
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}

@@ -26,6 +26,12 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET") == "1" and type(tl.zeros).__name__ == "JITFunction":
+    raise RuntimeError(
+        "triton was imported before TRITON_INTERPRET=1 was set, so its library functions are compiled-mode and "
+        "cannot run in the interpreter; set TRITON_INTERPRET=1 in the environment (no CUDA device here)"
+    )
+
 
 @triton.jit
 def _scores_log2(qk, sm_scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
@@ -139,8 +145,8 @@ def decode_kernel(
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, DIM_PAD], 0.0, tl.float32)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -239,8 +245,8 @@ def prefill_kernel(
         if USE_WINDOW:
             kv_lo = tl.maximum(ctx_len + q_tile * BLOCK_Q - window + 1, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, DIM_PAD], 0.0, tl.float32)
         bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
         for n0 in range(kv_lo, kv_hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
