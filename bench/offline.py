@@ -78,8 +78,11 @@ def run_transformers(model_dir: str, w: Workload, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def host_overhead_ms(model_dir: str, num_running: int, num_steps: int, seed: int) -> tuple[float, float]:
-    """Median per-step host time (schedule+update, input prep) in ms with `num_running` decoding."""
+def host_overhead_ms(
+    model_dir: str, num_running: int, num_steps: int, seed: int
+) -> tuple[float, float, float]:
+    """Median per-step host times in ms with `num_running` decoding: schedule+update, input prep, and
+    (reported apart: not scheduling) detokenization."""
     llm = LLM(model_dir, max_num_seqs=num_running, max_num_batched_tokens=max(2048, num_running * 16))
     engine = llm.engine
     w = make_workload(num_running, (16, 16), (num_steps + 8, num_steps + 8), engine.vocab_size, seed)
@@ -88,16 +91,17 @@ def host_overhead_ms(model_dir: str, num_running: int, num_steps: int, seed: int
             f"h{i}", p, SamplingParams(max_tokens=w.output_lens[i], temperature=0.0, ignore_eos=True)
         )
     engine.step()  # all prefills in one step
-    sched, prep = [], []
+    sched, prep, detok = [], [], []
     for _ in range(num_steps):
         before = engine.stats()
         engine.step()
         after = engine.stats()
         sched.append(after.schedule_time_s - before.schedule_time_s)
         prep.append(after.prepare_time_s - before.prepare_time_s)
+        detok.append(after.detokenize_time_s - before.detokenize_time_s)
     for i in range(num_running):
         engine.abort(f"h{i}")
-    return statistics.median(sched) * 1e3, statistics.median(prep) * 1e3
+    return statistics.median(sched) * 1e3, statistics.median(prep) * 1e3, statistics.median(detok) * 1e3
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,10 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"ratio        : {t_hf / t_pd:.2f}x")
     for n in (64, 256):
-        sched_ms, prep_ms = host_overhead_ms(args.model, n, args.overhead_steps, args.seed)
+        sched_ms, prep_ms, detok_ms = host_overhead_ms(args.model, n, args.overhead_steps, args.seed)
         print(
             f"host overhead, {n:3d} running: {sched_ms + prep_ms:.3f} ms/step median "
-            f"(schedule+update {sched_ms:.3f}, input prep {prep_ms:.3f})"
+            f"(schedule+update {sched_ms:.3f}, input prep {prep_ms:.3f}); detokenize {detok_ms:.3f} ms"
         )
     return 0
 

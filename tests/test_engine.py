@@ -33,7 +33,11 @@ PROMPTS = [[5, 9, 33, 2, 100], list(range(3, 40)), [7] * 12, [300, 301, 302]]
         ([], SamplingParams(), "prompt must contain at least 1 token"),
         ([1, 2, 512], SamplingParams(), r"prompt token id 512 is outside the vocabulary \[0, 512\)"),
         ([-1], SamplingParams(), r"prompt token id -1 is outside the vocabulary \[0, 512\)"),
-        ([1] * 250, SamplingParams(max_tokens=10), r"\+ max_tokens \(10\) = 260 exceeds max_model_len \(256\)"),
+        (
+            [1] * 250,
+            SamplingParams(max_tokens=10),
+            r"\+ max_tokens \(10\) = 260 exceeds max_model_len \(256\)",
+        ),
         ([1], SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
         ([1], SamplingParams(temperature=-0.5), "temperature must be >= 0, got -0.5"),
         ([1], SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
@@ -70,9 +74,15 @@ def test_seeded_sampling_is_independent_of_batch_and_preemption(model_dir: pathl
     ]
     # other requests before and after it, a small budget (chunking, mixed steps), then a pool so
     # small that requests get preempted and recomputed
-    for options in (dict(block_size=4), dict(block_size=1, max_num_batched_tokens=16), dict(block_size=4, num_kv_blocks=24)):
+    for options in (
+        dict(block_size=4),
+        dict(block_size=1, max_num_batched_tokens=16),
+        dict(block_size=4, num_kv_blocks=24),
+    ):
         llm = LLM(str(model_dir), **options)  # type: ignore[arg-type]
-        outs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]], [others[0], others[1], seeded, others[2]])
+        outs = llm.generate(
+            [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[3]], [others[0], others[1], seeded, others[2]]
+        )
         assert outs[2].token_ids == alone, options
         if "num_kv_blocks" in options:
             assert llm.stats().num_preemptions > 0
@@ -107,11 +117,17 @@ def test_logprobs_match_log_softmax_of_reference_logits(model_dir: pathlib.Path,
             assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
-def test_eos_and_stop_token_ids_end_requests(model_dir: pathlib.Path, tmp_path: pathlib.Path, llm: LLM) -> None:
-    free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+def test_eos_and_stop_token_ids_end_requests(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path, llm: LLM
+) -> None:
+    free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
     stop_at = free[3]
     cut = free.index(stop_at) + 1
-    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at])
+    )[0]
     assert (out.token_ids, out.finish_reason) == (free[:cut], FinishReason.STOP)
 
     # the same token as the model's EOS: stops, unless ignore_eos
@@ -131,7 +147,9 @@ def test_eos_and_stop_token_ids_end_requests(model_dir: pathlib.Path, tmp_path: 
 
 def test_stop_strings_are_trimmed_with_the_bundled_model() -> None:
     llm = LLM(block_size=8)
-    free = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    free = llm.generate(
+        ["Once upon a time"], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    )[0]
     words = free.text.split()
     stop = " " + words[len(words) // 2]  # a word from the middle of the greedy text
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
@@ -148,7 +166,9 @@ def test_triton_backend_end_to_end_equals_transformers_on_bundled_model() -> Non
 
     llm = LLM(attention_backend="triton", block_size=16, max_num_batched_tokens=8)
     tok = llm.tokenizer
-    prompts = [tok.encode(p) for p in ("Once upon a time", "Tom said, \"Do you want to", "A cow says moo. A duck")]
+    prompts = [
+        tok.encode(p) for p in ("Once upon a time", 'Tom said, "Do you want to', "A cow says moo. A duck")
+    ]
     ref = hf_greedy(BUNDLED_MODEL, prompts, [6, 5, 4])
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 5, 4)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref

@@ -37,8 +37,9 @@ class EngineStats:
     num_total_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    schedule_time_s: float = 0.0  # host time: scheduling + update (forward excluded)
+    schedule_time_s: float = 0.0  # host time: schedule() + update_from_output() (forward excluded)
     prepare_time_s: float = 0.0  # host time: building the step's input tensors
+    detokenize_time_s: float = 0.0  # host time: incremental detokenization, stop strings, deltas
     forward_time_s: float = 0.0  # model forward + sampling (includes the one device sync)
 
 
@@ -151,8 +152,9 @@ class Engine:
         sampled = self.runner.execute(out)
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(out, sampled)
-        deltas = [self._delta(r) for r in updated]
         t3 = time.perf_counter()
+        deltas = [self._delta(r) for r in updated]
+        t4 = time.perf_counter()
 
         st = self._stats
         st.num_steps += 1
@@ -162,6 +164,7 @@ class Engine:
         st.prepare_time_s += self.runner.prepare_time_s
         st.forward_time_s += (t2 - t1) - self.runner.prepare_time_s
         st.schedule_time_s += (t1 - t0) + (t3 - t2)
+        st.detokenize_time_s += t4 - t3
         return deltas
 
     def _delta(self, request: Request) -> TokenDelta:

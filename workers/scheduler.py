@@ -19,7 +19,7 @@ from workers.block_manager import KVCacheManager, PrefixHit
 from workers.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens computed this step
@@ -57,7 +57,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
@@ -118,10 +118,11 @@ class Scheduler:
         preempted: list[str] = []
 
         i = 0
+        kv = self.kv
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            while not kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -164,15 +165,21 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        num_prompt = len(request.prompt_token_ids)
+        num_output = len(request.output_token_ids)
+        if num_new == 1 and start >= num_prompt:  # decode: the newest token, no slicing
+            token_ids = [request.output_token_ids[start - num_prompt]]
+        else:
+            token_ids = request.token_slice(start, end)
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, end),
-            start_position=start,
-            block_ids=self.kv.block_tables[request.request_id],
-            needs_sample=end == request.num_tokens,
-            is_decode=num_new == 1 and start >= request.num_prompt_tokens,
-            params=request.params,
-            num_output_tokens=len(request.output_token_ids),
+            request.request_id,
+            token_ids,
+            start,
+            self.kv.block_tables[request.request_id],
+            end == num_prompt + num_output,
+            num_new == 1 and start >= num_prompt,
+            request.params,
+            num_output,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -190,12 +197,17 @@ class Scheduler:
         unless held for a handoff)."""
         now = time.time()
         updated: list[Request] = []
+        block_size = self.kv.block_size
+        running = RequestStatus.RUNNING
         for s in output.scheduled:
             request = self.requests.get(s.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(s.token_ids)
-            self.kv.cache_full_blocks(request)
+            num_new = len(s.token_ids)
+            request.num_computed_tokens += num_new
+            # NOTE: one new token fills a block only when it lands on the block's last slot
+            if num_new > 1 or request.num_computed_tokens % block_size == 0:
+                self.kv.cache_full_blocks(request)
             token = sampled.get(s.request_id)
             if token is None:
                 continue
