@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    # creates .venv, installs pdserve, generates text with the bundled tiny model
+#   make run    # creates .venv, installs pdserve, runs a local cluster (1 prefill + 1 decode worker,
+#               # bundled tiny model), streams a few requests through the SDK, prints TTFT/TBT, shuts down
 #   make test   # creates .venv, installs pdserve + dev tools, runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/pdserve generate "Once upon a time" "The little robot" --max-tokens 48
+	$(VENV)/bin/pdserve demo
 
 test: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/pytest -q --durations=15

@@ -1,4 +1,6 @@
-"""Online serving benchmark against a running pdserve server (``pdserve bench serve``).
+"""Online serving benchmark (``pdserve bench serve``): against a running server (``--url``), or against
+local clusters it starts in turn (``--config A.yaml --config B.yaml`` / ``--compare A.yaml B.yaml``:
+start_cluster + start_http, the chosen scenarios, shutdown) and then one comparison table.
 
 Sends random token-id prompts (lengths drawn from ranges, fixed seed) as streaming completions with
 Poisson / gamma arrivals (``--request-rate``, ``--burstiness``: 1 is Poisson, < 1 burstier) or a fixed
@@ -95,15 +97,15 @@ def arrival_offsets(s: Scenario, seed: int) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
-async def run(args: argparse.Namespace, s: Scenario) -> tuple[list[Record], float]:
-    async with AsyncClient(args.url, args.api_key, timeout=args.timeout, max_retries=0) as client:
+async def run(url: str, name: str, args: argparse.Namespace, s: Scenario) -> tuple[list[Record], float]:
+    async with AsyncClient(url, args.api_key, timeout=args.timeout, max_retries=0) as client:
         card = (await client.models())[0]
         dataset = build_dataset(
             s, int(card.get("vocab_size", 1000)), int(card.get("max_model_len", 2048)), args.seed
         )
         offsets = arrival_offsets(s, args.seed)
         sem = asyncio.Semaphore(s.max_concurrency or s.num_requests)
-        bar = tqdm(total=s.num_requests, desc=args.scenario, disable=args.quiet)
+        bar = tqdm(total=s.num_requests, desc=name, disable=args.quiet)
         start = time.perf_counter()
 
         async def one(prompt: list[int], max_tokens: int, offset: float) -> Record:
@@ -216,10 +218,18 @@ def plot(records: list[Record], path: Path, title: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--url", default=None, help="a running server (default http://127.0.0.1:8000)")
+    target.add_argument(
+        "--config", action="append", help="start this cluster config, bench it, shut it down (repeatable)"
+    )
+    target.add_argument("--compare", nargs="+", metavar="CONFIG", help="same as one --config per path")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name (default: the server's)")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="smoke")
+    p.add_argument(
+        "--scenario", nargs="+", choices=[*sorted(SCENARIOS), "all"], default=["smoke"], help="one or more"
+    )
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every scenario's request count")
     p.add_argument("--num-requests", type=int)
     p.add_argument("--request-rate", type=float, help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, help="gamma shape of inter-arrival gaps (1: Poisson)")
@@ -235,11 +245,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.configs = args.config or args.compare or []
+    if "all" in args.scenario:
+        args.scenario = list(SCENARIOS)
+    return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
+    """The chosen scenarios with the command line's overrides and ``--scale`` applied."""
     overrides = {
         k: v
         for k, v in {
@@ -252,26 +266,108 @@ def main(argv: Sequence[str] | None = None) -> int:
         }.items()
         if v is not None
     }
-    scenario = replace(SCENARIOS[args.scenario], **overrides)
-    records, duration = asyncio.run(run(args, scenario))
-    summary = {
-        "scenario": args.scenario,
-        "config": asdict(scenario),
-        **summarize(records, duration, args.slo_ttft_ms, args.slo_tbt_ms),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    out_json = args.out / f"{args.scenario}.json"
-    out_json.write_text(json.dumps({"summary": summary, "requests": [asdict(r) for r in records]}, indent=1))
-    if not args.no_plot:
-        plot(records, args.out / f"{args.scenario}.png", f"pdserve bench serve: {args.scenario}")
+    chosen = {}
+    for name in dict.fromkeys(args.scenario):
+        s = replace(SCENARIOS[name], **overrides)
+        scaled = max(1, round(s.num_requests * args.scale))
+        concurrency = None if s.max_concurrency is None else max(1, min(s.max_concurrency, scaled))
+        chosen[name] = replace(s, num_requests=scaled, max_concurrency=concurrency)
+    return chosen
+
+
+def bench_url(url: str, label: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every chosen scenario against ``url``; writes ``<out>/<label>/<scenario>.json`` (+ ``.png``)."""
+    out_dir = args.out / label if label else args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = {}
+    for name, scenario in scenarios(args).items():
+        records, duration = asyncio.run(run(url, f"{label}:{name}" if label else name, args, scenario))
+        summary = {
+            "scenario": name,
+            "target": label or url,
+            "config": asdict(scenario),
+            **summarize(records, duration, args.slo_ttft_ms, args.slo_tbt_ms),
+        }
+        out_json = out_dir / f"{name}.json"
+        out_json.write_text(
+            json.dumps({"summary": summary, "requests": [asdict(r) for r in records]}, indent=1)
+        )
+        if not args.no_plot:
+            plot(records, out_dir / f"{name}.png", f"pdserve bench serve: {label or url} / {name}")
+        print_summary(summary)
+        summaries[name] = summary
+    return summaries
+
+
+def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Start the cluster of ``path``, serve it on a free loopback port, bench it, shut it down."""
+    from cluster.server import start_http
+    from deploy.launch import start_cluster
+
+    label = Path(path).stem
+    print(f"== {label}: starting {path}", flush=True)
+    handle = start_cluster(path)
+    try:
+        with start_http(handle) as http:
+            return bench_url(http.url, label, args)
+    finally:
+        handle.shutdown()
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(f"-- {summary['target']} / {summary['scenario']}")
     for key in ("ttft_ms", "tbt_ms", "e2e_ms"):
         q = summary[key]
         if q["p50"] is not None:
             print(f"{key:>7}: p50 {q['p50']:9.2f}  p90 {q['p90']:9.2f}  p99 {q['p99']:9.2f}")
     print(
-        f"{summary['num_ok']}/{summary['num_requests']} ok in {duration:.2f} s: "
+        f"{summary['num_ok']}/{summary['num_requests']} ok in {summary['duration_s']:.2f} s: "
         f"{summary['output_tokens_per_s']:.1f} output tok/s, {summary['requests_per_s']:.2f} req/s, "
-        f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['goodput_ratio']:.0%} within SLOs)"
+        f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['goodput_ratio']:.0%} within SLOs)",
+        flush=True,
     )
-    print(f"wrote {out_json}")
-    return 0 if summary["num_errors"] == 0 else 1
+
+
+def comparison_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """One markdown table: a row per (scenario, target), latency percentiles in ms."""
+    head = ["scenario", "target", "ok"]
+    head += [f"{m} p{q}" for m in ("TTFT", "TBT", "E2E") for q in (50, 90, 99)]
+    head += ["out tok/s", "goodput req/s", "in SLO", "queue", "prefill", "transfer", "decode"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    names = list(dict.fromkeys(n for per_target in results.values() for n in per_target))
+    for name in names:
+        for target, per_target in results.items():
+            s = per_target.get(name)
+            if s is None:
+                continue
+            cells = [name, target, f"{s['num_ok']}/{s['num_requests']}"]
+            for key in ("ttft_ms", "tbt_ms", "e2e_ms"):
+                cells += [_fmt(s[key][q]) for q in ("p50", "p90", "p99")]
+            cells += [f"{s['output_tokens_per_s']:.0f}", f"{s['goodput_requests_per_s']:.2f}"]
+            cells += [f"{s['goodput_ratio']:.0%}"]
+            split = s["server_split_mean_ms"]
+            cells += [_fmt(split.get(k)) for k in ("queue_s", "prefill_s", "transfer_s", "decode_s")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    if args.configs:
+        for path in args.configs:
+            results[Path(path).stem] = bench_config(path, args)
+    else:
+        url = args.url or "http://127.0.0.1:8000"
+        results[url] = bench_url(url, "", args)
+    table = comparison_table(results)
+    print(f"\nlatency in ms (client-measured; queue/prefill/transfer/decode: router's mean split)\n{table}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "comparison.md").write_text(table + "\n")
+    (args.out / "comparison.json").write_text(json.dumps(results, indent=1))
+    failed = sum(s["num_errors"] for per_target in results.values() for s in per_target.values())
+    return 0 if failed == 0 else 1

@@ -95,26 +95,49 @@ def _demo_body(kind: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 async def _demo_requests(url: str, max_tokens: int) -> list[tuple[str, StreamResult]]:
+    """The first request streams alone, token by token; the others stream at the same time and print a
+    tagged line per finished sentence, so their interleaving shows."""
     from cluster.client import AsyncClient
 
     async with AsyncClient(url, max_retries=0, timeout=120) as client:
 
-        async def one(kind: str, prompt: str, live: bool) -> tuple[str, StreamResult]:
+        async def one(tag: int, kind: str, prompt: str, live: bool) -> tuple[str, StreamResult]:
             create = client.chat.completions.create if kind == "chat" else client.completions.create
             stream = await create(stream=True, **_demo_body(kind, prompt, max_tokens))
+            pending = ""
             async for delta in stream:
                 if live:
                     print(delta.text, end="", flush=True)
-            if not live:
-                print(f"[{kind}] {prompt!r}\n  -> {stream.result.text}\n", flush=True)
+                    continue
+                pending += delta.text
+                while (end := _sentence_end(pending)) > 0:
+                    print(f"  [{tag}] {pending[:end].strip()}", flush=True)
+                    pending = pending[end:]
+            if pending.strip() and not live:
+                print(f"  [{tag}] {pending.strip()}", flush=True)
             return prompt, stream.result
 
         kind, prompt = DEMO_REQUESTS[0]
-        print(f"[{kind}] {prompt!r} (streaming alone)\n  -> ", end="", flush=True)
-        first = await one(kind, prompt, live=True)
-        print(f"\n\n{len(DEMO_REQUESTS) - 1} requests streaming concurrently:\n", flush=True)
-        rest = await asyncio.gather(*(one(k, p, live=False) for k, p in DEMO_REQUESTS[1:]))
+        print(f"[1] {kind} {prompt!r}, streaming alone:\n  ", end="", flush=True)
+        first = await one(1, kind, prompt, live=True)
+        print(f"\n\n{len(DEMO_REQUESTS) - 1} requests streaming concurrently:", flush=True)
+        for tag, (kind, prompt) in enumerate(DEMO_REQUESTS[1:], start=2):
+            print(f"[{tag}] {kind} {prompt!r}", flush=True)
+        rest = await asyncio.gather(
+            *(one(tag, k, p, live=False) for tag, (k, p) in enumerate(DEMO_REQUESTS[1:], start=2))
+        )
+    print()
     return [first, *rest]
+
+
+def _sentence_end(text: str) -> int:
+    """Index just past the first sentence end ('.', '!' or '?' then a space, after a word), or 0."""
+    ends = [
+        i + 1
+        for i, c in enumerate(text[:-1])
+        if c in ".!?" and text[i + 1] == " " and any(ch.isalnum() for ch in text[:i])
+    ]
+    return ends[0] if ends else 0
 
 
 def _print_table(results: list[tuple[str, StreamResult]]) -> None:
@@ -125,11 +148,11 @@ def _print_table(results: list[tuple[str, StreamResult]]) -> None:
 
     head = ("prompt", "tokens", "TTFT", "TBT p50", "TBT p90", "E2E", "queue", "prefill", "transfer", "decode")
     rows = []
-    for prompt, r in results:
+    for tag, (prompt, r) in enumerate(results, start=1):
         tbt = np.percentile(r.tbt_s, [50, 90]).tolist() if r.tbt_s else [None, None]
         t = r.timings
         split = [t.queue_s, t.prefill_s, t.transfer_s, t.decode_s] if t else [None] * 4
-        label = prompt if len(prompt) <= 28 else prompt[:25] + "..."
+        label = f"[{tag}] " + (prompt if len(prompt) <= 28 else prompt[:25] + "...")
         rows.append((label, str(len(r.token_ids)), *(ms(v) for v in [r.ttft_s, *tbt, r.e2e_s, *split])))
     widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
     print("latency in ms; TTFT/TBT/E2E measured at the client, queue/prefill/transfer/decode by the router")

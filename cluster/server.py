@@ -8,7 +8,13 @@ object-store copy per token. Ray stays the lifecycle plane only (DESIGN.md: neve
 
 The edge validates everything itself (400 naming the field and its limit, never FastAPI's 422; 413 for
 an oversized body before it is parsed; 401 for a bad key) before any router call, so a rejected request
-queues nothing. This module never imports torch.
+queues nothing (request schemas and validation: ``cluster/openai_schema.py``). This module never imports
+torch or ray.
+
+Hosting on a running cluster (``deploy.launch.ClusterHandle``): ``serve_on_loop(handle)`` serves on the
+handle's router loop until Ctrl-C / SIGTERM (``pdserve serve``, ``python -m deploy.launch``);
+``start_http(handle)`` does the same without blocking and returns an :class:`HttpServerHandle` (``url``,
+``stop()``) for the demo, benchmarks and tests.
 
 pdserve extensions to OpenAI's shapes (OpenAI clients ignore unknown fields): every choice carries
 ``token_ids`` (the ids of that chunk, or of the whole output), and the chunk or choice that finishes a
@@ -480,8 +486,10 @@ class HttpServerHandle:
             self.server.force_exit = True
             self.future.cancel()
             logger.error("HTTP server on %s did not stop within %s s; cancelled", self.url, timeout_s)
-        except concurrent.futures.CancelledError:
-            pass
+        except (concurrent.futures.CancelledError, Exception):
+            # NOTE: stop() only stops; a serve() failure surfaces where it is awaited (wait_ready,
+            # serve_on_loop).
+            logger.debug("HTTP server on %s ended with an error", self.url, exc_info=True)
         finally:
             self.sock.close()
 
@@ -530,8 +538,8 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
             server.force_exit = True
         server.should_exit = True
 
-    # NOTE: uvicorn installs its own handlers only on the main thread's loop; here the loop runs on the
-    # router thread, so the main thread catches the signals and tells uvicorn to exit.
+    # NOTE: uvicorn installs signal handlers only when serve() runs on the main thread; here it runs on
+    # the router thread, so the main thread catches the signals and tells uvicorn to exit.
     previous = (
         {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if threading.current_thread() is threading.main_thread()

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -33,7 +34,13 @@ def free_port() -> int:
 def test_ray_job_submit_serves_a_request() -> None:
     gcs_port, dash_port = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="pdray-")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    venv_bin = str(pathlib.Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": venv_bin + os.pathsep + os.environ.get("PATH", ""),
+    }
     env.pop("RAY_ADDRESS", None)
     start = [
         RAY,
@@ -58,7 +65,7 @@ def test_ray_job_submit_serves_a_request() -> None:
             "--working-dir",
             str(REPO),
             "--",
-            "python",
+            sys.executable,
             "-m",
             "deploy.launch",
             "--config",
@@ -68,7 +75,14 @@ def test_ray_job_submit_serves_a_request() -> None:
             "--max-tokens",
             "8",
         ]
-        job = subprocess.run(submit, env=env, timeout=600, capture_output=True, text=True)
+        # NOTE: right after `ray start` the dashboard may have no job agent yet; it says so, and only
+        # that answer is retried (bounded).
+        deadline = time.monotonic() + 300
+        while True:
+            job = subprocess.run(submit, env=env, timeout=600, capture_output=True, text=True)
+            not_ready = "No available agent" in job.stdout + job.stderr
+            if not not_ready or time.monotonic() > deadline:
+                break
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
         lines = [line for line in job.stdout.splitlines() if line.startswith(("PROMPT", "OUTPUT", "TOKENS"))]
         expected = LLM().generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0.0))[0]

@@ -1,0 +1,485 @@
+"""OpenAI request and response shapes for pdserve's HTTP edge (no FastAPI here, no torch).
+
+Requests: pydantic models give the types only; ranges are checked by hand so a 400 names the field and
+its limit. ``plan_completion`` / ``plan_chat`` turn a raw JSON body into a :class:`Plan` (the router
+requests to send and how to shape the answer) or raise :class:`ApiError` before anything is queued.
+
+Responses: :class:`ChoiceBuilder` accumulates one choice's deltas and renders it as a stream chunk
+choice or a full choice; ``usage``, ``envelope`` and ``sse_event`` complete the bodies. pdserve adds
+``token_ids`` to every choice and ``pdserve_timings`` to the chunk or choice that finishes one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster.protocol import (
+    MAX_LOGPROBS,
+    FinishReason,
+    GenerateRequest,
+    ModelInfo,
+    RequestTimings,
+    RouterError,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprobs,
+)
+from workers.tokenizer import Tokenizer
+
+MAX_N = 16
+
+
+class ApiError(Exception):
+    """A request answered with an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or {
+            400: "invalid_request",
+            401: "invalid_api_key",
+            404: "model_not_found",
+            413: "request_too_large",
+        }.get(status, "error")
+
+    @classmethod
+    def from_router(cls, e: RouterError) -> ApiError:
+        return cls(e.status, str(e) or type(e).__name__, code=e.code)
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": _error_type(e.status), "param": e.param, "code": e.code}}
+
+
+# ---- request schemas: types only; ranges are checked by hand for messages that name the limit ----
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None
+    timeout: float | None = None  # seconds; pdserve extension -> GenerateRequest.deadline
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class _ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[_ContentPart] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[_Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class Plan:
+    """A validated request: what to send to the router and how to shape the answer."""
+
+    kind: Literal["completion", "chat"]
+    id: str
+    model: str
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    prompts: list[list[int]]
+    jobs: list[tuple[int, GenerateRequest]]  # (choice index, router request)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise ApiError(400, message, param)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    param = str(err["loc"][0]) if err["loc"] else None
+    if param == "prompt" and len(e.errors()) > 1:  # NOTE: one error per union member; say it once
+        return (
+            "prompt must be a string, a list of token ids, a list of strings or a list of token-id lists",
+            param,
+        )
+    loc = ".".join(str(p) for p in err["loc"])
+    return f"{loc}: {err['msg']} (got {str(err.get('input'))[:60]!r})", param
+
+
+def _check_common(body: _Body, info: ModelInfo, names: Sequence[str]) -> None:
+    if body.model is not None and body.model not in names:
+        raise ApiError(404, f"model {body.model!r} does not exist; served: {names[0]!r}", "model")
+    _check(1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    _check(body.temperature >= 0, f"temperature must be >= 0, got {body.temperature}", "temperature")
+    _check(0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}", "top_p")
+    _check(body.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {body.top_k}", "top_k")
+    _check(0 <= body.min_p <= 1, f"min_p must be in [0, 1], got {body.min_p}", "min_p")
+    for name, value, neutral in (
+        ("presence_penalty", body.presence_penalty, 0.0),
+        ("frequency_penalty", body.frequency_penalty, 0.0),
+        ("repetition_penalty", body.repetition_penalty, 1.0),
+    ):
+        _check(value == neutral, f"{name} is not supported (must be {neutral}), got {value}", name)
+    _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    _check(all(stops), "stop strings must be non-empty", "stop")
+    for t in body.stop_token_ids or []:
+        _check(
+            0 <= t < info.vocab_size,
+            f"stop_token_ids entry {t} is outside the vocabulary [0, {info.vocab_size})",
+            "stop_token_ids",
+        )
+    _check(
+        body.seed is None or 0 <= body.seed < 2**63, f"seed must be in [0, 2**63), got {body.seed}", "seed"
+    )
+    _check(
+        body.timeout is None or body.timeout > 0,
+        f"timeout must be > 0 seconds, got {body.timeout}",
+        "timeout",
+    )
+    _check(
+        body.stream or body.stream_options is None,
+        "stream_options is only allowed when stream is true",
+        "stream_options",
+    )
+
+
+def _check_prompt_ids(ids: list[int], info: ModelInfo, param: str) -> None:
+    _check(len(ids) > 0, f"{param} must not be empty", param)
+    for t in ids:
+        _check(
+            0 <= t < info.vocab_size,
+            f"{param} token id {t} is outside the vocabulary [0, {info.vocab_size})",
+            param,
+        )
+
+
+def _resolve_max_tokens(
+    requested: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str
+) -> int:
+    room = info.max_model_len - prompt_len
+    _check(
+        room >= 1,
+        f"prompt ({prompt_len} tokens) leaves no room to generate within max_model_len "
+        f"({info.max_model_len})",
+        "prompt" if param == "max_tokens" else "messages",
+    )
+    max_tokens = requested if requested is not None else min(default or room, room)
+    _check(max_tokens >= 1, f"{param} must be >= 1, got {max_tokens}", param)
+    _check(
+        prompt_len + max_tokens <= info.max_model_len,
+        f"prompt ({prompt_len} tokens) + {param} ({max_tokens}) exceeds max_model_len ({info.max_model_len})",
+        param,
+    )
+    return max_tokens
+
+
+def _build_plan(
+    kind: Literal["completion", "chat"],
+    body: _Body,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    num_logprobs: int | None,
+    model: str,
+    deadline: float | None,
+) -> Plan:
+    plan_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    jobs: list[tuple[int, GenerateRequest]] = []
+    for p, ids in enumerate(prompts):
+        for j in range(body.n):
+            params = SamplingParams(
+                max_tokens=max_tokens[p],
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                seed=None if body.seed is None else body.seed + j,
+                stop=stop,
+                stop_token_ids=list(body.stop_token_ids or []),
+                ignore_eos=body.ignore_eos,
+                logprobs=num_logprobs,
+            )
+            jobs.append((p * body.n + j, GenerateRequest(f"{plan_id}-{p}-{j}", ids, params, deadline)))
+    include_usage = bool((body.stream_options or {}).get("include_usage", False))
+    return Plan(kind, plan_id, model, body.stream, include_usage, num_logprobs is not None, prompts, jobs)
+
+
+def plan_completion(
+    raw: dict[str, Any],
+    info: ModelInfo,
+    tokenizer: Tokenizer | None,
+    names: Sequence[str],
+    default_timeout_s: float | None,
+) -> Plan:
+    """Validate a /v1/completions body; raises ApiError (400/404) before anything is queued."""
+    try:
+        body = CompletionBody.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError(400, *_validation_message(e)) from None
+    _check_common(body, info, names)
+    _check(not body.echo, "echo is not supported", "echo")
+    _check(body.suffix is None, "suffix is not supported", "suffix")
+    _check(body.best_of in (None, body.n), f"best_of must equal n ({body.n}), got {body.best_of}", "best_of")
+    _check(
+        body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS,
+        f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}",
+        "logprobs",
+    )
+    single = isinstance(body.prompt, str) or (bool(body.prompt) and isinstance(body.prompt[0], int))
+    items = cast("list[str | list[int]]", [body.prompt] if single else list(body.prompt))
+    _check(len(items) > 0, "prompt must not be empty", "prompt")
+    _check(
+        len(items) * body.n <= MAX_N, f"prompts x n must be <= {MAX_N}, got {len(items) * body.n}", "prompt"
+    )
+    prompts: list[list[int]] = []
+    for item in items:
+        if isinstance(item, str):
+            _check(
+                tokenizer is not None,
+                "text prompts need a tokenizer; this model has none: send token ids",
+                "prompt",
+            )
+            _check(item != "", "prompt must not be empty", "prompt")
+            ids = tokenizer.encode(item) if tokenizer is not None else []
+        else:
+            ids = list(item)
+        _check_prompt_ids(ids, info, "prompt")
+        prompts.append(ids)
+    max_tokens = [_resolve_max_tokens(body.max_tokens, 16, len(ids), info, "max_tokens") for ids in prompts]
+    deadline = _deadline(body.timeout, default_timeout_s)
+    return _build_plan("completion", body, prompts, max_tokens, body.logprobs, names[0], deadline)
+
+
+def plan_chat(
+    raw: dict[str, Any],
+    info: ModelInfo,
+    tokenizer: Tokenizer | None,
+    names: Sequence[str],
+    default_timeout_s: float | None,
+) -> Plan:
+    """Validate a /v1/chat/completions body and render its chat template; raises ApiError."""
+    try:
+        body = ChatBody.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError(400, *_validation_message(e)) from None
+    _check_common(body, info, names)
+    _check(len(body.messages) > 0, "messages must not be empty", "messages")
+    _check(
+        body.top_logprobs is None or body.logprobs,
+        "top_logprobs requires logprobs to be true",
+        "top_logprobs",
+    )
+    _check(
+        body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
+        f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+        "top_logprobs",
+    )
+    _check(
+        tokenizer is not None, "chat needs a tokenizer with a chat template; this model has none", "messages"
+    )
+    messages: list[dict[str, str]] = []
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, list):
+            _check(
+                all(p.type == "text" and p.text is not None for p in m.content),
+                f"messages[{i}].content: only text parts are supported",
+                "messages",
+            )
+            text = "".join(p.text or "" for p in m.content)
+        else:
+            text = m.content or ""
+        messages.append({"role": m.role, "content": text})
+    try:
+        ids = tokenizer.encode_chat(messages, body.add_generation_prompt) if tokenizer is not None else []
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    _check_prompt_ids(ids, info, "messages")
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = [_resolve_max_tokens(requested, None, len(ids), info, param)]
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    deadline = _deadline(body.timeout, default_timeout_s)
+    return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline)
+
+
+def _deadline(timeout: float | None, default_timeout_s: float | None) -> float | None:
+    t = timeout if timeout is not None else default_timeout_s
+    return None if t is None else time.time() + t
+
+
+# ---- response shapes ----
+
+
+class ChoiceBuilder:
+    """One choice's output so far, and its OpenAI shapes (stream chunk choice or full choice)."""
+
+    def __init__(self, kind: str, tokenizer: Tokenizer | None, want_logprobs: bool) -> None:
+        self.kind, self.tokenizer, self.want_logprobs = kind, tokenizer, want_logprobs
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: FinishReason | None = None
+        self.timings: RequestTimings | None = None
+        self.num_cached_tokens = 0
+        self._text_offset = 0
+
+    def add(self, delta: TokenDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason, self.timings = delta.finish_reason, delta.timings
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _format_logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        if self.kind == "chat":
+            content = []
+            for e in entries:
+                tok = self._token(e.token_id)
+                tops = [(self._token(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)]
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": e.logprob,
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {"token": s, "logprob": lp, "bytes": list(s.encode())} for s, lp in tops
+                        ],
+                    }
+                )
+            return {"content": content}
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for e in entries:
+            tok = self._token(e.token_id)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append(
+                {self._token(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)}
+            )
+            out["text_offset"].append(self._text_offset)
+            self._text_offset += len(tok)
+        return out
+
+    def _tail(
+        self, choice: dict[str, Any], finish: FinishReason | None, timings: RequestTimings | None
+    ) -> None:
+        choice["finish_reason"] = finish.value if finish is not None else None
+        if timings is not None:
+            choice["pdserve_timings"] = asdict(timings)
+
+    def stream_choice(self, index: int, delta: TokenDelta) -> dict[str, Any]:
+        self.add(delta)
+        body: dict[str, Any]
+        if self.kind == "chat":
+            body = {"index": index, "delta": {"content": delta.text}}
+        else:
+            body = {"index": index, "text": delta.text}
+        body["logprobs"] = self._format_logprobs(delta.logprobs or [])
+        body["token_ids"] = list(delta.token_ids)
+        self._tail(body, delta.finish_reason, delta.timings)
+        return body
+
+    def full_choice(self, index: int) -> dict[str, Any]:
+        body: dict[str, Any]
+        if self.kind == "chat":
+            body = {"index": index, "message": {"role": "assistant", "content": self.text}}
+        else:
+            body = {"index": index, "text": self.text}
+        body["logprobs"] = self._format_logprobs(self.logprobs)
+        body["token_ids"] = self.token_ids
+        self._tail(body, self.finish_reason, self.timings)
+        return body
+
+
+def usage(plan: Plan, choices: dict[int, ChoiceBuilder]) -> dict[str, Any]:
+    n = len(plan.jobs) // len(plan.prompts)
+    completion = sum(len(c.token_ids) for c in choices.values())
+    prompt = sum(len(p) for p in plan.prompts)
+    cached = sum(
+        max(choices[p * n + j].num_cached_tokens for j in range(n)) for p in range(len(plan.prompts))
+    )
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def envelope(plan: Plan, *, chunk: bool) -> dict[str, Any]:
+    obj = (
+        ("chat.completion.chunk" if chunk else "chat.completion")
+        if plan.kind == "chat"
+        else "text_completion"
+    )
+    return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def as_api_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RouterError):
+        return ApiError.from_router(e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
