@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve_http(handle: ClusterHandle) -> int:
     """Serve the OpenAI-compatible API on the router's loop until interrupted."""
-    from cluster.server import serve_on_loop
+    from cluster.http_host import serve_on_loop
 
     serve_on_loop(handle)
     return 0

@@ -1,0 +1,173 @@
+"""Hosting the HTTP app on a running cluster: the app is served on the router's own event loop
+(``handle.loop``), so handlers and the router share one loop and no request crosses threads.
+
+``start_http(handle)`` (tests, benchmarks, the demo) returns once /health answers; ``serve_on_loop(handle)``
+(``pdserve serve``, ``python -m deploy.launch``) blocks until Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+import socket
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from cluster.server import create_app, create_server
+from workers.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from deploy.launch import ClusterHandle
+
+logger = logging.getLogger(__name__)
+
+
+def create_cluster_app(handle: ClusterHandle) -> FastAPI:
+    """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer."""
+    if handle.router is None:
+        raise RuntimeError("the cluster has no router (start_cluster did not finish)")
+    cfg = handle.config.server
+    return create_app(
+        handle.router,
+        Tokenizer.from_pretrained(handle.model_info.model_dir),
+        api_key=cfg.api_key,
+        max_body_bytes=cfg.max_body_bytes,
+        served_model_name=cfg.served_model_name,
+    )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    # NOTE: bound here, in the caller's thread: uvicorn answers a bind failure with sys.exit(1), which
+    # on the router's loop would stop that loop instead of reaching the caller.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServerHandle:
+    """The HTTP server of :func:`start_http`, running on a cluster's router loop.
+
+    Lifecycle: ``stop()`` asks uvicorn to exit (in-flight responses get its 5 s graceful window), waits
+    at most ``timeout_s`` for ``serve()`` to return and closes the listening socket; it is idempotent
+    and must run before ``handle.shutdown()`` (which stops the loop the server runs on).
+    """
+
+    def __init__(
+        self, server: uvicorn.Server, future: concurrent.futures.Future[None], sock: socket.socket
+    ) -> None:
+        self.server, self.future, self.sock = server, future, sock
+        host, self.port = sock.getsockname()[:2]
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll GET /health (bounded) until the server answers 200; raise if serve() ended instead."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=max(1.0, timeout_s)) as http:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.TransportError):
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                # NOTE: waiting on serve()'s future (not a bare sleep) also surfaces a startup failure.
+                done, _ = concurrent.futures.wait([self.future], timeout=0.05)
+                if done:
+                    self.future.result()
+                    raise RuntimeError(f"HTTP server on {self.url} stopped during startup")
+        raise TimeoutError(f"HTTP server on {self.url} not healthy within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        # NOTE: uvicorn's main loop polls should_exit every 0.1 s; a plain attribute write is enough.
+        self.server.should_exit = True
+        try:
+            self.future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.server.force_exit = True
+            self.future.cancel()
+            logger.error("HTTP server on %s did not stop within %s s; cancelled", self.url, timeout_s)
+        except (concurrent.futures.CancelledError, Exception):
+            # NOTE: stop() only stops; a serve() failure surfaces where it is awaited (wait_ready,
+            # serve_on_loop).
+            logger.debug("HTTP server on %s ended with an error", self.url, exc_info=True)
+        finally:
+            self.sock.close()
+
+    def __enter__(self) -> HttpServerHandle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def start_http(
+    handle: ClusterHandle,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    ready_timeout_s: float = 30.0,
+    log_level: str = "warning",
+) -> HttpServerHandle:
+    """Serve the cluster's API on ``handle.loop`` without blocking; port 0 picks a free port. Returns
+    once /health answers 200 (bounded by ``ready_timeout_s``). The caller must ``stop()`` it."""
+    sock = _listen(host, port)
+    server = create_server(create_cluster_app(handle), host, int(sock.getsockname()[1]), log_level)
+    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
+    http = HttpServerHandle(server, future, sock)
+    try:
+        http.wait_ready(ready_timeout_s)
+    except BaseException:
+        http.stop()
+        raise
+    return http
+
+
+def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | None = None) -> None:
+    """Serve the cluster's API on ``handle.loop`` and block until Ctrl-C / SIGTERM (then a graceful
+    stop). host/port default to ``handle.config.server``. The caller still owns ``handle.shutdown()``."""
+    cfg = handle.config.server
+    sock = _listen(host or cfg.host, cfg.port if port is None else port)
+    server = create_server(create_cluster_app(handle), host or cfg.host, int(sock.getsockname()[1]))
+    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
+    http = HttpServerHandle(server, future, sock)
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        if server.should_exit:  # a second Ctrl-C: drop in-flight responses
+            server.force_exit = True
+        server.should_exit = True
+
+    # NOTE: uvicorn installs signal handlers only when serve() runs on the main thread; here it runs on
+    # the router thread, so the main thread catches the signals and tells uvicorn to exit.
+    previous = (
+        {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
+    try:
+        print(
+            f"pdserve: serving {handle.model_info.name} ({handle.config.router.mode}) on {http.url}",
+            flush=True,
+        )
+        while not concurrent.futures.wait([future], timeout=0.5)[0]:
+            pass
+        future.result()
+    finally:
+        http.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
