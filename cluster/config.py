@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 T = TypeVar("T")
 
@@ -59,9 +60,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
+    # CUDA graphs for decode-only steps (CUDA + triton backend): batch sizes 1, 2, 4, 8, 16, ... up to
+    # min(max_num_seqs, cuda_graph_max_batch_size); enforce_eager turns them off.
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int = 256
     seed: int = 0
+    # "auto": weights from the checkpoint's *.safetensors; "dummy": random weights built on the device
+    # from config.json alone (benchmarks; vLLM's name for it).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -82,6 +88,14 @@ class EngineConfig:
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _require(
+            self.cuda_graph_max_batch_size >= 1,
+            f"cuda_graph_max_batch_size must be >= 1, got {self.cuda_graph_max_batch_size}",
+        )
+        _require(
+            self.load_format in LOAD_FORMATS,
+            f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
         )
 
     @classmethod
