@@ -105,6 +105,32 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def start(
+        cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, now: float
+    ) -> RequestOutput:
+        """An empty output that ``apply`` fills from the request's stream of deltas."""
+        return cls(
+            request_id,
+            list(prompt_token_ids),
+            arrival_time=now,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def apply(self, delta: TokenDelta, now: float) -> None:
+        """Append one delta of this request's stream (``now``: when it arrived)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.logprobs is not None and self.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.finish_time = now
+            self.error = delta.error
+
 
 def to_dict(obj: Any) -> Any:
     """Turn a protocol dataclass (nested) into msgpack-able builtins."""

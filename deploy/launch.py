@@ -101,12 +101,10 @@ class ClusterHandle:
     ) -> RequestOutput:
         assert self.router is not None
         rid = f"req-{next(_ids)}"
-        out = RequestOutput(rid, list(prompt), arrival_time=time.time())
-        if params.logprobs is not None:
-            out.logprobs = []
+        out = RequestOutput.start(rid, prompt, params, time.time())
         deadline = None if timeout_s is None else time.time() + timeout_s
         async for d in self.router.generate(GenerateRequest(rid, list(prompt), params, deadline)):
-            _apply(out, d)
+            out.apply(d, time.time())
         return out
 
     async def agenerate(
@@ -202,20 +200,6 @@ class ClusterHandle:
             ray.shutdown()
 
 
-def _apply(out: RequestOutput, d: TokenDelta) -> None:
-    now = time.time()
-    if out.first_token_time is None:
-        out.first_token_time = now
-    out.token_ids.extend(d.token_ids)
-    out.text += d.text
-    out.num_cached_tokens = d.num_cached_tokens
-    if d.logprobs is not None and out.logprobs is not None:
-        out.logprobs.extend(d.logprobs)
-    if d.finish_reason is not None:
-        out.finish_reason = d.finish_reason
-        out.finish_time = now
-
-
 def _init_ray(cfg: ClusterConfig) -> bool:
     """Join the given / RAY_ADDRESS cluster, else start a local one. True if we started it."""
     if ray.is_initialized():
@@ -304,7 +288,14 @@ def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
         vocab_size=first["vocab_size"],
     )
     refs = [
-        WorkerRef(wid, info["pool"], handle.actors[wid], info["request_endpoint"], info["block_size"], ranks.get(wid))
+        WorkerRef(
+            wid,
+            info["pool"],
+            handle.actors[wid],
+            info["request_endpoint"],
+            info["block_size"],
+            ranks.get(wid),
+        )
         for wid, info in infos.items()
     ]
 

@@ -49,26 +49,14 @@ class LLM:
             request_id = f"llm-{self._counter}"
             self._counter += 1
             self.engine.add_request(request_id, tokens, p)
-            outputs[request_id] = RequestOutput(request_id, tokens, arrival_time=time.time())
-            if p.logprobs is not None:
-                outputs[request_id].logprobs = []
+            outputs[request_id] = RequestOutput.start(request_id, tokens, p, time.time())
             order.append(request_id)
 
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for delta in self.engine.step():
-                out = outputs[delta.request_id]
-                now = time.time()
-                if out.first_token_time is None:
-                    out.first_token_time = now
-                out.token_ids.extend(delta.token_ids)
-                out.text += delta.text
-                out.num_cached_tokens = delta.num_cached_tokens
-                if delta.logprobs is not None and out.logprobs is not None:
-                    out.logprobs.extend(delta.logprobs)
+                outputs[delta.request_id].apply(delta, time.time())
                 if delta.finish_reason is not None:
-                    out.finish_reason = delta.finish_reason
-                    out.finish_time = now
                     bar.update(1)
         bar.close()
         return [outputs[r] for r in order]
