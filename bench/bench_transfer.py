@@ -3,7 +3,8 @@
 Two processes (rank 0 = prefill with a KVSender, rank 1 = decode with a KVReceiver) on one machine.
 For each prompt length, the same number of bytes is first moved with a plain `dist.send`/`dist.recv`
 (the wire alone), then as a full handoff: ZMQ handshake, gather of non-contiguous blocks into staging,
-checksum, channel send, checksum, scatter into other block ids, final ack. Layout: Llama-3-8B
+checksum, channel send, checksum, scatter into other block ids, final ack, pipelined in chunks of
+`--chunk-mib` ("wire ms" is the receiver's ACK -> last chunk in, which overlaps gather and scatter). Layout: Llama-3-8B
 (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16 -> 128 KiB per token), random data.
 
     python bench/bench_transfer.py                       # gloo on CPU
@@ -43,8 +44,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]], reps: int, handoffs: Any,
-            out: Any) -> None:  # fmt: skip
+def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]], reps: int, chunk_bytes: int,
+            handoffs: Any, out: Any) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from transfer.channel import TORCH_DTYPES, TorchDistChannel
@@ -71,7 +72,7 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
         kv.view(torch.uint8).random_()
         if rank == 0:
             side: Any = KVSender(kv, rank=0, channel=channel, get_block_ids=tables.get,
-                                 on_sent=lambda r, ok: None, timeout_s=120.0)  # fmt: skip
+                                 on_sent=lambda r, ok: None, timeout_s=120.0, chunk_bytes=chunk_bytes)  # fmt: skip
         else:
             side = KVReceiver(kv, rank=1, channel=channel, timeout_s=120.0)
         side.start()
@@ -125,6 +126,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument(
+        "--chunk-mib", type=float, default=16.0, help="KVSender chunk_bytes (pipelining unit)"
+    )
+    parser.add_argument(
         "--mem-fraction", type=float, default=0.5, help="of MemAvailable the run may use (gloo)"
     )
     args = parser.parse_args()
@@ -150,7 +154,10 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     handoffs, out = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, port, args.backend, cases, args.reps, handoffs, out))
+        ctx.Process(
+            target=_worker,
+            args=(r, port, args.backend, cases, args.reps, int(args.chunk_mib * 2**20), handoffs, out),
+        )
         for r in range(2)
     ]
     for p in procs:
@@ -163,7 +170,8 @@ def main() -> None:
             if p.is_alive():
                 p.terminate()
     print(f"backend={args.backend} torch={torch.__version__} cpus={os.cpu_count()} Llama-3-8B KV layout "
-          f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), median of {args.reps} after 1 warm-up")  # fmt: skip
+          f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), chunks of {args.chunk_mib:g} MiB, "
+          f"median of {args.reps} after 1 warm-up")  # fmt: skip
     for note in notes:
         print(note)
     header = (

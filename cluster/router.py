@@ -364,7 +364,10 @@ class Router:
                 if peer.healthy and peer.rank is not None:
                     self._send(peer, {"op": "peer_dead", "rank": w.rank})
         for flight in list(self._flights.values()):
-            if w in (flight.prefill, flight.decode) and not flight.done:
+            # NOTE: a request already handed to a decode worker no longer needs its prefill worker once
+            # the KV landed; a transfer still in flight fails on the decode side (policy fail/recompute).
+            depends = flight.decode is w or (flight.prefill is w and flight.decode is None)
+            if depends and not flight.done:
                 flight.events.put_nowait(
                     (
                         "error",

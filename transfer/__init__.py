@@ -8,6 +8,7 @@ from transfer.protocol import (
     TransferError,
     TransferHeader,
     TransferMismatchError,
+    TransferPeerLostError,
     TransferRejectedError,
     TransferTimeoutError,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "TransferError",
     "TransferHeader",
     "TransferMismatchError",
+    "TransferPeerLostError",
     "TransferRejectedError",
     "TransferTimeoutError",
 ]

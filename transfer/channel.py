@@ -6,18 +6,17 @@ ranks cannot): the sender exports its staging buffer as a CUDA IPC handle, sent 
 ZMQ, and the receiver copies out of it. The connector orders transfers by its handshake, so a channel
 only has to move bytes; each transfer carries its own tag.
 
-A channel is used by one transfer thread (it is not thread-safe). The staging helpers live here too:
-`gather_blocks` / `scatter_blocks` between a ``[L, num_blocks, 2, bs, h, d]`` KV cache and a staging
-tensor ``[L, n, 2, bs, h, d]``, and `staging_checksum`, the header's checksum.
+A channel is used by one transfer thread (it is not thread-safe). The chunked staging (gather,
+checksum, scatter) lives in transfer/staging.py.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -35,7 +34,6 @@ TORCH_DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
     "uint8": torch.uint8,
 }
-_CHECKSUM_PRIME = (1 << 31) - 1
 
 
 def layout_of(kv: torch.Tensor) -> KVLayout:
@@ -50,73 +48,66 @@ def layout_of(kv: torch.Tensor) -> KVLayout:
     return KVLayout(int(kv.shape[0]), int(kv.shape[3]), int(kv.shape[4]), int(kv.shape[5]), dtype)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[L, n, ...] as [L, n, words] of the widest integer type that tiles a block's bytes."""
-    flat = t.view(t.shape[0], t.shape[1], math.prod(t.shape[2:]))
-    row_bytes = flat.shape[2] * t.element_size()
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if row_bytes % dtype.itemsize == 0:
-            return flat.view(torch.uint8).view(dtype) if t.element_size() == 1 else flat.view(dtype)
-    return flat.view(torch.uint8)
-
-
-def gather_blocks(kv: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
-    """Copy `kv[:, block_ids]` into the contiguous staging tensor `out` ``[L, n, 2, bs, h, d]``; returns it."""
-    # NOTE: index ops on a [L, n, words] integer view run ~3x faster on CPU than on the 6-d float view
-    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
-    if out.device == kv.device:
-        torch.index_select(_rows(kv), 1, idx, out=_rows(out))
-    else:
-        out.copy_(torch.index_select(kv, 1, idx))
-    return out
-
-
-def scatter_blocks(kv: torch.Tensor, block_ids: Sequence[int], staging: torch.Tensor) -> None:
-    """Write staging ``[L, n, ...]`` into `kv[:, block_ids]` in place (on the current stream)."""
-    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
-    _rows(kv).index_copy_(1, idx, _rows(staging.to(kv.device)))
-
-
-def staging_checksum(staging: torch.Tensor) -> int:
-    """Position-weighted sum of the staging bytes, one device pass, identical on CPU and CUDA.
-
-    Each row (one layer's K or V of one block) is summed as int32 words (bytes when a row is not a
-    multiple of 4 bytes); row sums are weighted by row index modulo a prime, so a dropped, corrupted or
-    reordered block changes the result. Not cryptographic.
-
-    NOTE: the row sums accumulate in int32 and wrap; addition mod 2**32 does not depend on reduction
-    order, so CPU and CUDA agree, and it runs ~10x faster than widening every word to int64.
-    """
-    if staging.numel() == 0:
-        return 0
-    num_rows = staging.shape[0] * staging.shape[1] * 2
-    rows = staging.reshape(-1).view(torch.uint8).view(num_rows, -1)
-    if rows.shape[1] % 4 == 0:
-        rows = rows.view(torch.int32)
-    row_sums = rows.sum(dim=1, dtype=torch.int32).to(torch.int64) % _CHECKSUM_PRIME
-    weights = torch.arange(1, num_rows + 1, dtype=torch.int64, device=rows.device) % _CHECKSUM_PRIME
-    return int(((row_sums * weights) % _CHECKSUM_PRIME).sum().item()) % _CHECKSUM_PRIME
-
-
 class PendingOp(ABC):
-    """A posted send or recv; `wait` returns when it completed or raises TransferTimeoutError."""
+    """A posted send or recv; `wait` returns when it completed or raises TransferTimeoutError.
+
+    After a TransferTimeoutError the op is still pending and `wait` may be called again (the connector
+    waits in short slices so it can notice a dropped peer in between).
+    """
 
     @abstractmethod
     def wait(self, timeout_s: float) -> None: ...
 
 
+class OpLane:
+    """The ops of one transfer: a channel that needs a helper thread to wait (gloo) waits them in posting
+    order on ONE thread, started when an op is added and ended when none is left.
+
+    NOTE: a chunked transfer posts dozens of ops; one thread each would be as many threads per transfer,
+    and, for an op towards a dead peer that never completes, as many left behind. Per lane at most one
+    thread ever waits, so an abandoned transfer leaves at most one thread, which ends when gloo fails the
+    op (the peer's socket closed, or the process-group timeout).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._queue: deque[_GlooOp] = deque()
+        self._is_running = False
+
+    def add(self, op: _GlooOp) -> None:
+        with self._lock:
+            self._queue.append(op)
+            if self._is_running:
+                return
+            self._is_running = True
+        threading.Thread(target=self._run, name=f"lane-{self.name}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._is_running = False
+                    return
+                op = self._queue.popleft()
+            op.run()
+
+
 class Channel(ABC):
-    """Moves a contiguous tensor between two ranks. Buffers must stay alive until `wait` returned."""
+    """Moves a contiguous tensor between two ranks. Buffers must stay alive until `wait` returned.
+
+    `lane` groups the ops of one transfer (see OpLane); channels that wait without threads ignore it.
+    """
 
     @abstractmethod
     def staging_device(self, kv_device: torch.device) -> torch.device:
         """Where the staging buffer for a KV cache on `kv_device` must live for this channel."""
 
     @abstractmethod
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int) -> PendingOp: ...
+    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp: ...
 
     @abstractmethod
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int) -> PendingOp: ...
+    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp: ...
 
     def send(self, buf: torch.Tensor, dst_rank: int, tag: int, timeout_s: float) -> None:
         self.isend(buf, dst_rank, tag).wait(timeout_s)
@@ -145,14 +136,17 @@ class _GlooOp(PendingOp):
     comes (a dead process) stays pending, and gloo closes the pair at the process-group timeout.
     """
 
-    def __init__(self, work: Any, what: str) -> None:
+    def __init__(self, work: Any, what: str, lane: OpLane | None) -> None:
         self._work = work
         self._what = what
         self._done = threading.Event()
         self._error: Exception | None = None
-        threading.Thread(target=self._run, name=f"gloo-{what}", daemon=True).start()
+        if lane is None:
+            threading.Thread(target=self.run, name=f"gloo-{what}", daemon=True).start()
+        else:
+            lane.add(self)
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self._work.wait()
         except Exception as e:  # noqa: BLE001 (re-raised as TransferError by wait())
@@ -212,20 +206,20 @@ class TorchDistChannel(Channel):
             return kv_device
         return torch.device("cpu")
 
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int) -> PendingOp:
+    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
         work = dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
-        return self._op(work, flat, f"send {buf.numel() * buf.element_size()} B to rank {dst_rank}")
+        return self._op(work, flat, f"send {buf.numel() * buf.element_size()} B to rank {dst_rank}", lane)
 
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int) -> PendingOp:
+    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
         work = dist.irecv(flat, src=src_rank, group=self._group, tag=tag)
-        return self._op(work, flat, f"recv {buf.numel() * buf.element_size()} B from rank {src_rank}")
+        return self._op(work, flat, f"recv {buf.numel() * buf.element_size()} B from rank {src_rank}", lane)
 
-    def _op(self, work: Any, flat: torch.Tensor, what: str) -> PendingOp:
+    def _op(self, work: Any, flat: torch.Tensor, what: str, lane: OpLane | None) -> PendingOp:
         if work is None:
             raise TransferError(f"{what}: this rank is not in the channel's process group")
-        return _PolledOp(work, flat, what) if self.is_nccl else _GlooOp(work, what)
+        return _PolledOp(work, flat, what) if self.is_nccl else _GlooOp(work, what, lane)
 
 
 class CudaIpcChannel(Channel):
@@ -255,7 +249,7 @@ class CudaIpcChannel(Channel):
             raise TransferError("CudaIpcChannel needs the KV cache on a CUDA device")
         return kv_device
 
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int) -> PendingOp:
+    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         from torch.multiprocessing.reductions import reduce_tensor
 
         flat = _as_bytes(buf)
@@ -280,7 +274,7 @@ class CudaIpcChannel(Channel):
         what = f"ipc send {flat.numel()} B to rank {dst_rank}"
         return _CallbackOp(lambda timeout_s: self._await(("copied", dst_rank, tag), timeout_s, what, flat))
 
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int) -> PendingOp:
+    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
         if flat.numel() == 0:
             return _CallbackOp(lambda timeout_s: None)

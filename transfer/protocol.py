@@ -7,11 +7,15 @@ never pickle.
 Handshake for one request (decode side D asks prefill side P; see transfer/connector.py):
 
     D -> P  request  {TransferRequest}       "send R into my blocks, skipping my first k"
-    P -> D  header   {TransferHeader}        what P will send (layout, shape, bytes, checksum)
-    D -> P  ack                              header matches what D expects; D's recv is posted
-    P => D  <bytes over the channel>
-    D -> P  done                             checksum verified and scattered; P may free its blocks
+    P -> D  header   {TransferHeader}        what P will send (layout, shape, bytes, chunking, checksum)
+    D -> P  ack                              header matches what D expects; all D's chunk recvs are posted
+    P => D  <num_chunks chunks over the channel, chunk i on tag chunk_tag(tag, i)>
+    D -> P  done                             every chunk verified and scattered; P may free its blocks
     either  abort    {error_type, message}   the transfer failed on the sender of this frame
+
+Once D has acked, P posts all `num_chunks` sends whatever happens (junk that fails the checksum when it
+cannot send the real bytes), so no recv D posted is left without its send; only a dropped (dead) peer
+is exempt.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ DTYPE_ITEMSIZE = {
     "uint8": 1,
 }
 MAX_TAG = (1 << 31) - 1
+# NOTE: each chunk carries its own checksum in an 8-byte trailer, computed while the previous chunk is on
+# the wire (a whole-transfer checksum in the header would have to be computed before any byte moves).
+CHECKSUM_SCHEME = "rowsum-trailer-v1"
+MAX_CHUNK_BYTES = 1 << 30
 
 
 class TransferError(RuntimeError):
@@ -54,6 +62,10 @@ class TransferRejectedError(TransferError):
     """The sender does not hold the request (unknown, aborted, lease expired) or refused it."""
 
 
+class TransferPeerLostError(TransferError):
+    """The peer rank was dropped (`drop_peer`: marked dead); nothing more is sent to or awaited from it."""
+
+
 _ERROR_TYPES: dict[str, type[TransferError]] = {
     cls.__name__: cls
     for cls in (
@@ -62,6 +74,7 @@ _ERROR_TYPES: dict[str, type[TransferError]] = {
         TransferTimeoutError,
         TransferChecksumError,
         TransferRejectedError,
+        TransferPeerLostError,
     )
 }
 
@@ -155,8 +168,10 @@ class TransferRequest:
 class TransferHeader:
     """What the prefill side is about to send; checked by the decode side before any byte moves.
 
-    `shape` is the per-layer shape of the staging buffer; `checksum` is `staging_checksum` of it;
-    `tag` is the channel tag both sides use for this transfer (derived from the nonce).
+    `shape` is the per-layer shape of the gathered blocks. The bytes (layer-major ``[L, n, 2, bs, h, d]``)
+    move in `num_chunks` chunks of `chunk_bytes` payload bytes (the last one shorter), a whole number of
+    one-layer block rows each; chunk i goes on tag ``chunk_tag(tag, i)`` and ends with its checksum
+    (`checksum` names the scheme; see transfer/staging.py). `tag` derives from the nonce.
     """
 
     request_id: str
@@ -168,7 +183,9 @@ class TransferHeader:
     shape: list[int]
     num_blocks: int
     nbytes: int
-    checksum: int
+    num_chunks: int
+    chunk_bytes: int
+    checksum: str
     tag: int
 
     def to_bytes(self) -> bytes:
@@ -188,7 +205,7 @@ class TransferResult:
     num_blocks: int = 0
     nbytes: int = 0
     seconds: float = 0.0  # handshake start to final frame
-    wire_seconds: float = 0.0  # the channel op alone
+    wire_seconds: float = 0.0  # first chunk posted (sender) / ack (receiver) to the last chunk through
     error: str | None = None
     error_type: str | None = None
 
@@ -209,6 +226,15 @@ def tag_for_nonce(nonce: int) -> int:
     # NOTE: a unique tag per transfer means a late send from an abandoned (timed-out) transfer can only
     # match that transfer's abandoned recv, never the next transfer's.
     return nonce % MAX_TAG
+
+
+def chunk_tag(tag: int, chunk: int) -> int:
+    return (tag + chunk) % MAX_TAG
+
+
+def row_bytes_of(layout: KVLayout) -> int:
+    """Bytes of one block in one layer (K and V): the unit chunks are cut in."""
+    return layout.bytes_per_block // layout.num_layers
 
 
 def validate_header(
@@ -232,6 +258,7 @@ def validate_header(
         "num_blocks": num_blocks,
         "shape": layout.layer_shape(num_blocks),
         "nbytes": layout.bytes_per_block * num_blocks,
+        "checksum": CHECKSUM_SCHEME,
         "tag": tag_for_nonce(nonce),
     }
     for name, want in expected.items():
@@ -241,6 +268,21 @@ def validate_header(
                 f"transfer header mismatch for request {header.request_id!r}: {name} is {got!r}, "
                 f"expected {want!r}"
             )
+    row_bytes = row_bytes_of(layout)
+    chunk_bytes = header.chunk_bytes
+    if not (
+        isinstance(chunk_bytes, int) and 0 < chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % row_bytes == 0
+    ):
+        raise TransferMismatchError(
+            f"transfer header mismatch for request {header.request_id!r}: chunk_bytes is {chunk_bytes!r}, "
+            f"expected a multiple of {row_bytes} in (0, {MAX_CHUNK_BYTES}]"
+        )
+    num_chunks = -(-header.nbytes // chunk_bytes)
+    if header.num_chunks != num_chunks:
+        raise TransferMismatchError(
+            f"transfer header mismatch for request {header.request_id!r}: num_chunks is "
+            f"{header.num_chunks!r}, expected {num_chunks} for {header.nbytes} B in {chunk_bytes} B chunks"
+        )
 
 
 def encode_message(kind: MessageKind, nonce: int, **body: Any) -> bytes:

@@ -1,0 +1,277 @@
+"""KVReceiver (decode side): fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
+
+Per transfer: REQUEST -> sender's HEADER (validated) -> post a recv for every chunk straight into staging
+-> ACK -> verify and scatter chunk i while chunk i+1 arrives -> sync -> DONE. See transfer/protocol.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from transfer.channel import Channel, OpLane
+from transfer.protocol import (
+    KVHandoff,
+    MessageKind,
+    TransferChecksumError,
+    TransferError,
+    TransferPeerLostError,
+    TransferRequest,
+    TransferResult,
+    TransferTimeoutError,
+    chunk_tag,
+    decode_message,
+    encode_message,
+    error_from_remote,
+    header_from_dict,
+    validate_header,
+)
+from transfer.side import POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
+from transfer.staging import ChunkPlan, block_index, chunk_checksum, chunk_view, read_trailer, scatter_chunk
+
+
+@dataclass
+class _Job:
+    handoff: KVHandoff
+    dst_block_ids: list[int]
+    skip_first_n_blocks: int
+    deadline: float  # time.monotonic()
+    future: Future[TransferResult]
+
+
+class KVReceiver(Side):
+    """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time."""
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        *,
+        rank: int,
+        channel: Channel,
+        timeout_s: float = 30.0,
+        zmq_context: zmq.Context[Any] | None = None,
+    ) -> None:
+        super().__init__(kv, rank, channel, timeout_s, zmq_context)
+        self._jobs: deque[_Job] = deque()
+        self._jobs_cond = threading.Condition(self._lock)
+        self._dealers: dict[str, zmq.Socket[Any]] = {}
+
+    def submit(
+        self,
+        handoff: KVHandoff,
+        dst_block_ids: Sequence[int],
+        skip_first_n_blocks: int = 0,
+        deadline: float | None = None,
+    ) -> Future[TransferResult]:
+        """Queue a fetch of `handoff` minus its first `skip_first_n_blocks` blocks into `dst_block_ids`.
+
+        The future resolves to a TransferResult or raises a TransferError, either way within `timeout_s`
+        of this call (or by `deadline`, time.time() seconds, if sooner; queueing behind other transfers
+        counts), and at once (TransferPeerLostError) if the handoff's rank is or gets dropped. On success
+        the blocks are written and visible (device synchronized); on failure they may hold partial data
+        (chunks verified before the failure) and stay the caller's to free or reuse. Raises ValueError on
+        bad block ids.
+        """
+        if not self._thread.is_alive():
+            raise TransferError("KVReceiver is not running: call start() (or it was closed)")
+        num_blocks = int(self._kv.shape[1])
+        ids = list(dst_block_ids)
+        if any(not 1 <= b < num_blocks for b in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"dst_block_ids must be distinct ids in [1, {num_blocks}), got {ids}")
+        if skip_first_n_blocks < 0:
+            raise ValueError(f"skip_first_n_blocks must be >= 0, got {skip_first_n_blocks}")
+        budget = self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.time())
+        job = _Job(handoff, ids, skip_first_n_blocks, time.monotonic() + budget, Future())
+        with self._jobs_cond:
+            is_dropped = handoff.src_rank in self._dropped
+            if not is_dropped:
+                self._jobs.append(job)
+                self._jobs_cond.notify()
+        if is_dropped:
+            self._fail_job(job)
+        return job.future
+
+    def receive(
+        self,
+        handoff: KVHandoff,
+        dst_block_ids: Sequence[int],
+        skip_first_n_blocks: int = 0,
+        deadline: float | None = None,
+    ) -> TransferResult:
+        """Blocking `submit`: returns the result or raises the TransferError."""
+        return self.submit(handoff, dst_block_ids, skip_first_n_blocks, deadline).result()
+
+    def drop_peer(self, rank: int) -> None:
+        """Side.drop_peer, and the queued fetches from `rank` fail at once (TransferPeerLostError)."""
+        with self._jobs_cond:
+            self._dropped.add(rank)
+            dropped_jobs = [j for j in self._jobs if j.handoff.src_rank == rank]
+            for job in dropped_jobs:
+                self._jobs.remove(job)
+        for job in dropped_jobs:
+            self._fail_job(job)
+
+    def _fail_job(self, job: _Job) -> None:
+        rank = job.handoff.src_rank
+        error = TransferPeerLostError(
+            f"peer rank {rank} was dropped (marked dead) by rank {self.rank}: "
+            f"not fetching {job.handoff.request_id!r}"
+        )
+        result = TransferResult(job.handoff.request_id, ok=False, num_blocks=len(job.dst_block_ids))
+        fail(result, error)
+        self._record(result)
+        if job.future.set_running_or_notify_cancel():
+            job.future.set_exception(error)
+
+    def _next_job(self) -> _Job | None:
+        with self._jobs_cond:
+            if not self._jobs:
+                self._jobs_cond.wait(POLL_S)
+            return self._jobs.popleft() if self._jobs else None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                job = self._next_job()
+                if job is None or not job.future.set_running_or_notify_cancel():
+                    continue  # nothing queued, or cancelled by the caller before it started
+                result, error = self._serve(job)
+                if error is None:
+                    job.future.set_result(result)
+                else:
+                    job.future.set_exception(error)
+            with self._jobs_cond:
+                left, self._jobs = list(self._jobs), deque()
+            for job in left:
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(TransferError("receiver closed"))
+        finally:
+            for sock in self._dealers.values():
+                sock.close(linger=0)
+
+    def _close_sockets(self) -> None:
+        pass  # owned and closed by the transfer thread
+
+    def _dealer(self, endpoint: str) -> zmq.Socket[Any]:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._dealers[endpoint] = sock
+        return sock
+
+    def _poll(self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int) -> tuple[MessageKind, Any] | None:
+        """One frame of this transfer if it comes within `timeout_ms`; raises PeerAbort on `abort`."""
+        if not sock.poll(timeout_ms):
+            return None
+        try:
+            kind, got_nonce, body = decode_message(sock.recv())
+        except TransferError:
+            return None
+        if got_nonce != nonce:
+            return None  # a late frame of an abandoned transfer
+        if kind is MessageKind.ABORT:
+            raise PeerAbort(error_from_remote(body.get("error_type", ""), body.get("message", "")))
+        return kind, body
+
+    def _await(
+        self, sock: zmq.Socket[Any], job: _Job, nonce: int, want: MessageKind, deadline: float
+    ) -> dict[str, Any]:
+        while True:
+            self._check_peer(job.handoff.src_rank)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise TransferTimeoutError(f"no {want.value} from the sender before the transfer deadline")
+            reply = self._poll(sock, nonce, min(left_ms, int(POLL_S * 1000)))
+            if reply is None:
+                continue
+            if reply[0] is not want:
+                raise TransferError(f"expected {want.value} from the sender, got {reply[0].value}")
+            body: dict[str, Any] = reply[1]
+            return body
+
+    def _serve(self, job: _Job) -> tuple[TransferResult, TransferError | None]:
+        t0 = time.monotonic()
+        error: TransferError | None = None
+        handoff, dst_ids = job.handoff, job.dst_block_ids
+        src_rank = handoff.src_rank
+        result = TransferResult(handoff.request_id, ok=False, num_blocks=len(dst_ids))
+        sock = self._dealer(handoff.src_endpoint)
+        nonce = secrets.randbits(63)
+        request = TransferRequest(handoff.request_id, nonce, self.rank, job.skip_first_n_blocks, len(dst_ids))
+        is_sent = False
+        try:
+            self._check_peer(src_rank)
+            if time.monotonic() >= job.deadline:
+                raise TransferTimeoutError(f"deadline passed while {handoff.request_id!r} was queued")
+            sock.send(encode_message(MessageKind.REQUEST, nonce, request=request), zmq.NOBLOCK)
+            is_sent = True
+            header = header_from_dict(
+                self._await(sock, job, nonce, MessageKind.HEADER, job.deadline)["header"]
+            )
+            validate_header(
+                header,
+                request_id=handoff.request_id,
+                nonce=nonce,
+                src_rank=src_rank,
+                dst_rank=self.rank,
+                layout=self.layout,
+                num_blocks=len(dst_ids),
+            )
+            result.nbytes = header.nbytes
+            plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
+            staging = self._staging(plan.num_chunks * plan.stride)
+            lane = OpLane(f"recv-{src_rank}")
+            ops = [
+                self._channel.irecv(
+                    chunk_view(staging, plan, c, c * plan.stride), src_rank, chunk_tag(header.tag, c), lane
+                )
+                for c in range(plan.num_chunks)
+            ]
+            sock.send(encode_message(MessageKind.ACK, nonce), zmq.NOBLOCK)
+            t_wire = time.monotonic()
+            index = block_index(dst_ids, self._kv.device)
+
+            def check() -> None:
+                self._check_peer(src_rank)
+                self._poll(sock, nonce, 0)
+
+            for chunk, op in enumerate(ops):
+                self._wait_op(op, job.deadline, check)
+                wire = chunk_view(staging, plan, chunk, chunk * plan.stride)
+                checksum, expected = chunk_checksum(wire, plan, chunk), read_trailer(wire)
+                if checksum != expected:
+                    raise TransferChecksumError(
+                        f"checksum of chunk {chunk}/{plan.num_chunks} ({wire.numel()} B) of "
+                        f"{handoff.request_id!r} is {checksum}, the sender's is {expected}"
+                    )
+                scatter_chunk(self._rows, index, plan, chunk, wire)
+            result.wire_seconds = time.monotonic() - t_wire
+            self._sync()
+            sock.send(encode_message(MessageKind.DONE, nonce), zmq.NOBLOCK)
+            result.ok = True
+        except PeerAbort as e:
+            error = e.error
+            fail(result, error)
+        except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
+            error = as_transfer_error(e)
+            fail(result, error)
+            if is_sent and not isinstance(error, TransferPeerLostError):
+                with contextlib.suppress(zmq.ZMQError):  # best effort: the sender times out anyway
+                    sock.send(abort_frame(nonce, error), zmq.NOBLOCK)
+        if not result.ok:
+            self._drop_staging()
+        result.seconds = time.monotonic() - t0
+        self._record(result)
+        return result, error

@@ -1,0 +1,388 @@
+"""KVSender (prefill side): serves transfer requests for the requests it `offer`ed, one at a time.
+
+Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, checksum scheme) ->
+receiver's ACK (all its chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
+it with its checksum while chunk i-1 is on the wire -> receiver's DONE. See transfer/protocol.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from transfer.channel import Channel, OpLane, PendingOp
+from transfer.protocol import (
+    CHECKSUM_SCHEME,
+    KVHandoff,
+    MessageKind,
+    TransferError,
+    TransferHeader,
+    TransferMismatchError,
+    TransferPeerLostError,
+    TransferRejectedError,
+    TransferRequest,
+    TransferResult,
+    TransferTimeoutError,
+    chunk_tag,
+    decode_message,
+    encode_message,
+    error_from_remote,
+    request_from_dict,
+    tag_for_nonce,
+)
+from transfer.side import (
+    DEFAULT_CHUNK_BYTES,
+    POLL_S,
+    PeerAbort,
+    Side,
+    abort_frame,
+    as_transfer_error,
+    fail,
+)
+from transfer.staging import ChunkPlan, block_index, chunk_view, gather_chunk, junk_chunk
+
+logger = logging.getLogger(__name__)
+_NUM_SLOTS = 3  # NOTE: gather slot, on-the-wire slot, and one of slack for a slow completion
+
+
+@dataclass
+class _Lease:
+    expiry: float  # time.monotonic()
+    in_flight: bool = False
+
+
+class KVSender(Side):
+    """Prefill side: serves transfer requests for the requests it `offer`ed, one at a time.
+
+    Block ownership: the sender never frees anything. For each offered request `on_sent(request_id, ok)`
+    runs exactly once, on the transfer thread: ok=True after the receiver's `done`, ok=False when a
+    transfer failed (its peer dropped included) or the lease expired; the owner frees the blocks then
+    (keep the callback quick and thread-safe). A request withdrawn with `abort()` while not in flight gets
+    no callback. A request asked for by a dropped peer is refused and stays offered (lease, abort).
+
+    `get_block_ids(request_id)` returns the request's block ids in order (None if the engine no longer
+    holds it); it is called in `offer` and then on the transfer thread, so the table must not change while
+    the request is offered. Bind `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`).
+    `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds 3 of them.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        *,
+        rank: int,
+        channel: Channel,
+        get_block_ids: Callable[[str], list[int] | None],
+        on_sent: Callable[[str, bool], None],
+        endpoint: str = "tcp://127.0.0.1:*",
+        timeout_s: float = 30.0,
+        lease_s: float = 60.0,
+        zmq_context: zmq.Context[Any] | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        super().__init__(kv, rank, channel, timeout_s, zmq_context)
+        self._get_block_ids = get_block_ids
+        self._on_sent = on_sent
+        self.lease_s = lease_s
+        self.chunk_bytes = chunk_bytes
+        self._leases: dict[str, _Lease] = {}
+        self._pending: deque[tuple[bytes, TransferRequest]] = deque()
+        # (ident, nonce) -> (dst_rank, tag, plan) of transfers we gave up on while waiting for the ack
+        self._num_posted = 0  # chunks of the transfer in flight posted so far
+        self._is_done_early = False  # its `done` came while we waited for our sends to complete
+        self._abandoned: dict[tuple[bytes, int], tuple[int, int, ChunkPlan]] = {}
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def offer(
+        self,
+        request_id: str,
+        num_tokens: int,
+        block_hashes: Sequence[str | bytes] = (),
+        lease_s: float | None = None,
+    ) -> KVHandoff:
+        """Start holding `request_id` for a transfer; its blocks stay the caller's until `on_sent`."""
+        block_ids = self._get_block_ids(request_id)
+        if block_ids is None:
+            raise TransferRejectedError(f"cannot offer request {request_id!r}: no blocks for it")
+        lease = self.lease_s if lease_s is None else lease_s
+        with self._lock:
+            if request_id in self._leases:
+                raise TransferRejectedError(f"request {request_id!r} is already offered")
+            self._leases[request_id] = _Lease(expiry=time.monotonic() + lease)
+        return KVHandoff(
+            request_id=request_id,
+            src_rank=self.rank,
+            src_endpoint=self.endpoint,
+            layout=self.layout,
+            num_tokens=num_tokens,
+            num_blocks=len(block_ids),
+            lease_expiry=time.time() + lease,
+            block_hashes=list(block_hashes),
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Withdraw an offer. True: withdrawn, no callback will come. False: in flight (its `on_sent`
+        still comes) or unknown."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.in_flight:
+                return False
+            del self._leases[request_id]
+            return True
+
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._expire_leases()
+                    self._forget_dropped()
+                    if self._pending:
+                        self._serve(*self._pending.popleft())
+                    elif self._sock.poll(int(POLL_S * 1000)):
+                        self._on_frame(self._sock.recv_multipart(), None)
+                except Exception:  # NOTE: e.g. a raising on_sent callback must not stop all transfers
+                    logger.exception("KVSender rank %d: transfer thread error", self.rank)
+        finally:
+            self._sock.close(linger=0)
+
+    def _close_sockets(self) -> None:
+        if not self._thread.is_alive():
+            self._sock.close(linger=0)
+
+    def _forget_dropped(self) -> None:
+        with self._lock:
+            dropped = set(self._dropped)
+        if not dropped:
+            return
+        for item in [p for p in self._pending if p[1].dst_rank in dropped]:
+            self._pending.remove(item)
+        for key in [k for k, v in self._abandoned.items() if v[0] in dropped]:
+            del self._abandoned[key]
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r, lease in self._leases.items() if not lease.in_flight and lease.expiry <= now]
+            for request_id in expired:
+                del self._leases[request_id]
+        for request_id in expired:
+            self._record(
+                TransferResult(request_id, ok=False, error="lease expired", error_type="LeaseExpired")
+            )
+            self._on_sent(request_id, False)
+
+    def _reply(self, ident: bytes, frame: bytes) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # best effort: the peer times out anyway
+            self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
+
+    def _on_frame(
+        self, frames: list[bytes], waiting: tuple[bytes, int] | None
+    ) -> tuple[MessageKind, Any] | None:
+        """Queue requests, drop stale frames; return (kind, body) if it answers `waiting` (ident, nonce)."""
+        if len(frames) != 2:
+            return None
+        ident, data = frames
+        try:
+            kind, nonce, body = decode_message(data)
+        except TransferError:
+            return None
+        if waiting == (ident, nonce):
+            return kind, body
+        if kind is MessageKind.REQUEST:
+            try:
+                req = request_from_dict(body["request"])
+                self._check_peer(req.dst_rank)
+                self._pending.append((ident, req))
+            except (TransferError, KeyError) as e:
+                self._reply(ident, abort_frame(nonce, as_transfer_error(e)))
+        elif kind is MessageKind.ACK and (ident, nonce) in self._abandoned:
+            # NOTE: the receiver posted its recvs before acking; feed them junk (its checksum fails) so
+            # no recv stays pending forever, which would close the gloo pair at the group timeout.
+            dst_rank, tag, plan = self._abandoned.pop((ident, nonce))
+            try:
+                self._feed_junk(plan, 0, dst_rank, tag)
+            except Exception:  # NOTE: must not fail the transfer this frame interrupted
+                logger.exception("KVSender rank %d: could not feed an abandoned recv", self.rank)
+        elif kind is MessageKind.ABORT:  # the receiver gave up before we served it
+            for item in [p for p in self._pending if p[0] == ident and p[1].nonce == nonce]:
+                self._pending.remove(item)
+                self._finish_lease(item[1].request_id, False)
+        return None
+
+    def _feed_junk(self, plan: ChunkPlan, first_chunk: int, dst_rank: int, tag: int) -> None:
+        if first_chunk >= plan.num_chunks:
+            return
+        junk = torch.empty(plan.stride, dtype=torch.uint8, device=self._staging_device)
+        junk_chunk(junk)
+        lane = OpLane(f"junk-{dst_rank}")
+        for chunk in range(first_chunk, plan.num_chunks):
+            self._channel.isend(chunk_view(junk, plan, chunk), dst_rank, chunk_tag(tag, chunk), lane)
+
+    def _finish_lease(self, request_id: str, ok: bool) -> None:
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+        if lease is not None:
+            self._on_sent(request_id, ok)
+
+    def _poll(self, ident: bytes, nonce: int, timeout_ms: int) -> tuple[MessageKind, Any] | None:
+        """One frame for (ident, nonce) if it comes within `timeout_ms`; raises PeerAbort on `abort`."""
+        if not self._sock.poll(timeout_ms):
+            return None
+        reply = self._on_frame(self._sock.recv_multipart(), (ident, nonce))
+        if reply is not None and reply[0] is MessageKind.ABORT:
+            body = reply[1]
+            raise PeerAbort(error_from_remote(body.get("error_type", ""), body.get("message", "")))
+        return reply
+
+    def _await(self, ident: bytes, req: TransferRequest, want: MessageKind, deadline: float) -> None:
+        while True:
+            self._check_peer(req.dst_rank)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise TransferTimeoutError(f"no {want.value} from the receiver within {self.timeout_s:.3f}s")
+            reply = self._poll(ident, req.nonce, min(left_ms, int(POLL_S * 1000)))
+            if reply is None:
+                continue
+            if reply[0] is not want:
+                raise TransferError(f"expected {want.value} from the receiver, got {reply[0].value}")
+            return
+
+    def _serve(self, ident: bytes, req: TransferRequest) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        result = TransferResult(req.request_id, ok=False)
+        with self._lock:
+            lease = self._leases.get(req.request_id)
+            if lease is not None:
+                lease.in_flight = True
+        plan: ChunkPlan | None = None
+        self._num_posted = 0
+        self._is_done_early = False
+        is_acked = False  # NOTE: from the ack on, the receiver's recvs are posted and must all be fed
+        try:
+            if lease is None:
+                raise TransferRejectedError(
+                    f"rank {self.rank} does not hold request {req.request_id!r} (unknown, aborted or expired)"
+                )
+            header, plan, block_ids = self._prepare(req)
+            result.num_blocks, result.nbytes = header.num_blocks, header.nbytes
+            self._reply(ident, encode_message(MessageKind.HEADER, req.nonce, header=header))
+            try:
+                self._await(ident, req, MessageKind.ACK, deadline)
+            except TransferTimeoutError:
+                if plan.num_chunks:
+                    if len(self._abandoned) >= 64:
+                        self._abandoned.pop(next(iter(self._abandoned)))
+                    self._abandoned[(ident, req.nonce)] = (req.dst_rank, header.tag, plan)
+                raise
+            is_acked = True
+            t_wire = time.monotonic()
+            self._send_chunks(ident, req, plan, block_ids, header.tag, deadline)
+            result.wire_seconds = time.monotonic() - t_wire
+            if not self._is_done_early:
+                self._await(ident, req, MessageKind.DONE, deadline)
+            result.ok = True
+        except PeerAbort as e:
+            fail(result, e.error)
+        except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
+            error = as_transfer_error(e)
+            fail(result, error)
+            if not isinstance(error, TransferPeerLostError):
+                self._reply(ident, abort_frame(req.nonce, error))
+        if not result.ok:
+            self._drop_staging()
+            if is_acked and plan is not None and not self.is_dropped(req.dst_rank):
+                try:
+                    self._feed_junk(plan, self._num_posted, req.dst_rank, tag_for_nonce(req.nonce))
+                except Exception:  # NOTE: on_sent below must still run
+                    logger.exception("KVSender rank %d: could not feed the receiver's recvs", self.rank)
+        result.seconds = time.monotonic() - t0
+        self._record(result)
+        if lease is not None:
+            self._finish_lease(req.request_id, result.ok)
+
+    def _send_chunks(
+        self,
+        ident: bytes,
+        req: TransferRequest,
+        plan: ChunkPlan,
+        block_ids: list[int],
+        tag: int,
+        deadline: float,
+    ) -> None:
+        """Gather, seal and post every chunk, ring-buffered; counts them in `_num_posted` (junk feeds the
+        rest if this raises)."""
+        num_slots = min(_NUM_SLOTS, plan.num_chunks)
+        ring = self._staging(num_slots * plan.stride)
+        index = block_index(block_ids, self._kv.device)
+        lane = OpLane(f"send-{req.dst_rank}")
+        ops: list[PendingOp] = []
+
+        def check() -> None:
+            self._check_peer(req.dst_rank)
+            while (reply := self._poll(ident, req.nonce, 0)) is not None:
+                # NOTE: `done` may overtake our wait for the last sends' completion; `abort` raised
+                if reply[0] is not MessageKind.DONE:
+                    raise TransferError(f"expected nothing or done from the receiver, got {reply[0].value}")
+                self._is_done_early = True
+
+        for chunk in range(plan.num_chunks):
+            slot = chunk % num_slots
+            if chunk >= num_slots:
+                self._wait_op(ops[chunk - num_slots], deadline, check)
+            wire = chunk_view(ring, plan, chunk, slot * plan.stride)
+            gather_chunk(self._rows, index, plan, chunk, wire)
+            ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
+            self._num_posted = chunk + 1
+            check()
+        for op in ops[-num_slots:] if num_slots else []:
+            self._wait_op(op, deadline, check)
+
+    def _prepare(self, req: TransferRequest) -> tuple[TransferHeader, ChunkPlan, list[int]]:
+        """Check the request against the blocks we hold and describe the whole transfer."""
+        block_ids = self._get_block_ids(req.request_id)
+        if block_ids is None:
+            raise TransferRejectedError(f"rank {self.rank} no longer has blocks for {req.request_id!r}")
+        skip = req.skip_first_n_blocks
+        if not 0 <= skip <= len(block_ids):
+            raise TransferMismatchError(
+                f"skip_first_n_blocks={skip} but request {req.request_id!r} has {len(block_ids)} blocks"
+            )
+        num_blocks = len(block_ids) - skip
+        if num_blocks != req.num_dst_blocks:  # NOTE: checked before any work; the header check repeats it
+            raise TransferMismatchError(
+                f"num_blocks: {req.request_id!r} has {num_blocks} blocks after skipping {skip}, "
+                f"the receiver reserved {req.num_dst_blocks}"
+            )
+        plan = ChunkPlan.create(self.layout.num_layers, num_blocks, self._row_bytes, self.chunk_bytes)
+        header = TransferHeader(
+            request_id=req.request_id,
+            nonce=req.nonce,
+            src_rank=self.rank,
+            dst_rank=req.dst_rank,
+            layout=self.layout,
+            dtype=self.layout.dtype,
+            shape=self.layout.layer_shape(num_blocks),
+            num_blocks=num_blocks,
+            nbytes=plan.nbytes,
+            num_chunks=plan.num_chunks,
+            chunk_bytes=plan.chunk_bytes,
+            checksum=CHECKSUM_SCHEME,
+            tag=tag_for_nonce(req.nonce),
+        )
+        return header, plan, block_ids[skip:]
