@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _START_TIMEOUT_S = 600.0
+_PLACEMENT_TIMEOUT_S = 120.0
+_LOCAL_RAY_CPUS = 16
 _ids = itertools.count()
 
 
@@ -209,7 +211,10 @@ def _init_ray(cfg: ClusterConfig) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     needed = sum(p.num_cpus * p.num_workers for _, p in _pools(cfg))
-    ray.init(num_cpus=max(int(needed) + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+    # NOTE: a local cluster's CPUs are admission tokens (workers set their own torch threads), so leave
+    # room for more than one cluster in the same driver (tests, benchmarks comparing two configs).
+    num_cpus = max(int(needed) + 1, os.cpu_count() or 1, _LOCAL_RAY_CPUS)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return True
 
 
@@ -238,7 +243,13 @@ def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
         for _, _, pc in specs
     ]
     handle.pg = placement_group(bundles, strategy=cfg.placement_strategy)
-    ray.get(handle.pg.ready(), timeout=_START_TIMEOUT_S)
+    try:
+        ray.get(handle.pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"placement group {bundles} ({cfg.placement_strategy}) did not fit within {_PLACEMENT_TIMEOUT_S:.0f} s; "
+            f"available: {ray.available_resources()}"
+        ) from None
     engine_config = cfg.engine_config()
     for index, (pool, i, pc) in enumerate(specs):
         worker_id = f"{pool}-{i}"
