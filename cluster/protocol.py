@@ -101,10 +101,6 @@ class RequestOutput:
     finish_time: float | None = None
     error: str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
     @classmethod
     def start(
         cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, now: float
@@ -143,19 +139,6 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
-
-
-def sampling_params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**d)
-
-
-def request_output_from_dict(d: dict[str, Any]) -> RequestOutput:
-    d = dict(d)
-    if d.get("finish_reason") is not None:
-        d["finish_reason"] = FinishReason(d["finish_reason"])
-    if d.get("logprobs") is not None:
-        d["logprobs"] = [TokenLogprobs(**x) for x in d["logprobs"]]
-    return RequestOutput(**d)
 
 
 @dataclass

@@ -151,10 +151,6 @@ class KVCacheManager:
         if table:
             self.pool.free(table)
 
-    def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Chained hashes of the request's full blocks (prompt + output so far)."""
-        return list(self._request_hashes(request))
-
     def _request_hashes(self, request: Request, num_blocks: int | None = None) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
         want = request.num_tokens // self.block_size if num_blocks is None else num_blocks

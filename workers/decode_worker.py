@@ -8,13 +8,37 @@ by its deadline) and is retried every loop.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from cluster.protocol import SamplingParams
 from transfer.channel import TorchDistChannel
 from transfer.connector import KVReceiver
 from transfer.protocol import TransferError, TransferResult, handoff_from_dict
-from workers.worker import EngineWorker, PendingHandoffs
+from workers.worker import EngineWorker
+
+
+class PendingHandoffs:
+    """Decode side: handoffs waiting for blocks or seats, retried each loop until their deadline."""
+
+    def __init__(self) -> None:
+        self.items: deque[dict[str, Any]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def remove(self, rid: str) -> bool:
+        for msg in self.items:
+            if msg["rid"] == rid:
+                self.items.remove(msg)
+                return True
+        return False
+
+    def expired(self, now: float) -> list[dict[str, Any]]:
+        gone = [m for m in self.items if m.get("deadline") is not None and m["deadline"] < now]
+        for m in gone:
+            self.items.remove(m)
+        return gone
 
 
 class DecodeWorker(EngineWorker):

@@ -74,9 +74,6 @@ class PrefixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
 
-    def hash_of(self, block_id: int) -> BlockHash | None:
-        return self._hash_of.get(block_id)
-
     def evict(self, block_id: int) -> bool:
         """Forget a block (it is being reused for other content). False if it was not cached."""
         block_hash = self._hash_of.pop(block_id, None)
@@ -84,7 +81,3 @@ class PrefixCache:
             return False
         del self._block_of[block_hash]
         return True
-
-    def clear(self) -> None:
-        self._block_of.clear()
-        self._hash_of.clear()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -301,26 +300,3 @@ class EngineWorker:
 
     def _close_transfer(self) -> None:
         return None
-
-
-class PendingHandoffs:
-    """Decode side: handoffs waiting for blocks or seats, retried each loop until their deadline."""
-
-    def __init__(self) -> None:
-        self.items: deque[dict[str, Any]] = deque()
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def remove(self, rid: str) -> bool:
-        for msg in self.items:
-            if msg["rid"] == rid:
-                self.items.remove(msg)
-                return True
-        return False
-
-    def expired(self, now: float) -> list[dict[str, Any]]:
-        gone = [m for m in self.items if m.get("deadline") is not None and m["deadline"] < now]
-        for m in gone:
-            self.items.remove(m)
-        return gone
