@@ -55,7 +55,8 @@ def test_ray_job_submit_serves_a_request() -> None:
         "--disable-usage-stats",
         f"--temp-dir={temp_dir}",
     ]
-    subprocess.run(start, check=True, env=env, timeout=180, capture_output=True)
+    started = subprocess.run(start, env=env, timeout=180, capture_output=True, text=True)
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
     try:
         submit = [
             RAY,
