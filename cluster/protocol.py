@@ -223,6 +223,11 @@ class ClusterUnavailableError(RouterError):
     code = "unavailable"
 
 
+class RequestAbortedError(RouterError):
+    status = 499  # nginx's "client closed request": nobody is left to read it
+    code = "aborted"
+
+
 class WorkerFailedError(RouterError):
     status = 500
     code = "worker_failed"

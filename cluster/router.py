@@ -33,6 +33,7 @@ from cluster.protocol import (
     InvalidRequestError,
     ModelInfo,
     QueueFullError,
+    RequestAbortedError,
     RequestTimings,
     RouterError,
     TokenDelta,
@@ -240,8 +241,8 @@ class Router:
         self._flights.pop(flight.req.request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        """Idempotent. The generate() iterator of an aborted request ends with a WorkerFailed-free
-        cancellation: the caller stops iterating; workers free every block they hold for it."""
+        """Idempotent: every worker holding the request frees it; a generate() still being iterated
+        for it raises RequestAbortedError."""
         flight = self._flights.get(request_id)
         if flight is not None:
             self._send_abort(flight)
@@ -384,10 +385,7 @@ def _error_for(msg: dict[str, Any]) -> RouterError:
     status = int(msg.get("status", 500))
     text = str(msg.get("message", "error"))
     if msg.get("aborted"):
-        err: RouterError = RouterError(text)
-        err.status = 499
-        err.code = "aborted"
-        return err
+        return RequestAbortedError(text)
     if status == 400:
         return InvalidRequestError(text)
     if status == 504:
