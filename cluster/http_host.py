@@ -73,6 +73,7 @@ class HttpServerHandle:
     ) -> None:
         self.server, self.future, self.sock = server, future, sock
         host, self.port = sock.getsockname()[:2]
+        # NOTE: the address to *reach* a server that was told to bind every interface is loopback
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
