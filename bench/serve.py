@@ -301,7 +301,7 @@ def bench_url(url: str, label: str, args: argparse.Namespace) -> dict[str, dict[
 
 def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Start the cluster of ``path``, serve it on a free loopback port, bench it, shut it down."""
-    from cluster.http_host import start_http
+    from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
     label = Path(path).stem

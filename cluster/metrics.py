@@ -55,6 +55,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 StatsSource = Callable[[], Sequence[WorkerStats]]
+RejectedSource = Callable[[], dict[str, int]]
 
 
 class WorkerStatsCollector(Collector):
@@ -64,37 +65,46 @@ class WorkerStatsCollector(Collector):
     """
 
     GAUGES: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
-        ("pdserve_worker_healthy", "1 if the worker answers, else 0", lambda s: float(s.healthy)),
-        ("pdserve_num_requests_running", "Requests in the worker's running batch", lambda s: s.num_running),
-        ("pdserve_num_requests_waiting", "Requests queued in the worker", lambda s: s.num_waiting),
+        (
+            "pdserve_worker_healthy",
+            "1 if the worker's heartbeat is fresh and all its threads live, else 0",
+            lambda s: float(s.healthy),
+        ),
+        (
+            "pdserve_num_requests_running",
+            "Requests in the worker's running batch",
+            lambda s: s.engine.num_running,
+        ),
+        ("pdserve_num_requests_waiting", "Requests queued in the worker", lambda s: s.engine.num_waiting),
         (
             "pdserve_num_requests_waiting_for_kv",
             "Decode-side requests waiting for their KV transfer",
             lambda s: s.num_waiting_for_kv,
         ),
-        ("pdserve_kv_cache_usage_ratio", "Fraction of usable KV blocks in use", lambda s: s.kv_usage),
-        ("pdserve_kv_cache_free_blocks", "Free KV blocks", lambda s: s.num_free_blocks),
-        ("pdserve_kv_cache_total_blocks", "Usable KV blocks", lambda s: s.num_total_blocks),
+        ("pdserve_kv_cache_usage_ratio", "Fraction of usable KV blocks in use", lambda s: s.engine.kv_usage),
+        ("pdserve_kv_cache_free_blocks", "Free KV blocks", lambda s: s.engine.num_free_blocks),
+        ("pdserve_kv_cache_total_blocks", "Usable KV blocks", lambda s: s.engine.num_total_blocks),
     )
     COUNTERS: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
-        ("pdserve_preemptions", "Requests preempted (recompute)", lambda s: s.num_preemptions),
+        ("pdserve_preemptions", "Requests preempted (recompute)", lambda s: s.engine.num_preemptions),
         (
             "pdserve_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
-            lambda s: s.prefix_cache_queries,
+            lambda s: s.engine.prefix_cache_queries,
         ),
         (
             "pdserve_prefix_cache_hits",
             "Prompt tokens found in the prefix cache",
-            lambda s: s.prefix_cache_hits,
+            lambda s: s.engine.prefix_cache_hits,
         ),
-        ("pdserve_kv_transfer_bytes", "KV bytes moved by this worker", lambda s: s.transfer_bytes),
-        ("pdserve_kv_transfer_seconds", "Seconds spent moving KV", lambda s: s.transfer_seconds),
-        ("pdserve_kv_transfers", "KV handoffs completed", lambda s: s.num_transfers),
+        ("pdserve_kv_transfer_bytes", "KV bytes moved by this worker", lambda s: s.transfer.bytes_total),
+        ("pdserve_kv_transfer_seconds", "Seconds spent moving KV", lambda s: s.transfer.seconds_total),
+        ("pdserve_kv_transfers", "KV handoffs completed", lambda s: s.transfer.num_ok),
     )
 
-    def __init__(self, source: StatsSource) -> None:
+    def __init__(self, source: StatsSource, router_rejected: RejectedSource | None = None) -> None:
         self.source = source
+        self.router_rejected = router_rejected
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -113,6 +123,21 @@ class WorkerStatsCollector(Collector):
             for s in stats:
                 counter.add_metric([s.worker_id, s.pool], float(get(s)))
             yield counter
+        yield self._rejected(stats)
+
+    def _rejected(self, stats: list[WorkerStats]) -> Metric:
+        counter = CounterMetricFamily(
+            "pdserve_control_messages_rejected",
+            "Control frames dropped (bad MAC, malformed, replayed, unknown tag, ...) by receiver and reason",
+            labels=["worker", "reason"],
+        )
+        sources = [(s.worker_id, s.rejected_frames) for s in stats]
+        if self.router_rejected is not None:
+            sources.append(("router", self.router_rejected()))
+        for worker, rejected in sources:
+            for reason, count in sorted(rejected.items()):
+                counter.add_metric([worker, reason], float(count))
+        return counter
 
 
 class Metrics:
@@ -122,7 +147,9 @@ class Metrics:
     dashboard compares runs of different modes.
     """
 
-    def __init__(self, stats_source: StatsSource | None = None) -> None:
+    def __init__(
+        self, stats_source: StatsSource | None = None, router_rejected: RejectedSource | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
 
         def histogram(name: str, doc: str) -> Histogram:
@@ -163,7 +190,7 @@ class Metrics:
             registry=self.registry,
         )
         if stats_source is not None:
-            self.registry.register(WorkerStatsCollector(stats_source))
+            self.registry.register(WorkerStatsCollector(stats_source, router_rejected))
 
     def observe_first_token(self, ttft_s: float, mode: str) -> None:
         self.ttft.labels(mode).observe(ttft_s)

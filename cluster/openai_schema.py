@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.protocol import (
     MAX_LOGPROBS,
+    ErrorCode,
     FinishReason,
     GenerateRequest,
     ModelInfo,
@@ -31,9 +32,26 @@ from cluster.protocol import (
     TokenDelta,
     TokenLogprobs,
 )
-from workers.tokenizer import Tokenizer
+from cluster.tokenizer import Tokenizer
 
 MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_DEPTH = 32
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+# NOTE: the one place an error code becomes an HTTP status.
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.ABORTED: 499,  # nginx's "client closed request": nobody is left to read it
+    ErrorCode.WORKER_FAILED: 500,
+    ErrorCode.KV_TRANSFER_FAILED: 500,
+    ErrorCode.INTERNAL: 500,
+}
 
 
 class ApiError(Exception):
@@ -51,7 +69,7 @@ class ApiError(Exception):
 
     @classmethod
     def from_router(cls, e: RouterError) -> ApiError:
-        return cls(e.status, str(e) or type(e).__name__, code=e.code)
+        return cls(HTTP_STATUS[e.code], str(e) or type(e).__name__, code=e.code.value)
 
 
 def _error_type(status: int) -> str:
@@ -64,6 +82,52 @@ def _error_type(status: int) -> str:
 
 def error_body(e: ApiError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": _error_type(e.status), "param": e.param, "code": e.code}}
+
+
+# ---- the body: strict JSON ----
+
+
+def _reject_constant(name: str) -> Any:
+    raise ApiError(400, f"request body contains {name}, which is not a JSON number")
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, strictly: no NaN/Infinity, nesting at most MAX_JSON_DEPTH, no lone
+    surrogate in any string (key or value). Raises ApiError 400 naming what is wrong."""
+    try:
+        raw = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _check_tree(raw)
+    return raw
+
+
+def _check_tree(root: dict[str, Any]) -> None:
+    stack: list[tuple[Any, int, str]] = [(root, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", path or None)
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            where = path or str(key)
+            if isinstance(key, str):
+                _check_text(key, where)
+            if isinstance(value, str):
+                _check_text(value, where)
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, where))
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} contains a lone surrogate (not valid UTF-8 text)", param) from None
 
 
 # ---- request schemas: types only; ranges are checked by hand for messages that name the limit ----
@@ -168,6 +232,23 @@ def _check_common(body: _Body, info: ModelInfo, names: Sequence[str]) -> None:
     _check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     _check(all(stops), "stop strings must be non-empty", "stop")
+    _check(
+        len(stops) <= MAX_STOP_STRINGS,
+        f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+        "stop",
+    )
+    longest = max((len(x) for x in stops), default=0)
+    _check(
+        longest <= MAX_STOP_STRING_CHARS,
+        f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got {longest}",
+        "stop",
+    )
+    num_stop_ids = len(body.stop_token_ids or [])
+    _check(
+        num_stop_ids <= MAX_STOP_TOKEN_IDS,
+        f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {num_stop_ids}",
+        "stop_token_ids",
+    )
     for t in body.stop_token_ids or []:
         _check(
             0 <= t < info.vocab_size,
@@ -250,14 +331,30 @@ def _build_plan(
     return Plan(kind, plan_id, model, body.stream, include_usage, num_logprobs is not None, prompts, jobs)
 
 
-def plan_completion(
-    raw: dict[str, Any],
-    info: ModelInfo,
-    tokenizer: Tokenizer | None,
-    names: Sequence[str],
-    default_timeout_s: float | None,
-) -> Plan:
+@dataclass(frozen=True)
+class Edge:
+    """What validation knows of the served model and the server's limits.
+
+    names: the served model name first, then aliases. default_timeout_s bounds requests without a
+    ``timeout`` field (None leaves it to the router); max_timeout_s caps every client deadline.
+    """
+
+    info: ModelInfo
+    tokenizer: Tokenizer | None
+    names: Sequence[str]
+    default_timeout_s: float | None = None
+    max_timeout_s: float | None = None
+
+    def deadline(self, timeout: float | None) -> float | None:
+        t = timeout if timeout is not None else self.default_timeout_s
+        if t is not None and self.max_timeout_s is not None:
+            t = min(t, self.max_timeout_s)
+        return None if t is None else time.time() + t
+
+
+def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
     """Validate a /v1/completions body; raises ApiError (400/404) before anything is queued."""
+    info, tokenizer, names = edge.info, edge.tokenizer, edge.names
     try:
         body = CompletionBody.model_validate(raw)
     except ValidationError as e:
@@ -292,18 +389,13 @@ def plan_completion(
         _check_prompt_ids(ids, info, "prompt")
         prompts.append(ids)
     max_tokens = [_resolve_max_tokens(body.max_tokens, 16, len(ids), info, "max_tokens") for ids in prompts]
-    deadline = _deadline(body.timeout, default_timeout_s)
+    deadline = edge.deadline(body.timeout)
     return _build_plan("completion", body, prompts, max_tokens, body.logprobs, names[0], deadline)
 
 
-def plan_chat(
-    raw: dict[str, Any],
-    info: ModelInfo,
-    tokenizer: Tokenizer | None,
-    names: Sequence[str],
-    default_timeout_s: float | None,
-) -> Plan:
+def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
     """Validate a /v1/chat/completions body and render its chat template; raises ApiError."""
+    info, tokenizer, names = edge.info, edge.tokenizer, edge.names
     try:
         body = ChatBody.model_validate(raw)
     except ValidationError as e:
@@ -325,6 +417,11 @@ def plan_chat(
     )
     messages: list[dict[str, str]] = []
     for i, m in enumerate(body.messages):
+        _check(
+            m.role in CHAT_ROLES,
+            f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role!r}"[:300],
+            "messages",
+        )
         if isinstance(m.content, list):
             _check(
                 all(p.type == "text" and p.text is not None for p in m.content),
@@ -344,13 +441,8 @@ def plan_chat(
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = [_resolve_max_tokens(requested, None, len(ids), info, param)]
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    deadline = _deadline(body.timeout, default_timeout_s)
+    deadline = edge.deadline(body.timeout)
     return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline)
-
-
-def _deadline(timeout: float | None, default_timeout_s: float | None) -> float | None:
-    t = timeout if timeout is not None else default_timeout_s
-    return None if t is None else time.time() + t
 
 
 # ---- response shapes ----

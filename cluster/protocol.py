@@ -1,6 +1,8 @@
-"""Boundary messages: plain dataclasses that survive a msgpack round trip (see `to_dict`/`from_dict`).
+"""Boundary types: sampling parameters, token deltas, request outputs, error codes, stats.
 
-This module imports nothing of the project and nothing heavy, so the router, server and client can use it.
+Plain dataclasses that survive a msgpack round trip (``to_dict`` here; the typed, strict decoding of the
+router <-> worker messages that carry them is cluster/wire.py). This module imports nothing of the
+project and nothing heavy, so the router, server, client and workers all use it.
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
 
 MAX_LOGPROBS = 20
 
@@ -196,85 +196,124 @@ class ModelInfo:
     vocab_size: int
 
 
-class RouterError(Exception):
-    """A request the cluster cannot serve; ``status`` is the HTTP status the server answers with."""
+class ErrorCode(str, enum.Enum):
+    """Why a request failed, as it travels between workers, router and server. Only the HTTP server
+    maps a code to an HTTP status (cluster/server.py)."""
 
-    status = 500
-    code = "internal_error"
+    INVALID_REQUEST = "invalid_request"
+    QUEUE_FULL = "queue_full"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    UNAVAILABLE = "unavailable"
+    ABORTED = "aborted"
+    WORKER_FAILED = "worker_failed"
+    KV_TRANSFER_FAILED = "kv_transfer_failed"
+    INTERNAL = "internal_error"
+
+
+class RouterError(Exception):
+    """A request the cluster cannot serve; ``code`` says why."""
+
+    code = ErrorCode.INTERNAL
 
 
 class InvalidRequestError(RouterError):
-    status = 400
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class QueueFullError(RouterError):
-    status = 429
-    code = "queue_full"
+    code = ErrorCode.QUEUE_FULL
 
 
 class DeadlineExceededError(RouterError):
-    status = 504
-    code = "deadline_exceeded"
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
 class ClusterUnavailableError(RouterError):
-    status = 503
-    code = "unavailable"
+    code = ErrorCode.UNAVAILABLE
 
 
 class RequestAbortedError(RouterError):
-    status = 499  # nginx's "client closed request": nobody is left to read it
-    code = "aborted"
+    code = ErrorCode.ABORTED
 
 
 class WorkerFailedError(RouterError):
-    status = 500
-    code = "worker_failed"
+    code = ErrorCode.WORKER_FAILED
+
+
+class KVTransferFailedError(WorkerFailedError):
+    code = ErrorCode.KV_TRANSFER_FAILED
+
+
+ROUTER_ERRORS: dict[ErrorCode, type[RouterError]] = {
+    cls.code: cls
+    for cls in (
+        RouterError,
+        InvalidRequestError,
+        QueueFullError,
+        DeadlineExceededError,
+        ClusterUnavailableError,
+        RequestAbortedError,
+        WorkerFailedError,
+        KVTransferFailedError,
+    )
+}
+
+
+def router_error(code: ErrorCode, message: str) -> RouterError:
+    """The RouterError subclass for ``code``."""
+    return ROUTER_ERRORS[code](message)
+
+
+@dataclass
+class EngineStats:
+    """One engine's gauges and cumulative counters (the offline API's ``LLM.stats()``; inside
+    ``WorkerStats`` on a worker)."""
+
+    num_steps: int = 0
+    num_mixed_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    schedule_time_s: float = 0.0  # host time: schedule() + update_from_output() (forward excluded)
+    prepare_time_s: float = 0.0  # host time: building the step's input tensors
+    detokenize_time_s: float = 0.0  # host time: incremental detokenization, stop strings, deltas
+    forward_time_s: float = 0.0  # model forward + sampling (includes the one device sync)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of usable KV blocks with a user."""
+        return 1.0 - self.num_free_blocks / max(1, self.num_total_blocks)
+
+
+@dataclass
+class TransferStats:
+    """Cumulative KV-transfer counters of one side (sender or receiver)."""
+
+    num_ok: int = 0
+    num_failed: int = 0
+    bytes_total: int = 0
+    seconds_total: float = 0.0
 
 
 @dataclass
 class WorkerStats:
-    """One worker's gauges and cumulative counters (the router polls these; /metrics exports them)."""
+    """One worker's snapshot, published by its step thread with every heartbeat; the router keeps the
+    latest and /metrics exports it.
+
+    healthy: every worker thread is alive and nothing failed; the router adds heartbeat freshness.
+    rejected_frames: control frames this worker dropped, by reason (cluster/frames.py).
+    """
 
     worker_id: str
     pool: str  # "prefill" | "decode" | "colocated"
     healthy: bool = True
-    num_running: int = 0
-    num_waiting: int = 0
     num_waiting_for_kv: int = 0
-    kv_usage: float = 0.0  # fraction of usable KV blocks with a user
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up
-    prefix_cache_hits: int = 0  # tokens found
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
-    num_transfers: int = 0
-    num_failed_transfers: int = 0
-
-
-def pack(message: dict[str, Any]) -> bytes:
-    """msgpack a message of builtins (dataclasses go through ``to_dict`` first); never pickle."""
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(data: bytes) -> dict[str, Any]:
-    message = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    if not isinstance(message, dict):
-        raise ValueError(f"expected a msgpack map, got {type(message).__name__}")
-    return message
-
-
-def token_delta_from_dict(d: dict[str, Any]) -> TokenDelta:
-    d = dict(d)
-    if d.get("finish_reason") is not None:
-        d["finish_reason"] = FinishReason(d["finish_reason"])
-    if d.get("logprobs") is not None:
-        d["logprobs"] = [TokenLogprobs(**x) for x in d["logprobs"]]
-    if d.get("timings") is not None:
-        d["timings"] = RequestTimings(**d["timings"])
-    return TokenDelta(**d)
+    engine: EngineStats = field(default_factory=EngineStats)
+    transfer: TransferStats = field(default_factory=TransferStats)
+    rejected_frames: dict[str, int] = field(default_factory=dict)

@@ -1,31 +1,38 @@
-"""Router: picks workers, drives prefill -> handoff -> decode, re-yields tokens, aborts, deadlines.
+"""Router: picks workers, drives prefill -> handoff -> decode, re-yields tokens, aborts, deadlines, health.
 
-Runs on one asyncio loop in the router process (which also hosts the HTTP server). Hot messages go over
-ZMQ with msgpack: one PUSH socket per worker for requests, one PULL socket for everything coming back.
-Ray is used only for lifecycle: the health task polls each actor's ``stats()`` (a snapshot, cheap) and
-treats an actor that errors or stays silent past ``health_timeout_s`` as dead: its requests fail with
-WorkerFailedError at once and nothing new is routed to it.
+Runs on one asyncio loop in the router process (which also hosts the HTTP server). Hot messages are the
+typed, authenticated frames of cluster/wire.py over ZMQ: one PUSH socket per worker for ops, one PULL
+socket for every event coming back. A bad frame is counted and dropped; no frame can end a task.
+
+Worker states (``WorkerRef.state``):
+  healthy    its step thread's heartbeat is fresh and says every thread is alive: routable;
+  unhealthy  its heartbeat is stale (stopped, stuck) or it reported a dead thread: not routed to; its
+             requests keep waiting (bounded by their deadlines) and a fresh heartbeat makes it healthy;
+  dead       it said so (``WorkerFailed``) or Ray says the actor is gone: its requests fail at once with
+             WorkerFailedError and its transfer peers stop waiting on it.
+Ray is the lifecycle plane only: one watcher per worker pings the actor to learn that it died.
 
 Modes: ``disaggregated`` (prefill pool, then a decode pool), ``colocated`` (one pool does both),
 ``conditional`` (prompts up to ``conditional_max_prompt_tokens`` go straight to a decode worker, the rest
-are disaggregated).
+are disaggregated). Placement policy: cluster/placement.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import enum
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from cluster.config import RouterConfig
+from cluster.placement import pick_decode, pick_least_loaded, pick_prefill
 from cluster.protocol import (
     ClusterUnavailableError,
     DeadlineExceededError,
@@ -39,14 +46,32 @@ from cluster.protocol import (
     TokenDelta,
     WorkerFailedError,
     WorkerStats,
-    pack,
-    to_dict,
-    token_delta_from_dict,
-    unpack,
+    router_error,
 )
-from workers.prefix_cache import hash_block
+from cluster.wire import (
+    EVENTS,
+    ROUTER_ID,
+    Abort,
+    DecodeHandoff,
+    Delta,
+    Generate,
+    Heartbeat,
+    PeerDead,
+    Prefilled,
+    RequestFailed,
+    Transferred,
+    WireDecoder,
+    WireEncoder,
+    WorkerFailed,
+)
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerState(str, enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DEAD = "dead"
 
 
 @dataclass
@@ -55,16 +80,24 @@ class WorkerRef:
 
     worker_id: str
     pool: str
-    actor: Any  # Ray actor handle (anything with .stats.remote())
+    actor: Any  # Ray actor handle (anything with .ping.remote()); None: no lifecycle watch
     request_endpoint: str
     block_size: int
     rank: int | None = None  # torch.distributed rank (None: not in the KV-transfer world)
     socket: zmq.asyncio.Socket | None = None
-    healthy: bool = True
+    state: WorkerState = WorkerState.HEALTHY
+    why: str = ""  # why it is not healthy
     stats: WorkerStats | None = None
-    last_seen: float = field(default_factory=time.monotonic)
+    last_beat: float = field(default_factory=time.monotonic)
     num_assigned: int = 0  # requests the router routed here that are not over
     num_prompt_tokens: int = 0  # outstanding prompt tokens routed here (prefill load)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == WorkerState.HEALTHY
+
+
+FlightEvent = Delta | Prefilled | Transferred | RouterError
 
 
 @dataclass
@@ -73,7 +106,7 @@ class _Flight:
 
     req: GenerateRequest
     arrival: float
-    events: asyncio.Queue[tuple[str, dict[str, Any]]] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[FlightEvent] = field(default_factory=asyncio.Queue)
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
     scheduled_time: float | None = None
@@ -83,26 +116,55 @@ class _Flight:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, workers: list[WorkerRef], model_info: ModelInfo) -> None:
+    """See the module docstring. ``secret`` authenticates every control frame (cluster/frames.py)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: list[WorkerRef],
+        model_info: ModelInfo,
+        secret: bytes,
+        *,
+        bind_host: str = "127.0.0.1",
+    ) -> None:
         self.config = config
         self.mode = config.mode
         self.model_info = model_info
         self.workers = workers
+        self._by_id = {w.worker_id: w for w in workers}
         self._flights: dict[str, _Flight] = {}
+        self._encoder = WireEncoder(secret)
+        self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind("tcp://127.0.0.1:*")
+        self._pull.bind(f"tcp://{bind_host}:*")
         self.endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         for w in workers:
             w.socket = self._ctx.socket(zmq.PUSH)
             w.socket.setsockopt(zmq.LINGER, 0)
             w.socket.connect(w.request_endpoint)
+        self._loops: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._health_loop())]
+        now = time.monotonic()
+        for w in self.workers:
+            w.last_beat = now
+        # NOTE: these two run until close(); a lifecycle watch ends when its worker is dead.
+        self._loops = [
+            asyncio.create_task(self._receive_loop(), name="router-receive"),
+            asyncio.create_task(self._heartbeat_monitor(), name="router-heartbeats"),
+        ]
+        self._tasks = [
+            *self._loops,
+            *(
+                asyncio.create_task(self._lifecycle_watch(w), name=f"router-watch-{w.worker_id}")
+                for w in self.workers
+                if w.actor is not None
+            ),
+        ]
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -116,7 +178,14 @@ class Router:
         self._pull.close(linger=0)
         self._ctx.term()
 
+    def dead_tasks(self) -> list[str]:
+        """The router's own loops that ended (each should run until close)."""
+        return [t.get_name() for t in self._loops if t.done()]
+
     def is_healthy(self) -> bool:
+        """The router's tasks all run and a full path is healthy (prefill + decode, or colocated)."""
+        if not self._loops or self.dead_tasks():
+            return False
         pools = {w.pool for w in self.workers if w.healthy}
         if self.mode == "colocated":
             return "colocated" in pools
@@ -130,10 +199,17 @@ class Router:
         return (f.prefill.worker_id if f.prefill else None, f.decode.worker_id if f.decode else None)
 
     def worker_stats(self) -> list[WorkerStats]:
+        """Latest stats of every worker; ``healthy`` is the router's verdict."""
         return [
-            w.stats if w.stats is not None else WorkerStats(w.worker_id, w.pool, healthy=w.healthy)
+            replace(w.stats, healthy=w.healthy)
+            if w.stats is not None
+            else WorkerStats(w.worker_id, w.pool, healthy=w.healthy)
             for w in self.workers
         ]
+
+    def rejected_frames(self) -> dict[str, int]:
+        """Control frames the router itself dropped, by reason."""
+        return self.decoder.rejected()
 
     # ---- the request path -----------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
@@ -151,18 +227,18 @@ class Router:
         try:
             self._dispatch(flight, deadline)
             while True:
-                kind, msg = await self._next_event(flight, deadline)
-                if kind == "error":
-                    raise _error_for(msg)
-                if kind == "transferred":
-                    flight.transfer_s = float(msg["seconds"])
+                event = await self._next_event(flight, deadline)
+                if isinstance(event, RouterError):
+                    raise event
+                if isinstance(event, Transferred):
+                    flight.transfer_s = event.seconds
                     continue
-                delta = token_delta_from_dict(msg["delta"])
+                delta = event.delta
                 if flight.first_token_time is None:
                     flight.first_token_time = time.time()
                     flight.scheduled_time = delta.scheduled_time
-                if kind == "prefilled":
-                    self._hand_off(flight, msg, delta, deadline)
+                if isinstance(event, Prefilled):
+                    self._hand_off(flight, event, deadline)
                 if delta.finish_reason is not None:
                     flight.done = True
                     delta.timings = self._timings(flight)
@@ -174,53 +250,43 @@ class Router:
 
     def _dispatch(self, flight: _Flight, deadline: float) -> None:
         req = flight.req
-        base = {
-            "rid": req.request_id,
-            "prompt": req.prompt_token_ids,
-            "params": to_dict(req.params),
-            "deadline": deadline,
-        }
-        if self.mode == "colocated":
-            w = self._pick_least_loaded("colocated")
-            self._assign(flight, w, "decode", len(req.prompt_token_ids))
-            self._send(w, {"op": "generate", **base, "hold": False})
-        elif (
+        conditional = (
             self.mode == "conditional"
             and len(req.prompt_token_ids) <= self.config.conditional_max_prompt_tokens
-        ):
-            w = self._pick_decode()
-            self._assign(flight, w, "decode", len(req.prompt_token_ids))
-            self._send(w, {"op": "generate", **base, "hold": False})
+        )
+        if self.mode == "colocated" or conditional:
+            pool = "colocated" if self.mode == "colocated" else "decode"
+            w = (
+                pick_least_loaded(self._healthy(pool), pool)
+                if pool == "colocated"
+                else pick_decode(self._healthy(pool))
+            )
+            hold = False
         else:
-            w = self._pick_prefill(req.prompt_token_ids)
-            self._assign(flight, w, "prefill", len(req.prompt_token_ids))
-            self._send(w, {"op": "generate", **base, "hold": True})
+            w = pick_prefill(
+                self._healthy("prefill"), req.prompt_token_ids, self.config.affinity_slack_tokens
+            )
+            hold = True
+        self._assign(flight, w, "prefill" if hold else "decode", len(req.prompt_token_ids))
+        self._send(w, Generate(req.request_id, req.prompt_token_ids, req.params, deadline, hold))
 
-    def _hand_off(self, flight: _Flight, msg: dict[str, Any], delta: TokenDelta, deadline: float) -> None:
+    def _hand_off(self, flight: _Flight, event: Prefilled, deadline: float) -> None:
         """Prefill sampled the first token (already on its way to the caller): start the decode side."""
         req = flight.req
         if flight.prefill is not None:
             flight.prefill.num_prompt_tokens -= len(req.prompt_token_ids)
         try:
-            w = self._pick_decode()
+            w = pick_decode(self._healthy("decode"))
         except ClusterUnavailableError:
             self._send_abort(flight)
             raise
         self._assign(flight, w, "decode", 0)
+        first = event.delta.token_ids[0]
         self._send(
-            w,
-            {
-                "op": "decode",
-                "rid": req.request_id,
-                "prompt": req.prompt_token_ids,
-                "first_token": delta.token_ids[0],
-                "params": to_dict(req.params),
-                "handoff": msg["handoff"],
-                "deadline": deadline,
-            },
+            w, DecodeHandoff(req.request_id, req.prompt_token_ids, first, req.params, event.handoff, deadline)
         )
 
-    async def _next_event(self, flight: _Flight, deadline: float) -> tuple[str, dict[str, Any]]:
+    async def _next_event(self, flight: _Flight, deadline: float) -> FlightEvent:
         left = deadline - time.time()
         if left <= 0:
             raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
@@ -246,12 +312,12 @@ class Router:
         flight = self._flights.get(request_id)
         if flight is not None:
             self._send_abort(flight)
-            flight.events.put_nowait(("error", {"status": 499, "message": "aborted", "aborted": True}))
+            flight.events.put_nowait(RequestAbortedError("aborted"))
 
     def _send_abort(self, flight: _Flight) -> None:
         for w in (flight.prefill, flight.decode):
-            if w is not None and w.healthy:
-                self._send(w, {"op": "abort", "rid": flight.req.request_id})
+            if w is not None and w.state != WorkerState.DEAD:
+                self._send(w, Abort(flight.req.request_id))
 
     def _timings(self, f: _Flight) -> RequestTimings:
         now = time.time()
@@ -266,128 +332,119 @@ class Router:
             e2e_s=now - f.arrival,
         )
 
-    # ---- choosing workers -----------------------------------------------------------------------------
+    # ---- workers --------------------------------------------------------------------------------------
     def _healthy(self, pool: str) -> list[WorkerRef]:
-        ws = [w for w in self.workers if w.pool == pool and w.healthy]
-        if not ws:
-            raise ClusterUnavailableError(f"no healthy {pool} worker")
-        return ws
-
-    def _pick_least_loaded(self, pool: str) -> WorkerRef:
-        return min(self._healthy(pool), key=lambda w: (w.num_assigned, w.worker_id))
-
-    def _pick_prefill(self, prompt: list[int]) -> WorkerRef:
-        """Prefix affinity on the prompt's first block (rendezvous hashing), unless that worker has
-        ``affinity_slack_tokens`` more outstanding prompt tokens than the least loaded one."""
-        ws = self._healthy("prefill")
-        least = min(ws, key=lambda w: (w.num_prompt_tokens, w.num_assigned, w.worker_id))
-        bs = ws[0].block_size
-        if len(prompt) < bs:
-            return least
-        key = hash_block(b"", prompt[:bs])
-        preferred = max(ws, key=lambda w: hashlib.blake2b(key + w.worker_id.encode(), digest_size=8).digest())
-        if preferred.num_prompt_tokens - least.num_prompt_tokens > self.config.affinity_slack_tokens:
-            return least
-        return preferred
-
-    def _pick_decode(self) -> WorkerRef:
-        """Fewest requests routed there, then the most free KV blocks in its last stats."""
-
-        def score(w: WorkerRef) -> tuple[int, int, str]:
-            free = w.stats.num_free_blocks if w.stats is not None else 0
-            return (w.num_assigned, -free, w.worker_id)
-
-        return min(self._healthy("decode"), key=score)
+        return [w for w in self.workers if w.pool == pool and w.healthy]
 
     def _assign(self, flight: _Flight, w: WorkerRef, role: str, prompt_tokens: int) -> None:
         if role == "prefill":
             flight.prefill = w
+            w.num_prompt_tokens += prompt_tokens
         else:
             flight.decode = w
         w.num_assigned += 1
-        w.num_prompt_tokens += prompt_tokens if role == "prefill" else 0
 
-    def _send(self, w: WorkerRef, message: dict[str, Any]) -> None:
-        assert w.socket is not None
-        # NOTE: PUSH with a connected peer queues without blocking (up to the HWM); never awaits here.
-        w.socket.send(pack(message), flags=zmq.NOBLOCK)
+    def _send(self, w: WorkerRef, op: Any) -> None:
+        if w.socket is None:
+            raise RuntimeError(f"worker {w.worker_id} has no socket")
+        try:
+            # NOTE: PUSH queues without blocking up to its high-water mark; never awaits here.
+            w.socket.send(self._encoder.encode(w.worker_id, op), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.error("router: %s's queue is full; dropped %s", w.worker_id, type(op).__name__)
+            if not isinstance(op, Abort):
+                raise ClusterUnavailableError(f"worker {w.worker_id} is not taking work") from None
 
     # ---- background tasks -----------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         while True:
+            frame = await self._pull.recv()
+            event = self.decoder.decode(frame)
+            if event is None:
+                continue
             try:
-                msg = unpack(await self._pull.recv())
-            except ValueError:
-                logger.exception("router: dropped a malformed message")
-                continue
-            kind = msg.get("kind", "")
-            rid = msg["delta"]["request_id"] if "delta" in msg else msg.get("rid")
-            flight = self._flights.get(rid) if rid is not None else None
-            if flight is None:
-                if kind == "prefilled":
-                    # NOTE: the caller went away while prefill ran; make the prefill side let go.
-                    self._abort_at(msg.get("worker"), rid)
-                continue
-            flight.events.put_nowait((kind, msg))
+                self._on_event(event)
+            except Exception:
+                logger.exception("router: failed to handle %s", type(event).__name__)
 
-    def _abort_at(self, worker_id: str | None, rid: str | None) -> None:
-        for w in self.workers:
-            if w.worker_id == worker_id and w.healthy and rid is not None:
-                self._send(w, {"op": "abort", "rid": rid})
+    def _on_event(self, event: Any) -> None:
+        worker_id = event.stats.worker_id if isinstance(event, Heartbeat) else event.worker_id
+        w = self._by_id.get(worker_id)
+        if w is None:
+            self.decoder.verifier.reject("unknown_worker")
+            return
+        if isinstance(event, Heartbeat):
+            self._on_heartbeat(w, event.stats)
+        elif isinstance(event, WorkerFailed):
+            self._mark_dead(w, f"it reported: {event.reason}")
+        elif isinstance(event, RequestFailed):
+            self._to_flight(w, event.request_id, router_error(event.code, event.message))
+        elif isinstance(event, (Delta, Prefilled)):
+            if not self._to_flight(w, event.delta.request_id, event) and isinstance(event, Prefilled):
+                # NOTE: the caller went away while prefill ran; make the prefill side let go.
+                self._send(w, Abort(event.delta.request_id))
+        elif isinstance(event, Transferred):
+            self._to_flight(w, event.request_id, event)
 
-    async def _health_loop(self) -> None:
+    def _to_flight(self, w: WorkerRef, request_id: str, event: FlightEvent) -> bool:
+        flight = self._flights.get(request_id)
+        if flight is None or (flight.prefill is not w and flight.decode is not w):
+            return False
+        flight.events.put_nowait(event)
+        return True
+
+    def _on_heartbeat(self, w: WorkerRef, stats: WorkerStats) -> None:
+        if w.state == WorkerState.DEAD:
+            return
+        w.stats, w.last_beat = stats, time.monotonic()
+        if not stats.healthy:
+            self._set_state(w, WorkerState.UNHEALTHY, "it reports a dead thread")
+        elif w.state == WorkerState.UNHEALTHY:
+            self._set_state(w, WorkerState.HEALTHY, "")
+
+    async def _heartbeat_monitor(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(w) for w in self.workers if w.healthy))
+            await asyncio.sleep(self.config.health_interval_s)
+            now = time.monotonic()
+            for w in self.workers:
+                silent = now - w.last_beat
+                if w.healthy and silent > self.config.health_timeout_s:
+                    self._set_state(w, WorkerState.UNHEALTHY, f"no heartbeat for {silent:.1f} s")
+
+    async def _lifecycle_watch(self, w: WorkerRef) -> None:
+        """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead)."""
+        while w.state != WorkerState.DEAD:
+            try:
+                await asyncio.wait_for(w.actor.ping.remote(), self.config.health_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+                self._mark_dead(w, f"{type(e).__name__}: {e}")
+                return
             await asyncio.sleep(self.config.health_interval_s)
 
-    async def _poll(self, w: WorkerRef) -> None:
-        try:
-            stats = await asyncio.wait_for(w.actor.stats.remote(), self.config.health_timeout_s)
-            w.stats = WorkerStats(**stats)
-            w.last_seen = time.monotonic()
-            if not w.stats.healthy:
-                self._mark_dead(w, "its step loop died")
-        except asyncio.TimeoutError:
-            if time.monotonic() - w.last_seen > self.config.health_timeout_s:
-                self._mark_dead(w, f"no stats within {self.config.health_timeout_s} s")
-        except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
-            self._mark_dead(w, f"{type(e).__name__}: {e}")
+    def _set_state(self, w: WorkerRef, state: WorkerState, why: str) -> None:
+        if w.state == state:
+            return
+        log = logger.info if state == WorkerState.HEALTHY else logger.error
+        log("router: worker %s is %s%s", w.worker_id, state.value, f" ({why})" if why else "")
+        w.state, w.why = state, why
 
     def _mark_dead(self, w: WorkerRef, why: str) -> None:
-        if not w.healthy:
+        if w.state == WorkerState.DEAD:
             return
-        logger.error("router: worker %s is dead (%s)", w.worker_id, why)
-        w.healthy = False
+        self._set_state(w, WorkerState.DEAD, why)
         if w.rank is not None:
             # NOTE: peers stop waiting on the dead rank at once instead of sitting out transfer timeouts
             # with other workers' transfers queued behind.
-            for peer in self.workers:
-                if peer.healthy and peer.rank is not None:
-                    self._send(peer, {"op": "peer_dead", "rank": w.rank})
+            for peer in self._live_peers(w):
+                self._send(peer, PeerDead(w.worker_id, w.rank))
         for flight in list(self._flights.values()):
             # NOTE: a request already handed to a decode worker no longer needs its prefill worker once
             # the KV landed; a transfer still in flight fails on the decode side (policy fail/recompute).
             depends = flight.decode is w or (flight.prefill is w and flight.decode is None)
             if depends and not flight.done:
-                flight.events.put_nowait(
-                    (
-                        "error",
-                        {
-                            "status": 500,
-                            "message": f"worker {w.worker_id} failed: {why}",
-                            "worker_failed": True,
-                        },
-                    )
-                )
+                flight.events.put_nowait(WorkerFailedError(f"worker {w.worker_id} failed: {why}"))
 
-
-def _error_for(msg: dict[str, Any]) -> RouterError:
-    status = int(msg.get("status", 500))
-    text = str(msg.get("message", "error"))
-    if msg.get("aborted"):
-        return RequestAbortedError(text)
-    if status == 400:
-        return InvalidRequestError(text)
-    if status == 504:
-        return DeadlineExceededError(text)
-    return WorkerFailedError(text)
+    def _live_peers(self, w: WorkerRef) -> Sequence[WorkerRef]:
+        return [p for p in self.workers if p is not w and p.rank is not None and p.state != WorkerState.DEAD]

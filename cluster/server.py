@@ -11,10 +11,9 @@ an oversized body before it is parsed; 401 for a bad key) before any router call
 queues nothing (request schemas and validation: ``cluster/openai_schema.py``). This module never imports
 torch or ray.
 
-Hosting on a running cluster (``deploy.launch.ClusterHandle``): ``serve_on_loop(handle)`` serves on the
-handle's router loop until Ctrl-C / SIGTERM (``pdserve serve``, ``python -m deploy.launch``);
-``start_http(handle)`` does the same without blocking and returns an :class:`HttpServerHandle` (``url``,
-``stop()``) for the demo, benchmarks and tests.
+Routes are module-level functions over the :class:`ServerState` that ``create_app`` builds; any exception
+no handler knows becomes a JSON 500 in OpenAI's shape (logged with its traceback). Hosting on a running
+cluster is the composition root's business: ``deploy/http_host.py``.
 
 pdserve extensions to OpenAI's shapes (OpenAI clients ignore unknown fields): every choice carries
 ``token_ids`` (the ids of that chunk, or of the whole output), and the chunk or choice that finishes a
@@ -24,16 +23,17 @@ choice carries ``pdserve_timings`` (the router's queue/prefill/transfer/decode s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import anyio
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,20 +42,19 @@ from cluster.metrics import CONTENT_TYPE, Metrics
 from cluster.openai_schema import (
     ApiError,
     ChoiceBuilder,
+    Edge,
     Plan,
     as_api_error,
     envelope,
     error_body,
+    parse_body,
     plan_chat,
     plan_completion,
     sse_event,
     usage,
 )
 from cluster.protocol import FinishReason, GenerateRequest, ModelInfo, RouterError, TokenDelta, WorkerStats
-from workers.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    pass
+from cluster.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +252,163 @@ async def _stream(
 # ---- the app ----
 
 
+@dataclass
+class ServerState:
+    """What the routes share (``app.state.pdserve``); built once by :func:`create_app`."""
+
+    router: RouterLike
+    edge: Edge
+    metrics: Metrics
+    expected_auth: bytes | None
+    max_body_bytes: int
+    # NOTE: validation, tokenization and chat templates run here, off the event loop, so a huge prompt
+    # does not stall every other stream's tokens (the tokenizer releases the GIL while it works).
+    pool: concurrent.futures.ThreadPoolExecutor
+
+    def authorize(self, request: Request) -> None:
+        if self.expected_auth is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, self.expected_auth):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+
+    async def plan(self, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]) -> Plan:
+        body = await read_body(request, self.max_body_bytes)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, lambda: planner(parse_body(body), self.edge))
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.pdserve
+    return state
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The raw body; 413 past max_body_bytes, checked before anything is parsed."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise ApiError(400, f"invalid Content-Length {length[:40]!r}")
+        if int(length) > max_body_bytes:
+            raise ApiError(413, f"request body ({length} bytes) exceeds max_body_bytes ({max_body_bytes})")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:  # NOTE: chunked bodies have no Content-Length to trust.
+            raise ApiError(413, f"request body exceeds max_body_bytes ({max_body_bytes})")
+    return bytes(body)
+
+
+async def _run(state: ServerState, plan: Plan, request: Request, arrival: float) -> Response:
+    fanout = _Fanout(state.router, state.metrics, plan, arrival)
+    handed_off = False
+    try:
+        if plan.stream:
+            # NOTE: wait for the first event before sending headers, so 429/503/504 raised before the
+            # first token still get their HTTP status (and clients may retry them).
+            first = await _until_disconnected(request, asyncio.ensure_future(fanout.queue.get()))
+            if isinstance(first[1], BaseException):
+                raise as_api_error(first[1])
+            handed_off = True
+            stream = _stream(plan, fanout, first, state.edge.tokenizer, state.metrics)
+            return _ClosingStreamingResponse(stream, fanout)
+        work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
+        choices = await _until_disconnected(request, work)
+        response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}
+        return JSONResponse({**response, "usage": usage(plan, choices)})
+    finally:
+        if not handed_off:
+            with anyio.move_on_after(30, shield=True):
+                await fanout.close()
+
+
+routes = APIRouter()
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    arrival, state = time.perf_counter(), _state(request)
+    state.authorize(request)
+    return await _run(state, await state.plan(request, plan_completion), request, arrival)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    arrival, state = time.perf_counter(), _state(request)
+    state.authorize(request)
+    return await _run(state, await state.plan(request, plan_chat), request, arrival)
+
+
+def _model_card(edge: Edge) -> dict[str, Any]:
+    info = edge.info
+    return {
+        "id": edge.names[0],
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "root": info.model_dir,
+        "max_model_len": info.max_model_len,
+        "vocab_size": info.vocab_size,
+    }
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    state.authorize(request)
+    return {"object": "list", "data": [_model_card(state.edge)]}
+
+
+@routes.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    state.authorize(request)
+    if model_id not in state.edge.names:
+        raise ApiError(404, f"model {model_id!r} does not exist; served: {state.edge.names[0]!r}", "model")
+    return _model_card(state.edge)
+
+
+@routes.get("/health")
+async def health(request: Request) -> Response:
+    healthy = _state(request).router.is_healthy()
+    return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
+
+@routes.get("/metrics")
+async def metrics_endpoint(request: Request) -> Response:
+    state = _state(request)
+    state.authorize(request)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _error_response(request: Request, e: ApiError) -> JSONResponse:
+    _state(request).metrics.observe_error(e.status, e.code)
+    return JSONResponse(error_body(e), status_code=e.status)
+
+
+async def _on_api_error(request: Request, e: Exception) -> JSONResponse:
+    return _error_response(request, e if isinstance(e, ApiError) else as_api_error(e))
+
+
+async def _on_validation_error(request: Request, e: Exception) -> JSONResponse:
+    errors = e.errors()[:1] if isinstance(e, RequestValidationError) else str(e)
+    return _error_response(request, ApiError(400, f"invalid request: {errors}"))
+
+
+async def _on_http_error(request: Request, e: Exception) -> JSONResponse:
+    status = e.status_code if isinstance(e, StarletteHTTPException) else 500
+    detail = e.detail if isinstance(e, StarletteHTTPException) else str(e)
+    return _error_response(request, ApiError(status, str(detail), code="http_error"))
+
+
+async def _on_unexpected(request: Request, e: Exception) -> JSONResponse:
+    """Any exception nothing else handled: a JSON 500 in OpenAI's shape, logged with its traceback."""
+    logger.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path, exc_info=e)
+    return _error_response(
+        request, ApiError(500, f"internal error: {type(e).__name__}", code="internal_error")
+    )
+
+
 def create_app(
     router: RouterLike,
     tokenizer: Tokenizer | None,
@@ -261,136 +417,31 @@ def create_app(
     max_body_bytes: int = 1 << 20,
     served_model_name: str | None = None,
     default_timeout_s: float | None = None,
+    max_timeout_s: float | None = None,
+    num_tokenizer_threads: int = 2,
 ) -> FastAPI:
-    """The OpenAI-compatible app over ``router``; ``app.state.metrics`` holds its :class:`Metrics`.
+    """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
 
     tokenizer None serves token-id prompts only (text prompts and chat answer 400). default_timeout_s
-    bounds requests without a ``timeout`` field (GenerateRequest.deadline); None leaves it to the router.
+    bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any.
     """
     info = router.model_info
     names = list(dict.fromkeys([served_model_name or info.name, info.name]))
-    metrics = Metrics(router.worker_stats)
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics, app.state.router = metrics, router
-    expected_auth = f"Bearer {api_key}".encode() if api_key is not None else None
-
-    def error_response(e: ApiError) -> JSONResponse:
-        metrics.observe_error(e.status, e.code)
-        return JSONResponse(error_body(e), status_code=e.status)
-
-    @app.exception_handler(ApiError)
-    async def _on_api_error(request: Request, e: ApiError) -> JSONResponse:
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(ApiError(400, f"invalid request: {e.errors()[:1]}"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(ApiError(e.status_code, str(e.detail), code="http_error"))
-
-    def authorize(request: Request) -> None:
-        if expected_auth is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected_auth):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
-
-    async def read_json(request: Request) -> dict[str, Any]:
-        """The body as a JSON object; 413 past max_body_bytes, checked before parsing anything."""
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise ApiError(400, f"invalid Content-Length {length!r}")
-            if int(length) > max_body_bytes:
-                raise ApiError(
-                    413, f"request body ({length} bytes) exceeds max_body_bytes ({max_body_bytes})"
-                )
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:  # NOTE: chunked bodies have no Content-Length to trust.
-                raise ApiError(413, f"request body exceeds max_body_bytes ({max_body_bytes})")
-        try:
-            raw = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        return raw
-
-    async def run(plan: Plan, request: Request, arrival: float) -> Response:
-        fanout = _Fanout(router, metrics, plan, arrival)
-        handed_off = False
-        try:
-            if plan.stream:
-                # NOTE: wait for the first event before sending headers, so 429/503/504 raised before the
-                # first token still get their HTTP status (and clients may retry them).
-                first = await _until_disconnected(request, asyncio.ensure_future(fanout.queue.get()))
-                if isinstance(first[1], BaseException):
-                    raise as_api_error(first[1])
-                handed_off = True
-                return _ClosingStreamingResponse(_stream(plan, fanout, first, tokenizer, metrics), fanout)
-            work = asyncio.ensure_future(_collect(fanout, plan, tokenizer))
-            choices = await _until_disconnected(request, work)
-            response = {
-                **envelope(plan, chunk=False),
-                "choices": [c.full_choice(i) for i, c in choices.items()],
-            }
-            return JSONResponse({**response, "usage": usage(plan, choices)})
-        finally:
-            if not handed_off:
-                with anyio.move_on_after(30, shield=True):
-                    await fanout.close()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        authorize(request)
-        plan = plan_completion(await read_json(request), info, tokenizer, names, default_timeout_s)
-        return await run(plan, request, arrival)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        arrival = time.perf_counter()
-        authorize(request)
-        plan = plan_chat(await read_json(request), info, tokenizer, names, default_timeout_s)
-        return await run(plan, request, arrival)
-
-    def model_card(name: str) -> dict[str, Any]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pdserve",
-            "root": info.model_dir,
-            "max_model_len": info.max_model_len,
-            "vocab_size": info.vocab_size,
-        }
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        authorize(request)
-        return {"object": "list", "data": [model_card(names[0])]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict[str, Any]:
-        authorize(request)
-        if model_id not in names:
-            raise ApiError(404, f"model {model_id!r} does not exist; served: {names[0]!r}", "model")
-        return model_card(names[0])
-
-    @app.get("/health")
-    async def health() -> Response:
-        healthy = router.is_healthy()
-        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
-
-    @app.get("/metrics")
-    async def metrics_endpoint(request: Request) -> Response:
-        authorize(request)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
+    app.state.pdserve = ServerState(
+        router=router,
+        edge=Edge(info, tokenizer, names, default_timeout_s, max_timeout_s),
+        metrics=Metrics(router.worker_stats, getattr(router, "rejected_frames", None)),
+        expected_auth=f"Bearer {api_key}".encode() if api_key is not None else None,
+        max_body_bytes=max_body_bytes,
+        pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),
+    )
+    app.include_router(routes)
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RouterError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
     return app
 
 

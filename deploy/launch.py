@@ -33,12 +33,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.frames import new_secret
 from cluster.protocol import (
     GenerateRequest,
     ModelInfo,
     RequestOutput,
     SamplingParams,
     TokenDelta,
+    WorkerStats,
 )
 from cluster.router import Router, WorkerRef
 
@@ -51,40 +53,58 @@ _LOCAL_RAY_CPUS = 16
 _ids = itertools.count()
 
 
-def _worker_classes() -> dict[str, type]:
-    from workers.decode_worker import DecodeWorker
-    from workers.prefill_worker import PrefillWorker
-    from workers.worker import EngineWorker
-
-    return {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": EngineWorker}
-
-
 def _pools(cfg: ClusterConfig) -> list[tuple[str, PoolConfig]]:
     if cfg.router.mode == "colocated":
         return [("colocated", cfg.colocated)]
     return [("prefill", cfg.prefill), ("decode", cfg.decode)]
 
 
-class ClusterHandle:
-    """A running cluster: actors, placement group, router (on the handle's own event loop)."""
+class RouterLoop:
+    """The router's event loop, run by its own thread (the HTTP server, when hosted, shares it)."""
 
-    def __init__(self, config: ClusterConfig, started_ray: bool) -> None:
-        self.config = config
-        self._started_ray = started_ray
-        self.actors: dict[str, Any] = {}
-        self.pg: Any = None
-        self.router: Router | None = None
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a coroutine on the router's loop from any other thread."""
+        """Run a coroutine on the loop from any other thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+class ClusterHandle:
+    """A running cluster: worker actors, their placement group, the router on its own loop.
+
+    Built complete by :func:`start_cluster`; ``shutdown()`` leaves no actor, placement group or thread.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        router: Router,
+        router_loop: RouterLoop,
+        actors: dict[str, Any],
+        pg: Any,
+        started_ray: bool,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self._router_loop = router_loop
+        self.loop = router_loop.loop
+        self.actors = actors
+        self.pg = pg
+        self._started_ray = started_ray
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the router's loop from any other thread."""
+        return self._router_loop.run(coro, timeout)
 
     @property
     def model_info(self) -> ModelInfo:
-        assert self.router is not None
         return self.router.model_info
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -101,7 +121,6 @@ class ClusterHandle:
     async def _collect(
         self, prompt: list[int], params: SamplingParams, timeout_s: float | None
     ) -> RequestOutput:
-        assert self.router is not None
         rid = f"req-{next(_ids)}"
         out = RequestOutput.start(rid, prompt, params, time.time())
         deadline = None if timeout_s is None else time.time() + timeout_s
@@ -117,7 +136,6 @@ class ClusterHandle:
         request_id: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Async streaming from any event loop: yields the router's TokenDeltas as they arrive."""
-        assert self.router is not None
         router = self.router
         rid = request_id or f"req-{next(_ids)}"
         req = GenerateRequest(rid, list(prompt_token_ids), params or SamplingParams())
@@ -147,29 +165,26 @@ class ClusterHandle:
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(router.abort(rid), self.loop))
 
     # ---- observability & tests ------------------------------------------------------------------------
-    def worker_stats(self) -> list[Any]:
-        assert self.router is not None
+    def worker_stats(self) -> list[WorkerStats]:
         return self.router.worker_stats()
 
     def check_leaks(self, timeout_s: float = 30.0) -> dict[str, str | None]:
-        """Leak invariant on every live worker: None where clean."""
-        assert self.router is not None
-        live = {w.worker_id: self.actors[w.worker_id] for w in self.router.workers if w.healthy}
+        """Leak invariant on every worker that is not dead: None where clean."""
+        live = {w.worker_id: self.actors[w.worker_id] for w in self.router.workers if w.state != "dead"}
         refs = {wid: a.check_leaks.remote() for wid, a in live.items()}
         return {wid: ray.get(ref, timeout=timeout_s) for wid, ref in refs.items()}
 
     def wait_until_quiet(self, timeout_s: float = 30.0) -> None:
-        """Wait (bounded) until no worker runs, waits, or waits for KV (e.g. after aborts)."""
+        """Wait (bounded) until no live worker runs, waits, or waits for KV (e.g. after aborts)."""
         deadline = time.monotonic() + timeout_s
-        assert self.router is not None
         while time.monotonic() < deadline:
-            stats = [
+            stats: list[WorkerStats] = [
                 ray.get(self.actors[w.worker_id].stats.remote(), timeout=timeout_s)
                 for w in self.router.workers
-                if w.healthy
+                if w.state != "dead"
             ]
             idle = all(
-                s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_waiting_for_kv"] == 0
+                s.engine.num_running == 0 and s.engine.num_waiting == 0 and s.num_waiting_for_kv == 0
                 for s in stats
             )
             if idle and all(v is None for v in self.check_leaks(timeout_s).values()):
@@ -177,29 +192,34 @@ class ClusterHandle:
             time.sleep(0.05)  # NOTE: polling a condition with a bound, not waiting for readiness
         raise TimeoutError(f"workers still busy after {timeout_s} s: {self.check_leaks(timeout_s)}")
 
-    def kill_worker(self, worker_id: str) -> None:
-        """Failure injection: kill one worker actor (no restart)."""
-        ray.kill(self.actors[worker_id], no_restart=True)
+    def kill_worker(self, worker_id: str, *, no_restart: bool = True) -> None:
+        """Failure injection: kill one worker actor (restarted by Ray only if allowed and asked)."""
+        ray.kill(self.actors[worker_id], no_restart=no_restart)
+
+    def inject_fault(self, worker_id: str, kind: str) -> None:
+        """Failure injection (``start_cluster(..., fault_injection=True)``): a worker thread dies."""
+        ray.get(self.actors[worker_id].inject_fault.remote(kind), timeout=30)
 
     def shutdown(self) -> None:
-        if self.router is not None:
-            try:
-                self.run(self.router.close(), timeout=10)
-            except Exception:
-                logger.exception("router close failed")
-        for actor in self.actors.values():
-            # NOTE: a dead actor cannot shut down; it is killed regardless
-            with contextlib.suppress(Exception):
-                ray.get(actor.shutdown.remote(), timeout=10)
-            ray.kill(actor, no_restart=True)
-        self.actors.clear()
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        try:
+            self.run(self.router.close(), timeout=10)
+        except Exception:
+            logger.exception("router close failed")
+        _stop_actors(self.actors, self.pg)
+        self._router_loop.stop()
         if self._started_ray:
             ray.shutdown()
+
+
+def _stop_actors(actors: dict[str, Any], pg: Any) -> None:
+    for actor in actors.values():
+        # NOTE: a dead actor cannot shut down; it is killed regardless
+        with contextlib.suppress(Exception):
+            ray.get(actor.shutdown.remote(), timeout=10)
+        ray.kill(actor, no_restart=True)
+    actors.clear()
+    if pg is not None:
+        remove_placement_group(pg)
 
 
 def _init_ray(cfg: ClusterConfig) -> bool:
@@ -218,79 +238,104 @@ def _init_ray(cfg: ClusterConfig) -> bool:
     return True
 
 
-def start_cluster(config: ClusterConfig | dict[str, Any] | str) -> ClusterHandle:
-    """Placement group -> worker actors -> torch.distributed world -> router. See module docstring."""
+def start_cluster(
+    config: ClusterConfig | dict[str, Any] | str, *, fault_injection: bool = False
+) -> ClusterHandle:
+    """Placement group -> worker actors -> torch.distributed world -> router. See module docstring.
+
+    fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
     if isinstance(config, str):
         cfg = ClusterConfig.from_yaml(config)
     elif isinstance(config, dict):
         cfg = ClusterConfig.from_dict(config)
     else:
         cfg = config
-    handle = ClusterHandle(cfg, _init_ray(cfg))
+    started_ray = _init_ray(cfg)
+    router_loop = RouterLoop()
+    actors: dict[str, Any] = {}
+    pg: Any = None
     try:
-        _build(handle, cfg)
+        pg = _placement_group(cfg)
+        secret = new_secret()
+        _start_workers(cfg, pg, secret, actors, fault_injection)
+        router = _start_router(cfg, router_loop, secret, actors)
     except BaseException:
-        handle.shutdown()
+        _stop_actors(actors, pg)
+        router_loop.stop()
+        if started_ray:
+            ray.shutdown()
         raise
-    return handle
+    return ClusterHandle(cfg, router, router_loop, actors, pg, started_ray)
 
 
-def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
-    classes = _worker_classes()
-    specs = [(pool, i, pc) for pool, pc in _pools(cfg) for i in range(pc.num_workers)]
+def _specs(cfg: ClusterConfig) -> list[tuple[str, int, PoolConfig]]:
+    return [(pool, i, pc) for pool, pc in _pools(cfg) for i in range(pc.num_workers)]
+
+
+def _placement_group(cfg: ClusterConfig) -> Any:
     bundles = [
         {"CPU": max(pc.num_cpus, 0.001), **({"GPU": pc.num_gpus} if pc.num_gpus else {})}
-        for _, _, pc in specs
+        for _, _, pc in _specs(cfg)
     ]
-    handle.pg = placement_group(bundles, strategy=cfg.placement_strategy)
+    pg = placement_group(bundles, strategy=cfg.placement_strategy)
     try:
-        ray.get(handle.pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
         raise RuntimeError(
             f"placement group {bundles} ({cfg.placement_strategy}) did not fit within {_PLACEMENT_TIMEOUT_S:.0f} s; "
             f"available: {ray.available_resources()}"
         ) from None
+    return pg
+
+
+def _start_workers(
+    cfg: ClusterConfig, pg: Any, secret: bytes, actors: dict[str, Any], fault_injection: bool
+) -> None:
+    """Create every worker actor (into ``actors`` as they are made, so a failure can clean up), then
+    join the KV-transfer world (not in colocated mode)."""
+    from workers.worker import EngineWorker
+
     engine_config = cfg.engine_config()
+    actor_cls: Any = ray.remote(EngineWorker)
+    specs = _specs(cfg)
     for index, (pool, i, pc) in enumerate(specs):
         worker_id = f"{pool}-{i}"
-        actor_cls: Any = ray.remote(classes[pool])
-        handle.actors[worker_id] = actor_cls.options(
-            name=None,
+        actors[worker_id] = actor_cls.options(
             num_cpus=max(pc.num_cpus, 0.001),
             num_gpus=pc.num_gpus,
             max_restarts=pc.max_restarts,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                handle.pg, placement_group_bundle_index=index
-            ),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         ).remote(
             worker_id,
+            pool,
             engine_config,
             cfg.transfer,
+            secret,
             torch_threads=pc.torch_threads if not pc.num_gpus else None,
+            allow_fault_injection=fault_injection,
         )
-    infos = dict(
-        zip(
-            handle.actors,
-            ray.get([a.info.remote() for a in handle.actors.values()], timeout=_START_TIMEOUT_S),
-            strict=True,
-        )
+    if cfg.router.mode == "colocated":
+        return
+    handles = list(actors.values())
+    all_gpu = all(pc.num_gpus for _, _, pc in specs)
+    backend = cfg.transfer.backend if cfg.transfer.backend != "auto" else ("nccl" if all_gpu else "gloo")
+    master = ray.get(handles[0].rendezvous_address.remote(), timeout=_START_TIMEOUT_S)
+    ray.get(
+        [a.init_process_group.remote(rank, len(handles), master, backend) for rank, a in enumerate(handles)],
+        timeout=_START_TIMEOUT_S,
     )
 
-    ranks: dict[str, int] = {}
-    if cfg.router.mode != "colocated":
-        ranks = {wid: rank for rank, wid in enumerate(handle.actors)}
-        actors = list(handle.actors.values())
-        all_gpu = all(pc.num_gpus for _, _, pc in specs)
-        backend = cfg.transfer.backend if cfg.transfer.backend != "auto" else ("nccl" if all_gpu else "gloo")
-        master = ray.get(actors[0].rendezvous_address.remote(), timeout=60)
-        ray.get(
-            [
-                a.init_process_group.remote(rank, len(actors), master, backend)
-                for rank, a in enumerate(actors)
-            ],
-            timeout=_START_TIMEOUT_S,
-        )
 
+def _start_router(
+    cfg: ClusterConfig, router_loop: RouterLoop, secret: bytes, actors: dict[str, Any]
+) -> Router:
+    infos = dict(
+        zip(
+            actors, ray.get([a.info.remote() for a in actors.values()], timeout=_START_TIMEOUT_S), strict=True
+        )
+    )
+    ranks = {} if cfg.router.mode == "colocated" else {wid: rank for rank, wid in enumerate(actors)}
     first = next(iter(infos.values()))
     model_info = ModelInfo(
         name=cfg.server.served_model_name or os.path.basename(first["model_dir"].rstrip("/")),
@@ -300,23 +345,26 @@ def _build(handle: ClusterHandle, cfg: ClusterConfig) -> None:
     )
     refs = [
         WorkerRef(
-            wid,
-            info["pool"],
-            handle.actors[wid],
-            info["request_endpoint"],
-            info["block_size"],
-            ranks.get(wid),
+            wid, info["pool"], actors[wid], info["request_endpoint"], info["block_size"], ranks.get(wid)
         )
         for wid, info in infos.items()
     ]
 
     async def make_router() -> Router:
-        router = Router(cfg.router, refs, model_info)
+        router = Router(cfg.router, refs, model_info, secret)
         await router.start()
         return router
 
-    handle.router = handle.run(make_router(), timeout=60)
-    ray.get([a.start.remote(handle.router.endpoint) for a in handle.actors.values()], timeout=60)
+    router = router_loop.run(make_router(), timeout=60)
+    try:
+        ray.get(
+            [a.start.remote(router.endpoint, cfg.router.health_interval_s) for a in actors.values()],
+            timeout=60,
+        )
+    except BaseException:
+        router_loop.run(router.close(), timeout=10)
+        raise
+    return router
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handle = start_cluster(args.config)
     try:
         if args.prompt:
-            from workers.tokenizer import Tokenizer
+            from cluster.tokenizer import Tokenizer
 
             tok = Tokenizer.from_pretrained(handle.model_info.model_dir)
             if tok is None:
@@ -351,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve_http(handle: ClusterHandle) -> int:
     """Serve the OpenAI-compatible API on the router's loop until interrupted."""
-    from cluster.http_host import serve_on_loop
+    from deploy.http_host import serve_on_loop
 
     serve_on_loop(handle)
     return 0

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from cluster.protocol import (
     ClusterUnavailableError,
     DeadlineExceededError,
+    EngineStats,
     FinishReason,
     GenerateRequest,
     ModelInfo,
@@ -32,11 +33,12 @@ from cluster.protocol import (
     SamplingParams,
     TokenDelta,
     TokenLogprobs,
+    TransferStats,
     WorkerFailedError,
     WorkerStats,
 )
 from cluster.server import create_server
-from workers.tokenizer import Tokenizer
+from cluster.tokenizer import Tokenizer
 
 VOCAB_SIZE = 512
 NUM_SPECIAL = 3  # <unk> <s> </s>
@@ -95,28 +97,23 @@ class StubRouter:
             WorkerStats(
                 "prefill-0",
                 "prefill",
-                num_running=1,
-                num_waiting=2,
-                kv_usage=0.25,
-                num_free_blocks=30,
-                num_total_blocks=40,
-                prefix_cache_queries=100,
-                prefix_cache_hits=40,
-                transfer_bytes=4096,
-                transfer_seconds=0.01,
-                num_transfers=2,
+                engine=EngineStats(
+                    num_running=1,
+                    num_waiting=2,
+                    num_free_blocks=30,
+                    num_total_blocks=40,
+                    prefix_cache_queries=100,
+                    prefix_cache_hits=40,
+                ),
+                transfer=TransferStats(num_ok=2, bytes_total=4096, seconds_total=0.01),
+                rejected_frames={"bad_mac": 3},
             ),
             WorkerStats(
                 "decode-0",
                 "decode",
-                num_running=3,
                 num_waiting_for_kv=1,
-                kv_usage=0.5,
-                num_free_blocks=20,
-                num_total_blocks=40,
-                num_preemptions=1,
-                transfer_bytes=4096,
-                num_transfers=2,
+                engine=EngineStats(num_running=3, num_free_blocks=20, num_total_blocks=40, num_preemptions=1),
+                transfer=TransferStats(num_ok=2, bytes_total=4096),
             ),
         ]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.block_hash import hash_block, hash_full_blocks
 from cluster.protocol import SamplingParams
 from workers.block_manager import BlockPool, KVCacheManager
-from workers.prefix_cache import PrefixCache, hash_block, hash_full_blocks
+from workers.prefix_cache import PrefixCache
 from workers.request import Request
 
 

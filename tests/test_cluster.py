@@ -59,9 +59,9 @@ def test_disaggregated_equals_hf_and_colocated(disagg: ClusterHandle, model_dir:
     assert run_concurrently(disagg, prompts, [greedy(m) for m in max_tokens]) == reference
     stats = {s.worker_id: s for s in wait_for(lambda: _stats_after_traffic(disagg), 10, "stats refresh")}
     # every request went through a KV handoff, spread over both decode workers
-    assert stats["decode-0"].num_transfers + stats["decode-1"].num_transfers == NUM_REQUESTS
-    assert stats["decode-0"].num_transfers > 0 and stats["decode-1"].num_transfers > 0
-    assert stats["decode-0"].transfer_bytes + stats["decode-1"].transfer_bytes > 0
+    assert stats["decode-0"].transfer.num_ok + stats["decode-1"].transfer.num_ok == NUM_REQUESTS
+    assert stats["decode-0"].transfer.num_ok > 0 and stats["decode-1"].transfer.num_ok > 0
+    assert stats["decode-0"].transfer.bytes_total + stats["decode-1"].transfer.bytes_total > 0
     assert_no_leaks(disagg)
     # the same prompts again: prefix caches on both sides hit, output unchanged
     assert run_concurrently(disagg, prompts, [greedy(m) for m in max_tokens]) == reference
@@ -131,7 +131,9 @@ def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> 
                 with pytest.raises(WorkerFailedError, match="KV transfer failed"):
                     handle.generate(p, greedy(6), timeout_s=60)
         failed = wait_for(
-            lambda: sum(s.num_failed_transfers for s in handle.worker_stats()), 10, "failure counted"
+            lambda: sum(s.transfer.num_failed for s in handle.worker_stats() if s.pool == "decode"),
+            10,
+            "failure counted",
         )
         assert failed > 0
         assert_no_leaks(handle)
@@ -155,7 +157,7 @@ def test_conditional_mode_equals_hf(model_dir: str, workload: Any) -> None:
 
 
 def _decode_transfers(handle: ClusterHandle) -> int:
-    return sum(s.num_transfers for s in handle.worker_stats() if s.pool == "decode")
+    return sum(s.transfer.num_ok for s in handle.worker_stats() if s.pool == "decode")
 
 
 def test_killed_decode_worker_fails_its_requests_only(

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from cluster.tokenizer import Tokenizer
 from workers.detokenizer import IncrementalDetokenizer
-from workers.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world. The quick brown fox jumps over the lazy dog.",

@@ -16,8 +16,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from cluster.client import AsyncClient
-from cluster.http_host import HttpServerHandle, start_http
 from cluster.protocol import RequestOutput, SamplingParams
+from deploy.http_host import HttpServerHandle, start_http
 from deploy.launch import ClusterHandle, start_cluster
 from tests.cluster_utils import cluster_config, wait_for
 from tests.test_metrics import DASHBOARD, dashboard_metric_names, exported_families, samples, unresolved

@@ -214,14 +214,6 @@ class TransferResult:
         return self.nbytes / self.wire_seconds if self.wire_seconds > 0 else 0.0
 
 
-@dataclass
-class TransferStats:
-    num_ok: int = 0
-    num_failed: int = 0
-    bytes_total: int = 0
-    seconds_total: float = 0.0
-
-
 def tag_for_nonce(nonce: int) -> int:
     # NOTE: a unique tag per transfer means a late send from an abandoned (timed-out) transfer can only
     # match that transfer's abandoned recv, never the next transfer's.

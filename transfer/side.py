@@ -13,13 +13,13 @@ from typing import Any
 import torch
 import zmq
 
+from cluster.protocol import TransferStats
 from transfer.channel import Channel, PendingOp, layout_of
 from transfer.protocol import (
     MessageKind,
     TransferError,
     TransferPeerLostError,
     TransferResult,
-    TransferStats,
     TransferTimeoutError,
     encode_message,
     row_bytes_of,
@@ -63,6 +63,11 @@ class Side:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The transfer thread (its owner watches that it stays alive)."""
+        return self._thread
 
     def drop_peer(self, rank: int) -> None:
         """Mark `rank` dead, from any thread: the transfer with it in flight fails within one poll

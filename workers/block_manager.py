@@ -14,7 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.prefix_cache import BlockHash, PrefixCache, hash_full_blocks
+from cluster.block_hash import BlockHash, hash_full_blocks
+from workers.prefix_cache import PrefixCache
 from workers.request import Request
 
 

@@ -9,7 +9,7 @@ ended inside a multi-byte character, so we emit nothing and wait for the bytes t
 
 from __future__ import annotations
 
-from workers.tokenizer import Tokenizer
+from cluster.tokenizer import Tokenizer
 
 # NOTE: the first output tokens are decoded with a few prompt tokens in front of them so a leading
 # space or a character split across the prompt/output boundary renders as it does in the full text.

@@ -8,39 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import EngineConfig
-from cluster.protocol import SamplingParams, TokenDelta
+from cluster.protocol import EngineStats, SamplingParams, TokenDelta
+from cluster.tokenizer import Tokenizer
 from workers.detokenizer import IncrementalDetokenizer
 from workers.model_runner import ModelRunner
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler
-from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "pdserve-tiny")
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_mixed_steps: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    num_generation_tokens: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up
-    prefix_cache_hits: int = 0  # tokens found
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    schedule_time_s: float = 0.0  # host time: schedule() + update_from_output() (forward excluded)
-    prepare_time_s: float = 0.0  # host time: building the step's input tensors
-    detokenize_time_s: float = 0.0  # host time: incremental detokenization, stop strings, deltas
-    forward_time_s: float = 0.0  # model forward + sampling (includes the one device sync)
 
 
 class Engine:

@@ -9,8 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from cluster.config import EngineConfig
-from cluster.protocol import RequestOutput, SamplingParams
-from workers.engine import Engine, EngineStats
+from cluster.protocol import EngineStats, RequestOutput, SamplingParams
+from workers.engine import Engine
 
 
 class LLM:

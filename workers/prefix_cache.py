@@ -1,8 +1,6 @@
 """Prefix cache over full blocks, keyed by chained content hashes.
 
-A full block's hash covers its tokens and, through the parent hash, every token before it, so equal
-hashes mean equal prefixes. The digest is blake2b-128 over bytes, identical in every process: the router
-(prefix affinity) and the decode worker (which blocks it already holds) compute the same hashes.
+The hashes themselves are ``cluster/block_hash.py`` (the router computes the same ones for affinity).
 
 This module only maps hash <-> block id and counts queries/hits; who may evict, and when, is the block
 pool's business (an evictable block is a cached block with ref count 0 waiting in the free queue).
@@ -10,30 +8,9 @@ pool's business (an evictable block is a cached block with ref count 0 waiting i
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
-BlockHash = bytes
-ROOT_HASH: BlockHash = b""
-
-
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, start_block: int = 0, parent: BlockHash = ROOT_HASH
-) -> list[BlockHash]:
-    """Chained hashes of the full blocks ``start_block, start_block + 1, ...`` of ``token_ids``.
-
-    ``parent`` is the hash of block ``start_block - 1`` (ROOT_HASH for block 0).
-    """
-    hashes: list[BlockHash] = []
-    for b in range(start_block, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
-        hashes.append(parent)
-    return hashes
+from cluster.block_hash import BlockHash
 
 
 class PrefixCache:

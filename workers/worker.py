@@ -1,90 +1,142 @@
-"""EngineWorker: one Engine stepped by its own thread, fed and drained over ZMQ with msgpack.
+"""EngineWorker: one Engine stepped by its own thread, fed and drained over authenticated ZMQ frames.
 
 Threads and what they own:
-  - step thread: the Engine (single-threaded by contract) and the outbound PUSH socket to the router;
-  - inbound thread: the PULL socket; it only decodes messages and queues them for the step thread;
-  - transfer thread (inside KVSender / KVReceiver): the KV bytes; its callbacks only queue commands.
-Actor methods (stats, health, check_leaks) never wait behind a forward: stats are a snapshot the step
-thread publishes, everything else goes through the command queue with a bounded wait.
+  - step thread: the Engine (single-threaded by contract), the role's handoff state, the heartbeat;
+  - inbound thread: the PULL socket; it verifies and decodes frames (cluster/wire.py) and queues ops;
+  - transfer thread(s) (inside the role's KVSender / KVReceiver): KV bytes; callbacks only queue commands.
+Every thread runs guarded: if one dies (or a transfer thread is found dead), the worker sends
+``WorkerFailed`` to the router at once and exits the process (``on_fatal``), so Ray can restart it.
+A bad frame is counted and dropped by the inbound thread; nothing a peer sends can kill a thread.
 
-Messages in (router -> worker), each a msgpack map with "op":
-  generate {rid, prompt, params, hold, deadline}: run a request here (hold: prefill of a handoff)
-  decode   {rid, prompt, first_token, params, handoff, deadline}: receive a prefilled request's KV
-  abort    {rid}
-Messages out (worker -> router), each with "kind" and "worker":
-  delta {delta}: tokens of a request; prefilled {delta, handoff}: first token + where its KV waits;
-  transferred {rid, seconds, nbytes}; error {rid, status, message}
+Roles: a prefill worker composes a :class:`PrefillRole` (hold after the first token, offer the KV), a
+decode worker a :class:`DecodeRole` (reserve, receive, commit); a colocated worker has none. Any worker
+runs whole requests (``Generate`` with hold False).
+
+Health: the step thread sends a ``Heartbeat`` (with the stats snapshot) every ``heartbeat_interval_s``,
+busy or idle; the router treats a worker whose beat is stale as unhealthy (SIGSTOP, a stuck step).
+Actor methods (stats, ping, check_leaks) never wait behind a forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from cluster.config import EngineConfig, TransferConfig
-from cluster.protocol import (
-    SamplingParams,
-    TokenDelta,
-    WorkerStats,
-    pack,
-    to_dict,
-    unpack,
+from cluster.protocol import ErrorCode, TokenDelta, TransferStats, WorkerStats
+from cluster.wire import (
+    OPS,
+    ROUTER_ID,
+    Abort,
+    DecodeHandoff,
+    Delta,
+    Generate,
+    Heartbeat,
+    PeerDead,
+    RequestFailed,
+    WireDecoder,
+    WireEncoder,
+    WorkerFailed,
 )
+from workers.decode_role import DecodeRole
 from workers.engine import Engine
+from workers.prefill_role import PrefillRole
 from workers.request import RequestStatus
+from workers.role import Role, WorkerContext
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # bound on one idle wait for work; wakes at once when a message arrives
+_POLL_MS = 100
+FAULT_KINDS = ("step", "inbound")
+EXIT_CODE_FATAL = 70
 
-Command = tuple[str, Any]
+
+@dataclass(frozen=True)
+class _LeakCheck:
+    result: Future[str | None]
+
+
+@dataclass(frozen=True)
+class _Fault:
+    kind: str
+
+
+def _make_role(pool: str, context: WorkerContext) -> Role | None:
+    if pool == "prefill":
+        return PrefillRole(context)
+    if pool == "decode":
+        return DecodeRole(context)
+    return None
+
+
+def exit_process(reason: str) -> None:
+    """Default ``on_fatal``: leave now (a thread is dead, the process cannot serve); Ray restarts it."""
+    logging.shutdown()
+    os._exit(EXIT_CODE_FATAL)
 
 
 class EngineWorker:
-    """Base of PrefillWorker and DecodeWorker (and the colocated worker). Plain class: Ray wraps it at
-    launch (deploy/launch.py), tests may drive it directly. ``engine_factory`` is injectable."""
-
-    pool = "colocated"
+    """One worker of any pool. Plain class: Ray wraps it at launch (deploy/launch.py), tests may drive it
+    directly. ``engine_factory`` is injectable; ``on_fatal`` runs (once) when a thread dies."""
 
     def __init__(
         self,
         worker_id: str,
+        pool: str,
         engine_config: EngineConfig,
-        transfer_config: TransferConfig | None = None,
+        transfer_config: TransferConfig,
+        secret: bytes,
         *,
         torch_threads: int | None = None,
         bind_host: str = "127.0.0.1",
         engine_factory: Callable[[EngineConfig], Engine] = Engine,
+        allow_fault_injection: bool = False,
+        on_fatal: Callable[[str], None] = exit_process,
     ) -> None:
         if torch_threads is not None:
             import torch
 
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
-        self.transfer_config = transfer_config or TransferConfig()
+        self.pool = pool
+        self.transfer_config = transfer_config
         self.engine = engine_factory(engine_config)
+        self._secret = secret
+        self._allow_faults = allow_fault_injection
+        self._on_fatal = on_fatal
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(f"tcp://{bind_host}:*")
         self.request_endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._decoder = WireDecoder(secret, worker_id, OPS)
+        self._encoder = WireEncoder(secret)
         self._push: zmq.Socket[Any] | None = None
-        self._commands: queue.Queue[Command] = queue.Queue()
+        self._push_lock = threading.Lock()  # NOTE: the step thread sends; a dying thread sends once too
+        self._commands: queue.Queue[object] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._stats = WorkerStats(worker_id, self.pool)
-        self._transfer_bytes = 0
-        self._transfer_seconds = 0.0
-        self._num_transfers = 0
-        self._num_failed_transfers = 0
-        self._num_waiting_for_kv = 0
+        self._inbound_fault = threading.Event()
+        self._heartbeat_interval_s = 0.5
+        self._last_beat = 0.0
         self.failed: str | None = None
+        self._fatal_lock = threading.Lock()
+        context = WorkerContext(
+            worker_id, bind_host, self.engine, transfer_config, self._send, self._commands.put
+        )
+        self.role: Role | None = _make_role(pool, context)
+        self._stats = WorkerStats(worker_id, pool)
 
     # ---- actor API ------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -99,42 +151,61 @@ class EngineWorker:
             "block_size": e.config.block_size,
             "num_blocks": e.runner.num_blocks,
             "device": str(e.runner.device),
+            "pid": os.getpid(),
         }
 
-    def start(self, router_endpoint: str) -> None:
+    def start(self, router_endpoint: str, heartbeat_interval_s: float) -> None:
         """Connect to the router's PULL socket and start the step and inbound threads."""
+        self._heartbeat_interval_s = heartbeat_interval_s
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(router_endpoint)
         self._publish_stats()
         for target, name in ((self._inbound_loop, "inbound"), (self._step_loop, "step")):
-            t = threading.Thread(target=target, name=f"{self.worker_id}-{name}", daemon=True)
+            t = threading.Thread(
+                target=self._guarded, args=(name, target), name=f"{self.worker_id}-{name}", daemon=True
+            )
             t.start()
             self._threads.append(t)
 
-    def stats(self) -> dict[str, Any]:
-        return to_dict(self._stats)
+    def stats(self) -> WorkerStats:
+        return self._stats
+
+    def ping(self) -> int:
+        """Liveness for the router's lifecycle watch (answers even while the step thread is busy)."""
+        return os.getpid()
 
     def health(self) -> bool:
-        return self.failed is None and all(t.is_alive() for t in self._threads)
+        return self._is_healthy()
 
     def check_leaks(self, timeout_s: float = 10.0) -> str | None:
         """Leak invariant, checked on the step thread: None if clean, else what leaked."""
-        fut: Future[str | None] = Future()
-        self._commands.put(("check_leaks", fut))
-        return fut.result(timeout=timeout_s)
+        check = _LeakCheck(Future())
+        self._commands.put(check)
+        return check.result.result(timeout=timeout_s)
+
+    def inject_fault(self, kind: str) -> None:
+        """Test hook (only with ``allow_fault_injection``): make the ``step`` or ``inbound`` thread die."""
+        if not self._allow_faults:
+            raise PermissionError("fault injection is off for this worker")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
+        if kind == "inbound":
+            self._inbound_fault.set()
+        else:
+            self._commands.put(_Fault(kind))
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0 publishes where the torch.distributed TCPStore will listen (a free port here)."""
         import socket
 
-        host = self._pull.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[0].removeprefix("tcp://")
+        host = self.request_endpoint.rsplit(":", 1)[0].removeprefix("tcp://")
         with socket.socket() as s:
             s.bind((host, 0))
             return host, int(s.getsockname()[1])
 
     def init_process_group(self, rank: int, world_size: int, master: tuple[str, int], backend: str) -> None:
-        """Join the cluster's one torch.distributed world (every worker calls this at launch, together)."""
+        """Join the cluster's torch.distributed world (every worker calls this at launch, together)."""
         import datetime
 
         import torch.distributed as dist
@@ -146,46 +217,80 @@ class EngineWorker:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=max(60.0, 4 * self.transfer_config.timeout_s)),
         )
-        self.rank = rank
-        self._start_transfer(rank)
-
-    def _start_transfer(self, rank: int) -> None:
-        """PrefillWorker / DecodeWorker start their KV sender / receiver here."""
-        return None
+        if self.role is not None:
+            self.role.start(rank)
 
     def shutdown(self) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5.0)
-        self._close_transfer()
+        if self.role is not None:
+            self.role.close()
         self._pull.close(linger=0)
         if self._push is not None:
             self._push.close(linger=0)
         self._ctx.term()
 
     # ---- threads --------------------------------------------------------------------------------------
+    def _guarded(self, name: str, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as e:
+            logger.exception("%s: %s thread died", self.worker_id, name)
+            self._fatal(f"{name} thread died: {type(e).__name__}: {e}")
+            return
+        if not self._stop.is_set():
+            self._fatal(f"{name} thread exited")
+
+    def _fatal(self, reason: str) -> None:
+        """Say so once (log + WorkerFailed to the router), then ``on_fatal``."""
+        with self._fatal_lock:
+            if self.failed is not None:
+                return
+            self.failed = reason
+        logger.error("%s: worker failed: %s", self.worker_id, reason)
+        self._stats = dataclasses.replace(self._stats, healthy=False)
+        try:
+            self._send(WorkerFailed(self.worker_id, reason))
+        except Exception:
+            logger.exception("%s: could not send WorkerFailed", self.worker_id)
+        self._on_fatal(reason)
+
     def _inbound_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(100):
-                try:
-                    self._commands.put(("msg", unpack(self._pull.recv())))
-                except ValueError:
-                    logger.exception("%s: dropped a malformed message", self.worker_id)
+            if self._inbound_fault.is_set():
+                raise RuntimeError("injected fault in the inbound thread")
+            if poller.poll(_POLL_MS):
+                op = self._decoder.decode(self._pull.recv(copy=True))
+                if op is not None:
+                    self._commands.put(op)
 
     def _step_loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                busy = self.engine.has_unfinished()
-                self._drain_commands(block=not busy and not self._has_pending_work())
-                self._poll_pending_work()
-                if self.engine.has_unfinished():
-                    self._on_deltas(self.engine.step())
-                self._publish_stats()
-        except Exception as e:
-            logger.exception("%s: step loop died", self.worker_id)
-            self.failed = f"{type(e).__name__}: {e}"
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            pending = self.role is not None and self.role.has_pending_work()
+            self._drain_commands(block=not busy and not pending)
+            if self.role is not None:
+                self.role.poll()
+            if self.engine.has_unfinished():
+                self._on_deltas(self.engine.step())
+            self._publish_stats()
+            self._beat()
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat < self._heartbeat_interval_s:
+            return
+        self._last_beat = now
+        dead = [t.name for t in self._role_threads() if not t.is_alive()]
+        if dead:
+            raise RuntimeError(f"transfer thread(s) {dead} died")
+        self._send(Heartbeat(self._stats))
+
+    def _role_threads(self) -> list[threading.Thread]:
+        return self.role.threads() if self.role is not None else []
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -193,110 +298,88 @@ class EngineWorker:
         except queue.Empty:
             return
         while True:
-            self._handle_command(*cmd)
+            self._handle(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle_command(self, kind: str, payload: Any) -> None:
-        if kind == "msg":
-            op = payload.get("op")
-            if op == "generate":
-                self._on_generate(payload)
-            elif op == "decode":
-                self._on_decode(payload)
-            elif op == "abort":
-                self._on_abort(payload["rid"])
-            elif op == "peer_dead":
-                self._on_peer_dead(int(payload["rank"]))
+    def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, Generate):
+            self._on_generate(cmd)
+        elif isinstance(cmd, Abort):
+            if self.role is None or not self.role.on_abort(cmd.request_id):
+                self.engine.abort(cmd.request_id)
+        elif isinstance(cmd, DecodeHandoff):
+            if self.role is None or not self.role.accepts_handoffs:
+                self._fail_request(
+                    cmd.request_id, ErrorCode.INVALID_REQUEST, f"{self.pool} worker cannot receive KV"
+                )
             else:
-                logger.warning("%s: unknown op %r", self.worker_id, op)
-        elif kind == "check_leaks":
-            payload.set_result(self._leak_report())
+                self.role.on_decode(cmd)
+        elif isinstance(cmd, PeerDead):
+            if self.role is not None:
+                self.role.on_peer_dead(cmd)
+        elif isinstance(cmd, _LeakCheck):
+            cmd.result.set_result(self._leak_report())
+        elif isinstance(cmd, _Fault):
+            raise RuntimeError(f"injected fault in the {cmd.kind} thread")
+        elif self.role is not None:
+            self.role.handle(cmd)
         else:
-            self._handle_transfer_command(kind, payload)
+            raise RuntimeError(f"{self.worker_id}: unexpected command {type(cmd).__name__}")
 
     # ---- requests -------------------------------------------------------------------------------------
-    def _on_generate(self, msg: dict[str, Any]) -> None:
-        rid = msg["rid"]
+    def _on_generate(self, op: Generate) -> None:
+        if op.hold and (self.role is None or not self.role.holds_prefills):
+            self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, f"{self.pool} worker cannot hold KV")
+            return
         try:
-            self.engine.add_request(
-                rid, msg["prompt"], SamplingParams(**msg["params"]), hold_after_prefill=bool(msg.get("hold"))
-            )
+            self.engine.add_request(op.request_id, op.prompt_token_ids, op.params, hold_after_prefill=op.hold)
         except ValueError as e:
-            self._send_error(rid, 400, str(e))
-
-    def _on_abort(self, rid: str) -> None:
-        self.engine.abort(rid)
+            self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
-            if self.engine.request_status(delta.request_id) == RequestStatus.SENDING_KV:
-                self._on_prefilled(delta)
+            if (
+                self.role is not None
+                and self.engine.request_status(delta.request_id) == RequestStatus.SENDING_KV
+            ):
+                self.role.on_first_token(delta)
             else:
-                self._send({"kind": "delta", "delta": to_dict(delta)})
+                self._send(Delta(self.worker_id, delta))
 
-    def _send(self, message: dict[str, Any]) -> None:
-        assert self._push is not None, "start() first"
-        message["worker"] = self.worker_id
-        self._push.send(pack(message))
+    def _send(self, message: Any) -> None:
+        frame = self._encoder.encode(ROUTER_ID, message)
+        with self._push_lock:
+            if self._push is None:
+                raise RuntimeError("start() first")
+            self._push.send(frame)
 
-    def _send_error(self, rid: str, status: int, message: str) -> None:
-        self._send({"kind": "error", "rid": rid, "status": status, "message": message})
+    def _fail_request(self, request_id: str, code: ErrorCode, message: str) -> None:
+        self._send(RequestFailed(self.worker_id, request_id, code, message))
+
+    def _is_healthy(self) -> bool:
+        threads = self._threads + self._role_threads()
+        return self.failed is None and all(t.is_alive() for t in threads)
 
     def _publish_stats(self) -> None:
-        st = self.engine.stats()
+        role = self.role
         self._stats = WorkerStats(
             worker_id=self.worker_id,
             pool=self.pool,
-            healthy=self.failed is None,
-            num_running=st.num_running,
-            num_waiting=st.num_waiting,
-            num_waiting_for_kv=self._num_waiting_for_kv,
-            kv_usage=1.0 - st.num_free_blocks / max(1, st.num_total_blocks),
-            num_free_blocks=st.num_free_blocks,
-            num_total_blocks=st.num_total_blocks,
-            num_preemptions=st.num_preemptions,
-            prefix_cache_queries=st.prefix_cache_queries,
-            prefix_cache_hits=st.prefix_cache_hits,
-            num_prompt_tokens=st.num_prompt_tokens,
-            num_generation_tokens=st.num_generation_tokens,
-            transfer_bytes=self._transfer_bytes,
-            transfer_seconds=self._transfer_seconds,
-            num_transfers=self._num_transfers,
-            num_failed_transfers=self._num_failed_transfers,
+            healthy=self._is_healthy(),
+            num_waiting_for_kv=role.num_waiting_for_kv() if role is not None else 0,
+            engine=self.engine.stats(),
+            transfer=role.transfer_stats() if role is not None else TransferStats(),
+            rejected_frames=self._decoder.rejected(),
         )
 
     def _leak_report(self) -> str | None:
         try:
             self.engine.check_no_leaks()
-            self._check_transfer_leaks()
+            if self.role is not None:
+                self.role.check_leaks()
         except AssertionError as e:
             return str(e)
-        return None
-
-    # ---- hooks for the transfer side (PrefillWorker / DecodeWorker) -----------------------------------
-    def _on_prefilled(self, delta: TokenDelta) -> None:
-        raise RuntimeError(f"{self.pool} worker cannot hold a request for a handoff")
-
-    def _on_decode(self, msg: dict[str, Any]) -> None:
-        self._send_error(msg["rid"], 400, f"{self.pool} worker cannot receive KV")
-
-    def _handle_transfer_command(self, kind: str, payload: Any) -> None:
-        raise RuntimeError(f"unknown command {kind!r}")
-
-    def _on_peer_dead(self, rank: int) -> None:
-        return None
-
-    def _has_pending_work(self) -> bool:
-        return False
-
-    def _poll_pending_work(self) -> None:
-        return None
-
-    def _check_transfer_leaks(self) -> None:
-        return None
-
-    def _close_transfer(self) -> None:
         return None

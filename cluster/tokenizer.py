@@ -108,7 +108,10 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # NOTE: encode_batch releases the GIL while the Rust side works (encode holds it: a 1 MiB prompt
+        # would stall every other thread of the process for seconds); ~12 us more on a short text.
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -57,7 +57,7 @@ def _load_config(path: str, model: str | None) -> ClusterConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.http_host import serve_on_loop
+    from deploy.http_host import serve_on_loop
     from deploy.launch import start_cluster
 
     handle = start_cluster(_load_config(args.config, args.model))
@@ -70,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Local cluster -> HTTP server on a free loopback port -> streaming SDK requests -> latency table."""
-    from cluster.http_host import start_http
+    from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
     cfg = _load_config(args.config, args.model)

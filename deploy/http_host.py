@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cluster.server import create_app, create_server
-from workers.tokenizer import Tokenizer
+from cluster.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
@@ -32,9 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 def create_cluster_app(handle: ClusterHandle) -> FastAPI:
-    """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer."""
-    if handle.router is None:
-        raise RuntimeError("the cluster has no router (start_cluster did not finish)")
+    """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer;
+    client deadlines are capped at the router's ``request_timeout_s``."""
     cfg = handle.config.server
     return create_app(
         handle.router,
@@ -42,6 +41,7 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         api_key=cfg.api_key,
         max_body_bytes=cfg.max_body_bytes,
         served_model_name=cfg.served_model_name,
+        max_timeout_s=handle.config.router.request_timeout_s,
     )
 
 

@@ -1,0 +1,320 @@
+"""The control-plane protocol between the router and the workers: every message a frozen dataclass, one
+tagged codec, strict decoding.
+
+Ops (router -> worker): Generate, DecodeHandoff, Abort, PeerDead.
+Events (worker -> router): Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed.
+
+On the wire a message is ``(TAG, {field: value})`` inside an authenticated frame (cluster/frames.py).
+Decoding is a strict rebuild against the dataclass's own type hints: unknown tags and unknown, missing
+or mistyped fields (bool is not an int; floats must be finite) are rejected with a reason, never a
+KeyError or TypeError deep in a handler. Senders and receivers dispatch on the message's type.
+This module imports only leaves of the control plane (cluster/protocol.py, cluster/frames.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, Union
+
+from cluster.frames import REASON_BAD_FIELD, REASON_UNKNOWN_TAG, FrameRejected, FrameSigner, FrameVerifier
+from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats, to_dict
+
+logger = logging.getLogger(__name__)
+
+ROUTER_ID = "router"  # the recipient name of frames addressed to the router
+
+
+class Message(Protocol):
+    """Any op or event: a frozen dataclass with a wire tag."""
+
+    TAG: ClassVar[str]
+
+
+# ---- ops: router -> worker ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Generate:
+    """Run a request on this worker. hold: stop after the first token and keep the KV for a handoff."""
+
+    TAG: ClassVar[str] = "generate"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float  # time.time() seconds
+    hold: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeHandoff:
+    """Decode a request prefilled elsewhere: reserve blocks, fetch its KV (``handoff``: the prefill
+    side's msgpack KVHandoff, opaque to the router), then decode from ``first_token_id``."""
+
+    TAG: ClassVar[str] = "decode"
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+    handoff: bytes
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    TAG: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PeerDead:
+    """A KV-transfer peer died: stop waiting on it at once."""
+
+    TAG: ClassVar[str] = "peer_dead"
+    worker_id: str
+    rank: int
+
+
+# ---- events: worker -> router ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Heartbeat:
+    """The step thread's progress beat (also sent while idle), carrying the worker's latest stats."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    stats: WorkerStats
+
+
+@dataclass(frozen=True)
+class Delta:
+    TAG: ClassVar[str] = "delta"
+    worker_id: str
+    delta: TokenDelta
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """The first token of a held request; its KV waits on this worker (``handoff``)."""
+
+    TAG: ClassVar[str] = "prefilled"
+    worker_id: str
+    delta: TokenDelta
+    handoff: bytes
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """The decode side has the request's KV (``recomputed``: why it was recomputed instead)."""
+
+    TAG: ClassVar[str] = "transferred"
+    worker_id: str
+    request_id: str
+    seconds: float
+    nbytes: int
+    recomputed: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    TAG: ClassVar[str] = "request_failed"
+    worker_id: str
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """Sent once by a worker whose thread died, just before the process exits (Ray may restart it)."""
+
+    TAG: ClassVar[str] = "worker_failed"
+    worker_id: str
+    reason: str
+
+
+Op = Generate | DecodeHandoff | Abort | PeerDead
+Event = Heartbeat | Delta | Prefilled | Transferred | RequestFailed | WorkerFailed
+OPS: tuple[type[Message], ...] = (Generate, DecodeHandoff, Abort, PeerDead)
+EVENTS: tuple[type[Message], ...] = (Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed)
+
+
+# ---- strict decoding from type hints -----------------------------------------------------------------
+Decoder = Callable[[Any, str], Any]
+
+
+def _bad(path: str, what: str) -> FrameRejected:
+    return FrameRejected(REASON_BAD_FIELD, f"{path}: {what}")
+
+
+def _decode_int(v: Any, path: str) -> int:
+    if type(v) is not int:
+        raise _bad(path, f"expected an int, got {type(v).__name__}")
+    return v
+
+
+def _decode_float(v: Any, path: str) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise _bad(path, f"expected a finite number, got {v!r}"[:200])
+    return float(v)
+
+
+def _simple(expected: type) -> Decoder:
+    def decode(v: Any, path: str) -> Any:
+        if type(v) is not expected:
+            raise _bad(path, f"expected {expected.__name__}, got {type(v).__name__}")
+        return v
+
+    return decode
+
+
+_decoders: dict[Any, Decoder] = {
+    int: _decode_int,
+    float: _decode_float,
+    str: _simple(str),
+    bool: _simple(bool),
+    bytes: _simple(bytes),
+}
+
+
+def _decoder_for(tp: Any) -> Decoder:
+    cached = _decoders.get(tp)
+    if cached is not None:
+        return cached
+    decoder = _build_decoder(tp)
+    _decoders[tp] = decoder
+    return decoder
+
+
+def _build_decoder(tp: Any) -> Decoder:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise TypeError(f"unsupported union {tp!r}")
+        item = _decoder_for(inner[0])
+        return lambda v, path: None if v is None else item(v, path)
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if arg is int:  # NOTE: the hot case (token ids): one pass, no per-item call
+            return _decode_int_list
+        item = _decoder_for(arg)
+
+        def decode_list(v: Any, path: str) -> list[Any]:
+            if type(v) is not list:
+                raise _bad(path, f"expected a list, got {type(v).__name__}")
+            return [item(x, path) for x in v]
+
+        return decode_list
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        key, value = _decoder_for(key_tp), _decoder_for(value_tp)
+
+        def decode_dict(v: Any, path: str) -> dict[Any, Any]:
+            if type(v) is not dict:
+                raise _bad(path, f"expected a map, got {type(v).__name__}")
+            return {key(k, path): value(x, path) for k, x in v.items()}
+
+        return decode_dict
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        members = {m.value: m for m in tp}
+
+        def decode_enum(v: Any, path: str) -> Any:
+            if not isinstance(v, (str, int)) or v not in members:
+                raise _bad(path, f"not a {tp.__name__}: {v!r}"[:200])
+            return members[v]
+
+        return decode_enum
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _dataclass_decoder(tp)
+    raise TypeError(f"no wire decoder for {tp!r}")
+
+
+def _decode_int_list(v: Any, path: str) -> list[int]:
+    if type(v) is not list or not all(type(x) is int for x in v):
+        raise _bad(path, "expected a list of ints")
+    return v
+
+
+def _dataclass_decoder(cls: type) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls)]
+    required = {
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    # NOTE: built lazily so self-referencing or forward types resolve once every class exists.
+    field_decoders: dict[str, Decoder] = {}
+
+    def decode(v: Any, path: str) -> Any:
+        if type(v) is not dict:
+            raise _bad(path, f"expected a {cls.__name__} map, got {type(v).__name__}")
+        if not field_decoders:
+            field_decoders.update({f.name: _decoder_for(hints[f.name]) for f in fields})
+        unknown = [k for k in v if k not in field_decoders]
+        if unknown:
+            raise _bad(path, f"unknown {cls.__name__} field(s) {sorted(map(str, unknown))[:5]}")
+        missing = required - v.keys()
+        if missing:
+            raise _bad(path, f"missing {cls.__name__} field(s) {sorted(missing)}")
+        kwargs = {k: field_decoders[k](x, f"{path}.{k}") for k, x in v.items()}
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise _bad(path, f"{cls.__name__}: {e}") from None
+
+    return decode
+
+
+# ---- endpoints ---------------------------------------------------------------------------------------
+class WireEncoder:
+    """Signs typed messages for one sending socket."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._signer = FrameSigner(secret)
+
+    def encode(self, recipient: str, message: Message) -> bytes:
+        fields = dataclasses.fields(message)  # type: ignore[arg-type]
+        body = {f.name: to_dict(getattr(message, f.name)) for f in fields}
+        return self._signer.sign(recipient, message.TAG, body)
+
+
+class WireDecoder:
+    """Verifies and decodes frames arriving on one receiving socket into the accepted message types.
+
+    ``decode`` returns the message, or None for a rejected frame (counted by reason in
+    ``verifier.rejected``, logged at a bounded rate). It never raises.
+    """
+
+    def __init__(
+        self, secret: bytes, recipient: str, accept: tuple[type[Message], ...], **verifier_options: Any
+    ) -> None:
+        self.verifier = FrameVerifier(secret, recipient, **verifier_options)
+        self._decoders = {cls.TAG: _dataclass_decoder(cls) for cls in accept}
+        self._num_logged = 0
+
+    def decode(self, frame: bytes) -> Any | None:
+        try:
+            tag, body = self.verifier.verify(frame)
+            decoder = self._decoders.get(tag)
+            if decoder is None:
+                raise FrameRejected(REASON_UNKNOWN_TAG, f"{tag!r}"[:100])
+            return decoder(body, tag)
+        except FrameRejected as e:
+            if e.reason in (REASON_UNKNOWN_TAG, REASON_BAD_FIELD):
+                self.verifier.reject(e.reason)
+            self._log(e)
+            return None
+
+    def _log(self, e: FrameRejected) -> None:
+        self._num_logged += 1
+        # NOTE: a flood of bad frames must not become a flood of log lines: the first 10, then 1 in 1000.
+        if self._num_logged <= 10 or self._num_logged % 1000 == 0:
+            logger.warning("%s: dropped control frame #%d (%s)", self.verifier.recipient, self._num_logged, e)
+
+    def rejected(self) -> dict[str, int]:
+        return self.verifier.rejected_snapshot()

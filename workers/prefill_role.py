@@ -1,0 +1,104 @@
+"""PrefillRole: a held request (SENDING_KV after its first token) is offered to the KV sender; its blocks
+are freed when the decode side acks the transfer, when the transfer fails, when the lease expires
+(``on_sent``), or on abort (deferred while its transfer is in flight)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from cluster.protocol import ErrorCode, TokenDelta, TransferStats
+from cluster.wire import DecodeHandoff, PeerDead, Prefilled, RequestFailed
+from transfer.channel import TorchDistChannel
+from transfer.connector import KVSender
+from workers.request import RequestStatus
+from workers.role import WorkerContext
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """The sender is done with a request (ok: the decode side has its KV)."""
+
+    request_id: str
+    ok: bool
+
+
+class PrefillRole:
+    holds_prefills = True
+    accepts_handoffs = False
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.ctx = context
+        self.sender: KVSender | None = None
+
+    def start(self, rank: int) -> None:
+        engine, cfg = self.ctx.engine, self.ctx.transfer_config
+        self.sender = KVSender(
+            engine.runner.kv_cache,
+            rank=rank,
+            channel=TorchDistChannel(),
+            get_block_ids=engine.held_block_ids,
+            on_sent=lambda rid, ok: self.ctx.post(_Sent(rid, ok)),
+            endpoint=f"tcp://{self.ctx.bind_host}:*",
+            timeout_s=cfg.timeout_s,
+            lease_s=cfg.lease_s,
+        )
+        self.sender.start()
+
+    def on_first_token(self, delta: TokenDelta) -> None:
+        engine, rid = self.ctx.engine, delta.request_id
+        if self.sender is None:
+            engine.abort(rid)
+            self.ctx.send(
+                RequestFailed(
+                    self.ctx.worker_id,
+                    rid,
+                    ErrorCode.INTERNAL,
+                    "prefill worker has no KV sender (no transfer world)",
+                )
+            )
+            return
+        prompt_len = len(engine.scheduler.requests[rid].prompt_token_ids)
+        handoff = self.sender.offer(rid, num_tokens=prompt_len)
+        self.ctx.send(Prefilled(self.ctx.worker_id, delta, handoff.to_bytes()))
+
+    def on_decode(self, op: DecodeHandoff) -> None:
+        raise RuntimeError("a prefill worker accepts no handoffs")
+
+    def on_abort(self, request_id: str) -> bool:
+        held = self.ctx.engine.request_status(request_id) == RequestStatus.SENDING_KV
+        # NOTE: an offer in flight cannot be withdrawn; its on_sent comes and frees the blocks then.
+        return held and self.sender is not None and not self.sender.abort(request_id)
+
+    def on_peer_dead(self, op: PeerDead) -> None:
+        if self.sender is not None:
+            self.sender.drop_peer(op.rank)
+
+    def handle(self, cmd: object) -> None:
+        if not isinstance(cmd, _Sent):
+            raise RuntimeError(f"prefill role: unexpected command {type(cmd).__name__}")
+        if self.ctx.engine.request_status(cmd.request_id) == RequestStatus.SENDING_KV:
+            self.ctx.engine.release(cmd.request_id)
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def poll(self) -> None:
+        return None
+
+    def num_waiting_for_kv(self) -> int:
+        return 0
+
+    def transfer_stats(self) -> TransferStats:
+        return self.sender.stats() if self.sender is not None else TransferStats()
+
+    def threads(self) -> list[threading.Thread]:
+        return [self.sender.thread] if self.sender is not None else []
+
+    def check_leaks(self) -> None:
+        if self.sender is not None and self.sender.num_held():
+            raise AssertionError(f"KV sender still holds {self.sender.num_held()} offers")
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
