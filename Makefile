@@ -24,11 +24,13 @@ run: setup
 	$(VENV)/bin/pdserve demo
 
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	OMP_NUM_THREADS=2 $(VENV)/bin/pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check cluster workers transfer deploy bench tests
 	$(VENV)/bin/mypy --config-file setup.cfg cluster workers transfer
+	$(VENV)/bin/lint-imports --no-cache
 
 bench-offline: setup
 	$(VENV)/bin/pdserve bench offline

@@ -114,7 +114,8 @@ def _check_tree(root: dict[str, Any]) -> None:
             raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", path or None)
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
-            where = path or str(key)
+            # NOTE: the name may itself hold a lone surrogate; the error must still encode
+            where = path or str(key).encode("utf-8", "backslashreplace").decode()
             if isinstance(key, str):
                 _check_text(key, where)
             if isinstance(value, str):

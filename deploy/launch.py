@@ -89,9 +89,11 @@ class ClusterHandle:
         router_loop: RouterLoop,
         actors: dict[str, Any],
         pg: Any,
+        secret: bytes,
         started_ray: bool,
     ) -> None:
         self.config = config
+        self.secret = secret  # the control plane's key (cluster/frames.py); tests sign frames with it
         self.router = router
         self._router_loop = router_loop
         self.loop = router_loop.loop
@@ -265,7 +267,7 @@ def start_cluster(
         if started_ray:
             ray.shutdown()
         raise
-    return ClusterHandle(cfg, router, router_loop, actors, pg, started_ray)
+    return ClusterHandle(cfg, router, router_loop, actors, pg, secret, started_ray)
 
 
 def _specs(cfg: ClusterConfig) -> list[tuple[str, int, PoolConfig]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -279,7 +280,104 @@ BAD: list[tuple[str, dict[str, Any], int, str, str]] = [
         "messages",
         "only text parts are supported",
     ),
+    (
+        "completions",
+        {"prompt": PROMPT, "stop": [f"w{i}" for i in range(17)]},
+        400,
+        "stop",
+        "stop may hold at most 16 strings, got 17",
+    ),
+    (
+        "completions",
+        {"prompt": PROMPT, "stop": "x" * 300},
+        400,
+        "stop",
+        "stop strings may be at most 256 characters, got 300",
+    ),
+    (
+        "completions",
+        {"prompt": PROMPT, "stop_token_ids": [7] * 257},
+        400,
+        "stop_token_ids",
+        "stop_token_ids may hold at most 256 ids, got 257",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "wizard", "content": "w20"}]},
+        400,
+        "messages",
+        "messages[0].role must be one of ['system', 'user', 'assistant', 'tool', 'developer'], got 'wizard'",
+    ),
 ]
+
+RAW_BAD: list[tuple[bytes, str | None, str]] = [
+    (b'{"prompt": "\\ud800"}', "prompt", "prompt contains a lone surrogate"),
+    (b'{"prompt": "w1", "stop": ["w2", "\\udfff"]}', "stop", "stop contains a lone surrogate"),
+    (b'{"\\ud800": 1, "prompt": "w1"}', "\\ud800", "contains a lone surrogate"),
+    (b'{"prompt": "w1", "temperature": NaN}', None, "request body contains NaN, which is not a JSON number"),
+    (b'{"prompt": "w1", "timeout": Infinity}', None, "request body contains Infinity"),
+    (b'{"prompt": "w1", "top_p": -Infinity}', None, "request body contains -Infinity"),
+    (b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests deeper than 32 levels"),
+    (b'{"prompt": "w1", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x", "nests deeper than 32 levels"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), RAW_BAD, ids=[b[2][:30] for b in RAW_BAD])
+def test_bodies_that_are_not_strict_json_are_a_400(
+    stub: StubRouter, server: ServerThread, body: bytes, param: str | None, message: str
+) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert stub.calls == []
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+    assert ok.status_code == 200 and len(stub.calls) == 1
+
+
+class _ExplodingTokenizer:
+    """A tokenizer with a bug: any text prompt raises something nobody handles."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        raise RuntimeError("tokenizer bug")
+
+
+def test_an_unexpected_exception_is_a_json_500_and_the_server_keeps_serving(
+    stub: StubRouter, router: StubRouter
+) -> None:
+    tokenizer = _ExplodingTokenizer()
+    with ServerThread(create_app(router, tokenizer)) as s:  # type: ignore[arg-type]
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "w1 w2", "max_tokens": 2})
+        assert r.status_code == 500
+        assert r.json() == {
+            "error": {
+                "message": "internal error: RuntimeError",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        }
+        # NOTE: tokenization ran on the edge's thread pool, never on the event loop
+        assert [name.startswith("pdserve-edge") for name in tokenizer.threads] == [True]
+        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": [6, 7], "max_tokens": 1})
+        assert ok.status_code == 200 and stub.calls[-1].prompt_token_ids == [6, 7]
+
+
+def test_client_deadline_is_capped(stub: StubRouter, router: StubRouter) -> None:
+    with ServerThread(create_app(router, TOK, max_timeout_s=5.0)) as s:
+        for timeout in (1e9, 2.0):
+            sent = time.time()
+            body = {"prompt": [6], "max_tokens": 1, "timeout": timeout}
+            assert httpx.post(f"{s.url}/v1/completions", json=body).status_code == 200
+            deadline = stub.calls[-1].deadline
+            assert deadline is not None and sent < deadline <= time.time() + min(timeout, 5.0)
+        # no timeout given: the router's own request_timeout_s (the same cap) applies
+        assert httpx.post(f"{s.url}/v1/completions", json={"prompt": [6], "max_tokens": 1}).status_code == 200
+        assert stub.calls[-1].deadline is None
 
 
 @pytest.mark.parametrize(("route", "body", "status", "param", "message"), BAD, ids=[b[4][:40] for b in BAD])

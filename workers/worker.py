@@ -349,12 +349,16 @@ class EngineWorker:
             else:
                 self._send(Delta(self.worker_id, delta))
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: Any, flush_timeout_s: float | None = None) -> None:
         frame = self._encoder.encode(ROUTER_ID, message)
         with self._push_lock:
             if self._push is None:
                 raise RuntimeError("start() first")
-            self._push.send(frame)
+            if flush_timeout_s is None:
+                self._push.send(frame)
+                return
+            tracker = self._push.send(frame, copy=False, track=True)
+        tracker.wait(flush_timeout_s)
 
     def _fail_request(self, request_id: str, code: ErrorCode, message: str) -> None:
         self._send(RequestFailed(self.worker_id, request_id, code, message))

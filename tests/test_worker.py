@@ -1,0 +1,174 @@
+"""EngineWorker driven directly (no Ray): bad frames are counted and dropped while it keeps serving, it
+beats while idle, and a dead thread makes it say so (WorkerFailed + on_fatal) instead of hanging."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from cluster.config import EngineConfig, TransferConfig
+from cluster.frames import FrameSigner, new_secret
+from cluster.protocol import ErrorCode, SamplingParams, TokenDelta
+from cluster.wire import (
+    EVENTS,
+    OPS,
+    ROUTER_ID,
+    Abort,
+    DecodeHandoff,
+    Delta,
+    Generate,
+    Heartbeat,
+    RequestFailed,
+    WireDecoder,
+    WireEncoder,
+    WorkerFailed,
+)
+from tests.cluster_utils import wait_for
+from workers.llm import LLM
+from workers.worker import EngineWorker
+
+PROMPT = [3, 40, 99, 7, 250, 18]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ENGINE = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=8)
+
+
+class FakeRouter:
+    """The router's end of one worker: a PULL for events, a PUSH for ops, signed with the secret."""
+
+    def __init__(self, worker: EngineWorker, secret: bytes) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(worker.request_endpoint)
+        self.worker_id = worker.worker_id
+        self.encoder = WireEncoder(secret)
+        self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
+
+    def send(self, op: Any) -> None:
+        self.push.send(self.encoder.encode(self.worker_id, op))
+
+    def next(self, kinds: tuple[type, ...], timeout_s: float = 30.0) -> Any:
+        """The next event of one of ``kinds`` (others, e.g. heartbeats, are skipped), within a bound."""
+        while self.pull.poll(int(timeout_s * 1000)):
+            event = self.decoder.decode(self.pull.recv())
+            assert event is not None, f"worker sent a frame the router rejects: {self.decoder.rejected()}"
+            if isinstance(event, kinds):
+                return event
+        raise TimeoutError(f"no {[k.__name__ for k in kinds]} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.push.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    return LLM(device="cpu", block_size=4).generate([PROMPT], PARAMS)[0].token_ids
+
+
+@pytest.fixture
+def started() -> Iterator[tuple[EngineWorker, FakeRouter, list[str]]]:
+    secret = new_secret()
+    fatal: list[str] = []
+    worker = EngineWorker(
+        "colocated-0",
+        "colocated",
+        ENGINE,
+        TransferConfig(),
+        secret,
+        allow_fault_injection=True,
+        on_fatal=fatal.append,
+    )
+    router = FakeRouter(worker, secret)
+    worker.start(router.endpoint, heartbeat_interval_s=0.05)
+    yield worker, router, fatal
+    worker.shutdown()
+    router.close()
+
+
+def generate(router: FakeRouter, request_id: str, params: SamplingParams = PARAMS) -> list[int]:
+    router.send(Generate(request_id, PROMPT, params, deadline=1e12))
+    tokens: list[int] = []
+    while True:
+        event = router.next((Delta, RequestFailed))
+        assert isinstance(event, Delta), event
+        tokens += event.delta.token_ids
+        if event.delta.finish_reason is not None:
+            return tokens
+
+
+def test_bad_frames_are_counted_and_dropped_while_the_worker_keeps_serving(
+    started: tuple[EngineWorker, FakeRouter, list[str]], reference: list[int]
+) -> None:
+    worker, router, fatal = started
+    signer = FrameSigner(new_secret())  # not the cluster's
+    replay = router.encoder.encode(worker.worker_id, Abort("nobody"))
+    frames = [
+        bytes.fromhex("81910102"),
+        b"\x00" * 100,
+        signer.sign(worker.worker_id, "abort", {"request_id": "x"}),
+        replay,  # accepted (an abort of nothing)
+        replay,  # rejected: seen
+        router.encoder.encode(worker.worker_id, Delta("w", TokenDelta("r", [1]))),  # an event is no op
+    ]
+    for frame in frames:
+        router.push.send(frame)
+    assert generate(router, "after-bad-frames") == reference
+    assert worker.stats().rejected_frames == {"malformed": 2, "bad_mac": 1, "unknown_tag": 1, "replayed": 1}
+    assert worker.health() and fatal == []
+    assert worker.check_leaks() is None
+
+
+def test_it_beats_while_idle_with_fresh_stats(started: tuple[EngineWorker, FakeRouter, list[str]]) -> None:
+    worker, router, _ = started
+    beats = [router.next((Heartbeat,), timeout_s=5) for _ in range(3)]
+    assert all(b.stats.worker_id == "colocated-0" and b.stats.healthy for b in beats)
+    assert beats[-1].stats.engine.num_total_blocks == worker.engine.stats().num_total_blocks
+
+
+def test_ops_a_colocated_worker_cannot_serve_fail_the_request_not_the_worker(
+    started: tuple[EngineWorker, FakeRouter, list[str]], reference: list[int]
+) -> None:
+    worker, router, _ = started
+    router.send(Generate("held", PROMPT, PARAMS, deadline=1e12, hold=True))
+    failed = router.next((RequestFailed,))
+    assert (failed.request_id, failed.code) == ("held", ErrorCode.INVALID_REQUEST)
+    router.send(DecodeHandoff("handoff", PROMPT, 5, PARAMS, b"", deadline=1e12))
+    failed = router.next((RequestFailed,))
+    assert (failed.request_id, failed.code) == ("handoff", ErrorCode.INVALID_REQUEST)
+    router.send(Generate("too-long", PROMPT, SamplingParams(max_tokens=10**6), deadline=1e12))
+    failed = router.next((RequestFailed,))
+    assert failed.code == ErrorCode.INVALID_REQUEST and "max_model_len" in failed.message
+    assert generate(router, "still-serving") == reference and worker.health()
+
+
+@pytest.mark.parametrize("kind", ["step", "inbound"])
+def test_a_dead_thread_makes_the_worker_say_so(
+    started: tuple[EngineWorker, FakeRouter, list[str]], kind: str
+) -> None:
+    worker, router, fatal = started
+    worker.inject_fault(kind)
+    failed = router.next((WorkerFailed,), timeout_s=10)
+    assert failed.worker_id == "colocated-0"
+    assert failed.reason.startswith(f"{kind} thread died: RuntimeError: injected fault")
+    assert wait_for(lambda: fatal, 5, "on_fatal") == [failed.reason]
+    assert not worker.health() and not worker.stats().healthy
+
+
+def test_fault_injection_is_off_unless_asked() -> None:
+    worker = EngineWorker("colocated-1", "colocated", ENGINE, TransferConfig(), new_secret())
+    try:
+        with pytest.raises(PermissionError):
+            worker.inject_fault("step")
+    finally:
+        worker.shutdown()
+
+
+def test_ops_and_events_are_disjoint() -> None:
+    assert not {cls.TAG for cls in OPS} & {cls.TAG for cls in EVENTS}
