@@ -168,3 +168,12 @@ def test_abort_in_every_state_frees_everything() -> None:
         assert s.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None
     assert s.finish_request("running", RequestStatus.FINISHED_ABORTED) is None
     s.check_no_leaks()
+
+
+def test_a_failed_reservation_leaves_no_state() -> None:
+    s = make(num_blocks=4, block_size=4, enable_prefix_caching=True)  # 3 usable blocks
+    r = Request("big", list(range(17)), SamplingParams(max_tokens=3))  # needs 5 blocks
+    r.output_token_ids.append(5)
+    assert s.reserve_prefilled(r) is None
+    assert "big" not in s.requests
+    s.check_no_leaks()
