@@ -49,7 +49,10 @@ def _listen(host: str, port: int) -> socket.socket:
     # NOTE: bound here, in the caller's thread: uvicorn answers a bind failure with sys.exit(1), which
     # on the router's loop would stop that loop instead of reaching the caller.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: proto must say IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) on accepted connections
+    # only when the listening socket's proto is IPPROTO_TCP, and socket.socket's default is 0. With Nagle
+    # on, uvicorn's separate sends of a response's head and body stall ~40 ms on the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -191,7 +191,9 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, ready_timeout_s: float = 20.0) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock = socket.socket(
+            socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+        )  # NOTE: TCP_NODELAY on accepts
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.port = int(self.sock.getsockname()[1])
