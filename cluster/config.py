@@ -120,7 +120,8 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 ROUTER_MODES = ("disaggregated", "colocated", "conditional")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
 FAILURE_POLICIES = ("fail", "recompute")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD")
+NETWORKS = ("auto", "loopback", "node")
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ class PoolConfig:
     num_cpus: float = 1.0
     torch_threads: int = 1  # CPU workers: threads per worker (2 workers on 2 cores: 1 each)
     max_restarts: int = 0
+    # custom Ray resources each worker needs, e.g. {"host_b": 1} pins the pool to nodes that offer it
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
@@ -171,12 +174,20 @@ class RouterConfig:
     # prefix affinity: keep a prompt's first block on the same prefill worker unless that worker has
     # this many more outstanding prompt tokens than the least loaded one
     affinity_slack_tokens: int = 4096
+    # a request whose worker dies is dispatched again (prompt + tokens so far) at most this many times
+    max_migrations: int = 3
+    # with one pool empty, the other pool's workers serve whole requests
+    colocated_fallback: bool = True
+    # scale-down: how long a draining worker's requests may take before they migrate
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")
         _require(self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         _require(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         _require(self.health_interval_s > 0, "health_interval_s must be > 0")
+        _require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
+        _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -202,8 +213,12 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # PACK: Ray's default placement (fills a node first); SPREAD: spread workers over nodes
     placement_strategy: str = "PACK"
     ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local cluster
+    # which address every socket binds and advertises: loopback (one host), the node's own address
+    # (several hosts), or auto (loopback when the Ray cluster has one node)
+    network: str = "auto"
 
     def __post_init__(self) -> None:
         self.engine_config()  # validates engine options (unknown keys are an error)
@@ -211,6 +226,7 @@ class ClusterConfig:
             self.placement_strategy in PLACEMENT_STRATEGIES,
             f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}",
         )
+        _require(self.network in NETWORKS, f"network must be one of {NETWORKS}, got {self.network!r}")
         if self.router.mode == "colocated":
             _require(
                 self.colocated.num_workers >= 1, "router mode colocated needs colocated.num_workers >= 1"

@@ -1,20 +1,28 @@
-"""Router: picks workers, drives prefill -> handoff -> decode, re-yields tokens, aborts, deadlines, health.
+"""Router: admits workers, picks them, drives prefill -> handoff -> decode, re-yields tokens, migrates
+requests off dead workers, drains workers for scale-down, aborts, deadlines, health.
 
 Runs on one asyncio loop in the router process (which also hosts the HTTP server). Hot messages are the
 typed, authenticated frames of cluster/wire.py over ZMQ: one PUSH socket per worker for ops, one PULL
 socket for every event coming back. A bad frame is counted and dropped; no frame can end a task.
 
-Worker states (``WorkerRef.state``):
-  healthy    its step thread's heartbeat is fresh and says every thread is alive: routable;
+Membership: a worker registers with its first Heartbeat (which carries its WorkerInfo); a heartbeat
+from a new incarnation of a known worker (Ray restarted it) re-admits it. States (``WorkerRef.state``):
+  healthy    its heartbeat is fresh and says every thread is alive: routable;
   unhealthy  its heartbeat is stale (stopped, stuck) or it reported a dead thread: not routed to; its
              requests keep waiting (bounded by their deadlines) and a fresh heartbeat makes it healthy;
-  dead       it said so (``WorkerFailed``) or Ray says the actor is gone: its requests fail at once with
-             WorkerFailedError and its transfer peers stop waiting on it.
-Ray is the lifecycle plane only: one watcher per worker pings the actor to learn that it died.
+  draining   being removed (scale-down): not routed to; its requests finish or migrate;
+  dead       it said so (``WorkerFailed``) or Ray says the actor is gone: its requests migrate.
+Ray is the lifecycle plane only: one watcher per actor pings it to learn that it died.
+
+Migration: a request whose worker died is dispatched again, as prompt + the tokens already streamed, to
+a surviving path (``Generate.output_token_ids``: computed, not re-sampled, so greedy continues token for
+token and a seeded request continues its random stream); at most ``max_migrations`` times. Each attempt
+has its own wire id (``<request id>~<attempt>``), so late events of an abandoned attempt are dropped.
+With ``colocated_fallback``, workers of either pool serve whole requests when the other pool is empty.
 
 Modes: ``disaggregated`` (prefill pool, then a decode pool), ``colocated`` (one pool does both),
-``conditional`` (prompts up to ``conditional_max_prompt_tokens`` go straight to a decode worker, the rest
-are disaggregated). Placement policy: cluster/placement.py.
+``conditional`` (prompts up to ``conditional_max_prompt_tokens`` go straight to a decode worker).
+Placement policy: cluster/placement.py.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +45,7 @@ from cluster.placement import pick_decode, pick_least_loaded, pick_prefill
 from cluster.protocol import (
     ClusterUnavailableError,
     DeadlineExceededError,
+    ErrorCode,
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
@@ -54,8 +64,11 @@ from cluster.wire import (
     Abort,
     DecodeHandoff,
     Delta,
+    ExtendLease,
     Generate,
     Heartbeat,
+    KeepAlive,
+    Message,
     PeerDead,
     Prefilled,
     RequestFailed,
@@ -63,6 +76,7 @@ from cluster.wire import (
     WireDecoder,
     WireEncoder,
     WorkerFailed,
+    WorkerInfo,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,26 +85,35 @@ logger = logging.getLogger(__name__)
 class WorkerState(str, enum.Enum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
     DEAD = "dead"
 
 
 @dataclass
 class WorkerRef:
-    """The router's view of one worker."""
+    """The router's view of one admitted worker (one incarnation of it)."""
 
-    worker_id: str
-    pool: str
-    actor: Any  # Ray actor handle (anything with .ping.remote()); None: no lifecycle watch
-    request_endpoint: str
-    block_size: int
+    info: WorkerInfo
+    socket: zmq.asyncio.Socket
     rank: int | None = None  # torch.distributed rank (None: not in the KV-transfer world)
-    socket: zmq.asyncio.Socket | None = None
     state: WorkerState = WorkerState.HEALTHY
     why: str = ""  # why it is not healthy
     stats: WorkerStats | None = None
     last_beat: float = field(default_factory=time.monotonic)
     num_assigned: int = 0  # requests the router routed here that are not over
     num_prompt_tokens: int = 0  # outstanding prompt tokens routed here (prefill load)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def pool(self) -> str:
+        return self.info.pool
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
 
     @property
     def healthy(self) -> bool:
@@ -102,17 +125,29 @@ FlightEvent = Delta | Prefilled | Transferred | RouterError
 
 @dataclass
 class _Flight:
-    """One request in flight through the router."""
+    """One request in flight through the router (across its migrations)."""
 
     req: GenerateRequest
     arrival: float
+    deadline: float
     events: asyncio.Queue[FlightEvent] = field(default_factory=asyncio.Queue)
+    attempt: int = 0
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
+    token_ids: list[int] = field(default_factory=list)  # streamed to the caller so far
     scheduled_time: float | None = None
     first_token_time: float | None = None
     transfer_s: float = 0.0
     done: bool = False
+
+    @property
+    def wire_id(self) -> str:
+        rid = self.req.request_id
+        return rid if self.attempt == 0 else f"{rid}~{self.attempt}"
+
+    def depends_on(self, w: WorkerRef) -> bool:
+        """Its progress needs ``w``: w decodes it, or w prefills it and no decode worker took over yet."""
+        return self.decode is w or (self.prefill is w and self.decode is None)
 
 
 class Router:
@@ -121,18 +156,19 @@ class Router:
     def __init__(
         self,
         config: RouterConfig,
-        workers: list[WorkerRef],
-        model_info: ModelInfo,
         secret: bytes,
         *,
+        served_model_name: str | None = None,
         bind_host: str = "127.0.0.1",
     ) -> None:
         self.config = config
         self.mode = config.mode
-        self.model_info = model_info
-        self.workers = workers
-        self._by_id = {w.worker_id: w for w in workers}
-        self._flights: dict[str, _Flight] = {}
+        self.served_model_name = served_model_name
+        self._workers: dict[str, WorkerRef] = {}
+        self._first_info: WorkerInfo | None = None
+        self._actors: dict[str, Any] = {}
+        self._flights: dict[str, _Flight] = {}  # by the caller's request id
+        self._by_wire: dict[str, _Flight] = {}  # by the current attempt's wire id
         self._encoder = WireEncoder(secret)
         self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
         self._ctx = zmq.asyncio.Context()
@@ -140,55 +176,83 @@ class Router:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(f"tcp://{bind_host}:*")
         self.endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        for w in workers:
-            w.socket = self._ctx.socket(zmq.PUSH)
-            w.socket.setsockopt(zmq.LINGER, 0)
-            w.socket.connect(w.request_endpoint)
         self._loops: list[asyncio.Task[None]] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        self._admitted = asyncio.Event()
+        self._ranks: dict[str, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        now = time.monotonic()
-        for w in self.workers:
-            w.last_beat = now
-        # NOTE: these two run until close(); a lifecycle watch ends when its worker is dead.
+        # NOTE: these two run until close(); a lifecycle watch ends when its actor is unwatched.
         self._loops = [
             asyncio.create_task(self._receive_loop(), name="router-receive"),
             asyncio.create_task(self._heartbeat_monitor(), name="router-heartbeats"),
         ]
-        self._tasks = [
-            *self._loops,
-            *(
-                asyncio.create_task(self._lifecycle_watch(w), name=f"router-watch-{w.worker_id}")
-                for w in self.workers
-                if w.actor is not None
-            ),
-        ]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._loops, *self._watches.values()]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for w in self.workers:
-            if w.socket is not None:
-                w.socket.close(linger=0)
+        for w in self._workers.values():
+            w.socket.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
+
+    def watch(self, worker_id: str, actor: Any) -> None:
+        """Watch an actor's lifecycle through Ray (anything with ``.ping.remote()``); call on the loop."""
+        self._actors[worker_id] = actor
+        if worker_id not in self._watches:
+            self._watches[worker_id] = asyncio.create_task(
+                self._lifecycle_watch(worker_id), name=f"router-watch-{worker_id}"
+            )
+
+    async def wait_admitted(self, worker_ids: Sequence[str], timeout_s: float) -> None:
+        """Until every worker in ``worker_ids`` has registered and is healthy (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(wid in self._workers and self._workers[wid].healthy for wid in worker_ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [wid for wid in worker_ids if wid not in self._workers]
+                raise TimeoutError(f"workers not admitted within {timeout_s:.0f} s: {missing}")
+            self._admitted.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._admitted.wait(), min(left, 0.5))
+
+    @property
+    def workers(self) -> list[WorkerRef]:
+        return list(self._workers.values())
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """What the edge validates against: the served model, the smallest max_model_len of the
+        admitted workers."""
+        first = self._first_info
+        if first is None:
+            raise ClusterUnavailableError("no worker has registered yet")
+        lens = [w.info.max_model_len for w in self._workers.values() if w.state != WorkerState.DEAD]
+        return ModelInfo(
+            name=self.served_model_name or os.path.basename(first.model_dir.rstrip("/")),
+            model_dir=first.model_dir,
+            max_model_len=min(lens or [first.max_model_len]),
+            vocab_size=first.vocab_size,
+        )
 
     def dead_tasks(self) -> list[str]:
         """The router's own loops that ended (each should run until close)."""
         return [t.get_name() for t in self._loops if t.done()]
 
     def is_healthy(self) -> bool:
-        """The router's tasks all run and a full path is healthy (prefill + decode, or colocated)."""
+        """The router's loops all run and some path serves a request end to end."""
         if not self._loops or self.dead_tasks():
             return False
-        pools = {w.pool for w in self.workers if w.healthy}
+        pools = {w.pool for w in self._workers.values() if w.healthy}
         if self.mode == "colocated":
             return "colocated" in pools
+        if self.config.colocated_fallback:
+            return bool(pools)
         return {"prefill", "decode"} <= pools
 
     def placement(self, request_id: str) -> tuple[str | None, str | None]:
@@ -199,12 +263,12 @@ class Router:
         return (f.prefill.worker_id if f.prefill else None, f.decode.worker_id if f.decode else None)
 
     def worker_stats(self) -> list[WorkerStats]:
-        """Latest stats of every worker; ``healthy`` is the router's verdict."""
+        """Latest stats of every admitted worker; ``healthy`` is the router's verdict."""
         return [
             replace(w.stats, healthy=w.healthy)
             if w.stats is not None
             else WorkerStats(w.worker_id, w.pool, healthy=w.healthy)
-            for w in self.workers
+            for w in self._workers.values()
         ]
 
     def rejected_frames(self) -> dict[str, int]:
@@ -219,26 +283,28 @@ class Router:
             raise QueueFullError(f"{len(self._flights)} requests in flight (max_pending_requests)")
         if req.request_id in self._flights:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
-        flight = _Flight(req, time.time())
-        deadline = (
-            req.deadline if req.deadline is not None else flight.arrival + self.config.request_timeout_s
-        )
+        arrival = time.time()
+        deadline = req.deadline if req.deadline is not None else arrival + self.config.request_timeout_s
+        flight = _Flight(req, arrival, deadline)
         self._flights[req.request_id] = flight
+        self._by_wire[flight.wire_id] = flight
         try:
-            self._dispatch(flight, deadline)
+            self._dispatch(flight)
             while True:
-                event = await self._next_event(flight, deadline)
+                event = await self._next_event(flight)
                 if isinstance(event, RouterError):
                     raise event
                 if isinstance(event, Transferred):
                     flight.transfer_s = event.seconds
                     continue
                 delta = event.delta
+                delta.request_id = req.request_id
                 if flight.first_token_time is None:
                     flight.first_token_time = time.time()
                     flight.scheduled_time = delta.scheduled_time
+                flight.token_ids += delta.token_ids
                 if isinstance(event, Prefilled):
-                    self._hand_off(flight, event, deadline)
+                    self._hand_off(flight, event)
                 if delta.finish_reason is not None:
                     flight.done = True
                     delta.timings = self._timings(flight)
@@ -248,46 +314,67 @@ class Router:
         finally:
             self._settle(flight)
 
-    def _dispatch(self, flight: _Flight, deadline: float) -> None:
+    def _dispatch(self, flight: _Flight) -> None:
+        """Send the flight's current attempt to a worker; raises ClusterUnavailableError if none can."""
         req = flight.req
-        conditional = (
-            self.mode == "conditional"
-            and len(req.prompt_token_ids) <= self.config.conditional_max_prompt_tokens
+        prefills, decodes = self._transfer_ready("prefill"), self._transfer_ready("decode")
+        short = len(req.prompt_token_ids) <= self.config.conditional_max_prompt_tokens
+        # NOTE: a migrated request already streaming is finished whole somewhere (prompt + its tokens)
+        whole = (
+            bool(flight.token_ids)
+            or self.mode == "colocated"
+            or (self.mode == "conditional" and short)
+            or not prefills
+            or not decodes
         )
-        if self.mode == "colocated" or conditional:
-            pool = "colocated" if self.mode == "colocated" else "decode"
-            w = (
-                pick_least_loaded(self._healthy(pool), pool)
-                if pool == "colocated"
-                else pick_decode(self._healthy(pool))
-            )
-            hold = False
+        if whole:
+            w = self._pick_whole()
+            self._assign(flight, w, "decode", 0)
         else:
-            w = pick_prefill(
-                self._healthy("prefill"), req.prompt_token_ids, self.config.affinity_slack_tokens
-            )
-            hold = True
-        self._assign(flight, w, "prefill" if hold else "decode", len(req.prompt_token_ids))
-        self._send(w, Generate(req.request_id, req.prompt_token_ids, req.params, deadline, hold))
+            w = pick_prefill(prefills, req.prompt_token_ids, self.config.affinity_slack_tokens)
+            self._assign(flight, w, "prefill", len(req.prompt_token_ids))
+        self._send_generate(flight, w, hold=not whole)
 
-    def _hand_off(self, flight: _Flight, event: Prefilled, deadline: float) -> None:
+    def _pick_whole(self) -> WorkerRef:
+        """A worker to run a whole request: colocated, else a decode worker, else (fallback) a prefill one."""
+        if self.mode == "colocated":
+            return pick_least_loaded(self._healthy("colocated"), "colocated")
+        if self._healthy("decode"):
+            return pick_decode(self._healthy("decode"))
+        if self.config.colocated_fallback and self._healthy("prefill"):
+            return pick_least_loaded(self._healthy("prefill"), "prefill")
+        raise ClusterUnavailableError("no healthy worker can run the request")
+
+    def _transfer_ready(self, pool: str) -> list[WorkerRef]:
+        """Healthy workers of ``pool`` that can take part in a KV handoff."""
+        return [w for w in self._healthy(pool) if w.rank is not None]
+
+    def _send_generate(self, flight: _Flight, w: WorkerRef, hold: bool) -> None:
+        req = flight.req
+        op = Generate(
+            flight.wire_id, req.prompt_token_ids, req.params, flight.deadline, hold, list(flight.token_ids)
+        )
+        self._send(w, op)
+
+    def _hand_off(self, flight: _Flight, event: Prefilled) -> None:
         """Prefill sampled the first token (already on its way to the caller): start the decode side."""
         req = flight.req
         if flight.prefill is not None:
             flight.prefill.num_prompt_tokens -= len(req.prompt_token_ids)
-        try:
-            w = pick_decode(self._healthy("decode"))
-        except ClusterUnavailableError:
-            self._send_abort(flight)
-            raise
+        decodes = self._transfer_ready("decode")
+        if not decodes:
+            self._migrate(flight, "no healthy decode worker for the handoff")
+            return
+        w = pick_decode(decodes)
         self._assign(flight, w, "decode", 0)
         first = event.delta.token_ids[0]
-        self._send(
-            w, DecodeHandoff(req.request_id, req.prompt_token_ids, first, req.params, event.handoff, deadline)
+        op = DecodeHandoff(
+            flight.wire_id, req.prompt_token_ids, first, req.params, event.handoff, flight.deadline
         )
+        self._send(w, op)
 
-    async def _next_event(self, flight: _Flight, deadline: float) -> FlightEvent:
-        left = deadline - time.time()
+    async def _next_event(self, flight: _Flight) -> FlightEvent:
+        left = flight.deadline - time.time()
         if left <= 0:
             raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
         try:
@@ -297,27 +384,58 @@ class Router:
 
     def _settle(self, flight: _Flight) -> None:
         """Request over (finished, failed, cancelled): release router counters; abort if unfinished."""
-        if not flight.done:
-            self._send_abort(flight)
-        for w in (flight.prefill, flight.decode):
-            if w is not None:
-                w.num_assigned -= 1
-        if flight.prefill is not None and flight.first_token_time is None:
-            flight.prefill.num_prompt_tokens -= len(flight.req.prompt_token_ids)
+        self._release(flight, abort=not flight.done)
         self._flights.pop(flight.req.request_id, None)
+        self._by_wire.pop(flight.wire_id, None)
+
+    def _release(self, flight: _Flight, abort: bool) -> None:
+        """Drop the flight's worker assignments (telling live ones to abort its current attempt)."""
+        for w in {id(x): x for x in (flight.prefill, flight.decode) if x is not None}.values():
+            if abort and w.state != WorkerState.DEAD:
+                self._send(w, Abort(flight.wire_id))
+            w.num_assigned -= 1
+        if flight.prefill is not None and flight.decode is None and flight.first_token_time is None:
+            flight.prefill.num_prompt_tokens -= len(flight.req.prompt_token_ids)
+        flight.prefill = flight.decode = None
+
+    def _migrate(self, flight: _Flight, why: str) -> None:
+        """Dispatch the flight again (a new attempt) or, past max_migrations, fail it."""
+        if flight.done:
+            return
+        if flight.attempt >= self.config.max_migrations:
+            flight.events.put_nowait(
+                WorkerFailedError(
+                    f"{why}; request not migrated again (max_migrations {self.config.max_migrations})"
+                )
+            )
+            return
+        self._release(flight, abort=True)
+        self._by_wire.pop(flight.wire_id, None)
+        flight.attempt += 1
+        self._by_wire[flight.wire_id] = flight
+        try:
+            self._dispatch(flight)
+        except ClusterUnavailableError as e:
+            flight.events.put_nowait(ClusterUnavailableError(f"{why}; {e}"))
+            return
+        target = flight.prefill or flight.decode
+        logger.warning(
+            "router: migrated %s after %d tokens (%s) to %s",
+            flight.req.request_id,
+            len(flight.token_ids),
+            why,
+            target.worker_id if target is not None else "?",
+        )
 
     async def abort(self, request_id: str) -> None:
         """Idempotent: every worker holding the request frees it; a generate() still being iterated
         for it raises RequestAbortedError."""
         flight = self._flights.get(request_id)
         if flight is not None:
-            self._send_abort(flight)
+            for w in (flight.prefill, flight.decode):
+                if w is not None and w.state != WorkerState.DEAD:
+                    self._send(w, Abort(flight.wire_id))
             flight.events.put_nowait(RequestAbortedError("aborted"))
-
-    def _send_abort(self, flight: _Flight) -> None:
-        for w in (flight.prefill, flight.decode):
-            if w is not None and w.state != WorkerState.DEAD:
-                self._send(w, Abort(flight.req.request_id))
 
     def _timings(self, f: _Flight) -> RequestTimings:
         now = time.time()
@@ -334,7 +452,7 @@ class Router:
 
     # ---- workers --------------------------------------------------------------------------------------
     def _healthy(self, pool: str) -> list[WorkerRef]:
-        return [w for w in self.workers if w.pool == pool and w.healthy]
+        return [w for w in self._workers.values() if w.pool == pool and w.healthy]
 
     def _assign(self, flight: _Flight, w: WorkerRef, role: str, prompt_tokens: int) -> None:
         if role == "prefill":
@@ -344,16 +462,78 @@ class Router:
             flight.decode = w
         w.num_assigned += 1
 
-    def _send(self, w: WorkerRef, op: Any) -> None:
-        if w.socket is None:
-            raise RuntimeError(f"worker {w.worker_id} has no socket")
+    def _send(self, w: WorkerRef, op: Message) -> None:
         try:
             # NOTE: PUSH queues without blocking up to its high-water mark; never awaits here.
             w.socket.send(self._encoder.encode(w.worker_id, op), flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.error("router: %s's queue is full; dropped %s", w.worker_id, type(op).__name__)
-            if not isinstance(op, Abort):
+            if not isinstance(op, (Abort, PeerDead, ExtendLease)):
                 raise ClusterUnavailableError(f"worker {w.worker_id} is not taking work") from None
+
+    def _admit(self, info: WorkerInfo) -> WorkerRef | None:
+        """Register a worker (or a new incarnation of one); None if it cannot join this cluster."""
+        first = self._first_info
+        if first is not None and (info.model_dir, info.vocab_size) != (first.model_dir, first.vocab_size):
+            logger.error(
+                "router: refused %s: it serves %s (vocab %d), the cluster serves %s (vocab %d)",
+                info.worker_id, info.model_dir, info.vocab_size, first.model_dir, first.vocab_size,
+            )  # fmt: skip
+            self.decoder.verifier.reject("refused_worker")
+            return None
+        old = self._workers.get(info.worker_id)
+        if old is not None:
+            self._mark_dead(old, f"replaced by a new incarnation ({info.incarnation})")
+            self._remove(old)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(info.request_endpoint)
+        w = WorkerRef(info, sock, rank=self._ranks.get(info.worker_id) if old is None else None)
+        self._workers[info.worker_id] = w
+        self._first_info = first or info
+        logger.info(
+            "router: admitted %s (%s, pid %d on %s, incarnation %s)",
+            info.worker_id, info.pool, info.pid, info.node_ip, info.incarnation,
+        )  # fmt: skip
+        self._admitted.set()
+        return w
+
+    def set_ranks(self, ranks: dict[str, int]) -> None:
+        """KV-transfer ranks of the workers that joined the launch-time world (see deploy/launch.py)."""
+        self._ranks = dict(ranks)
+        for wid, rank in ranks.items():
+            if wid in self._workers:
+                self._workers[wid].rank = rank
+
+    def _remove(self, w: WorkerRef) -> None:
+        if self._workers.get(w.worker_id) is w:
+            del self._workers[w.worker_id]
+        w.socket.close(linger=0)
+
+    async def drain(self, worker_id: str, timeout_s: float) -> None:
+        """Scale-down: route nothing new to the worker; wait (bounded) for its requests to finish, migrate
+        the rest, then forget it (the caller stops the actor)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise ValueError(f"no worker {worker_id!r}")
+        self._set_state(w, WorkerState.DRAINING, "scale-down")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(
+            f.prefill is w or f.decode is w for f in self._flights.values()
+        ):
+            await asyncio.sleep(0.05)  # NOTE: a bounded poll of the router's own state
+        for flight in [f for f in self._flights.values() if f.prefill is w or f.decode is w]:
+            self._migrate(flight, f"worker {worker_id} drained")
+        self.unwatch(worker_id)
+        self._set_state(w, WorkerState.DEAD, "removed")
+        self._tell_peers_dead(w)
+        self._remove(w)
+
+    def unwatch(self, worker_id: str) -> None:
+        self._actors.pop(worker_id, None)
+        task = self._watches.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
 
     # ---- background tasks -----------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -368,33 +548,69 @@ class Router:
                 logger.exception("router: failed to handle %s", type(event).__name__)
 
     def _on_event(self, event: Any) -> None:
-        worker_id = event.stats.worker_id if isinstance(event, Heartbeat) else event.worker_id
-        w = self._by_id.get(worker_id)
+        if isinstance(event, Heartbeat):
+            self._on_heartbeat(event)
+            return
+        w = self._workers.get(event.worker_id)
         if w is None:
             self.decoder.verifier.reject("unknown_worker")
             return
-        if isinstance(event, Heartbeat):
-            self._on_heartbeat(w, event.stats)
-        elif isinstance(event, WorkerFailed):
+        if isinstance(event, WorkerFailed):
             self._mark_dead(w, f"it reported: {event.reason}")
         elif isinstance(event, RequestFailed):
-            self._to_flight(w, event.request_id, router_error(event.code, event.message))
+            self._on_request_failed(w, event)
         elif isinstance(event, (Delta, Prefilled)):
             if not self._to_flight(w, event.delta.request_id, event) and isinstance(event, Prefilled):
-                # NOTE: the caller went away while prefill ran; make the prefill side let go.
+                # NOTE: the caller went away (or the request moved on) while prefill ran: let go of it.
                 self._send(w, Abort(event.delta.request_id))
         elif isinstance(event, Transferred):
             self._to_flight(w, event.request_id, event)
+        elif isinstance(event, KeepAlive):
+            flight = self._by_wire.get(event.request_id)
+            if flight is not None and flight.decode is w and flight.prefill is not None:
+                self._send(flight.prefill, ExtendLease(event.request_id))
 
-    def _to_flight(self, w: WorkerRef, request_id: str, event: FlightEvent) -> bool:
-        flight = self._flights.get(request_id)
+    def _flight_of(self, w: WorkerRef, wire_id: str) -> _Flight | None:
+        flight = self._by_wire.get(wire_id)
         if flight is None or (flight.prefill is not w and flight.decode is not w):
+            return None
+        return flight
+
+    def _to_flight(self, w: WorkerRef, wire_id: str, event: FlightEvent) -> bool:
+        flight = self._flight_of(w, wire_id)
+        if flight is None:
             return False
         flight.events.put_nowait(event)
         return True
 
-    def _on_heartbeat(self, w: WorkerRef, stats: WorkerStats) -> None:
-        if w.state == WorkerState.DEAD:
+    def _on_request_failed(self, w: WorkerRef, event: RequestFailed) -> None:
+        flight = self._flight_of(w, event.request_id)
+        if flight is None:
+            return
+        prefill = flight.prefill
+        if (
+            event.code == ErrorCode.KV_TRANSFER_FAILED
+            and prefill is not None
+            and prefill.state == WorkerState.DEAD
+        ):
+            # NOTE: the KV's owner died mid-transfer: not the request's fault, so it moves on
+            self._migrate(flight, f"KV source {prefill.worker_id} died mid-transfer")
+            return
+        flight.events.put_nowait(router_error(event.code, event.message))
+
+    def _on_heartbeat(self, event: Heartbeat) -> None:
+        info, stats = event.info, event.stats
+        if stats.worker_id != info.worker_id:
+            self.decoder.verifier.reject("bad_field")
+            return
+        w = self._workers.get(info.worker_id)
+        if w is None or w.info.incarnation != info.incarnation:
+            if w is not None and w.state == WorkerState.DRAINING:
+                return
+            w = self._admit(info)
+            if w is None:
+                return
+        if w.state in (WorkerState.DEAD, WorkerState.DRAINING):
             return
         w.stats, w.last_beat = stats, time.monotonic()
         if not stats.healthy:
@@ -406,27 +622,29 @@ class Router:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             now = time.monotonic()
-            for w in self.workers:
+            for w in list(self._workers.values()):
                 silent = now - w.last_beat
                 if w.healthy and silent > self.config.health_timeout_s:
                     self._set_state(w, WorkerState.UNHEALTHY, f"no heartbeat for {silent:.1f} s")
 
-    async def _lifecycle_watch(self, w: WorkerRef) -> None:
-        """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead)."""
-        while w.state != WorkerState.DEAD:
+    async def _lifecycle_watch(self, worker_id: str) -> None:
+        """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead). Keeps
+        watching after a death: a restarted actor registers again by itself."""
+        while worker_id in self._actors:
             try:
-                await asyncio.wait_for(w.actor.ping.remote(), self.config.health_timeout_s)
+                await asyncio.wait_for(self._actors[worker_id].ping.remote(), self.config.health_timeout_s)
             except asyncio.TimeoutError:
                 pass
             except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
-                self._mark_dead(w, f"{type(e).__name__}: {e}")
-                return
+                w = self._workers.get(worker_id)
+                if w is not None:
+                    self._mark_dead(w, f"{type(e).__name__}: {str(e).splitlines()[0]}")
             await asyncio.sleep(self.config.health_interval_s)
 
     def _set_state(self, w: WorkerRef, state: WorkerState, why: str) -> None:
         if w.state == state:
             return
-        log = logger.info if state == WorkerState.HEALTHY else logger.error
+        log = logger.info if state in (WorkerState.HEALTHY, WorkerState.DRAINING) else logger.error
         log("router: worker %s is %s%s", w.worker_id, state.value, f" ({why})" if why else "")
         w.state, w.why = state, why
 
@@ -434,17 +652,15 @@ class Router:
         if w.state == WorkerState.DEAD:
             return
         self._set_state(w, WorkerState.DEAD, why)
-        if w.rank is not None:
-            # NOTE: peers stop waiting on the dead rank at once instead of sitting out transfer timeouts
-            # with other workers' transfers queued behind.
-            for peer in self._live_peers(w):
-                self._send(peer, PeerDead(w.worker_id, w.rank))
-        for flight in list(self._flights.values()):
-            # NOTE: a request already handed to a decode worker no longer needs its prefill worker once
-            # the KV landed; a transfer still in flight fails on the decode side (policy fail/recompute).
-            depends = flight.decode is w or (flight.prefill is w and flight.decode is None)
-            if depends and not flight.done:
-                flight.events.put_nowait(WorkerFailedError(f"worker {w.worker_id} failed: {why}"))
+        self._tell_peers_dead(w)
+        for flight in [f for f in self._flights.values() if f.depends_on(w) and not f.done]:
+            self._migrate(flight, f"worker {w.worker_id} failed: {why}")
+
+    def _tell_peers_dead(self, w: WorkerRef) -> None:
+        # NOTE: peers stop waiting on it at once instead of sitting out transfer timeouts with other
+        # workers' transfers queued behind.
+        for peer in self._live_peers(w):
+            self._send(peer, PeerDead(w.worker_id, w.rank))
 
     def _live_peers(self, w: WorkerRef) -> Sequence[WorkerRef]:
-        return [p for p in self.workers if p is not w and p.rank is not None and p.state != WorkerState.DEAD]
+        return [p for p in self._workers.values() if p is not w and p.state != WorkerState.DEAD]

@@ -1,8 +1,12 @@
 """The control-plane protocol between the router and the workers: every message a frozen dataclass, one
 tagged codec, strict decoding.
 
-Ops (router -> worker): Generate, DecodeHandoff, Abort, PeerDead.
-Events (worker -> router): Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed.
+Ops (router -> worker): Generate, DecodeHandoff, Abort, PeerDead, ExtendLease.
+Events (worker -> router): Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed, KeepAlive.
+
+Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
+registers it with the router, and one from a new ``incarnation`` (a process Ray restarted) re-admits it.
+Request ids on the wire are the router's per-attempt ids (a migrated request gets a new one).
 
 On the wire a message is ``(TAG, {field: value})`` inside an authenticated frame (cluster/frames.py).
 Decoding is a strict rebuild against the dataclass's own type hints: unknown tags and unknown, missing
@@ -37,10 +41,43 @@ class Message(Protocol):
     TAG: ClassVar[str]
 
 
+@dataclass(frozen=True)
+class WorkerControl:
+    """How a worker reaches the control plane (constructor argument of every worker actor).
+
+    bind: "loopback" binds 127.0.0.1; "node" binds (and advertises) the node's own address, for clusters
+    that span hosts. store: where the router hosts the torch.distributed store for KV-transfer pairs.
+    """
+
+    router_endpoint: str
+    heartbeat_interval_s: float
+    bind: str = "loopback"
+    store: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's static facts, sent with every heartbeat (so the first one registers it)."""
+
+    worker_id: str
+    pool: str
+    incarnation: str  # random per process: a restarted worker has a new one
+    request_endpoint: str
+    node_ip: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    model_dir: str
+    device: str
+    pid: int
+
+
 # ---- ops: router -> worker ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Generate:
-    """Run a request on this worker. hold: stop after the first token and keep the KV for a handoff."""
+    """Run a request on this worker. hold: stop after the first token and keep the KV for a handoff.
+    output_token_ids: tokens already generated elsewhere (a migrated request): computed, not re-sampled."""
 
     TAG: ClassVar[str] = "generate"
     request_id: str
@@ -48,6 +85,7 @@ class Generate:
     params: SamplingParams
     deadline: float  # time.time() seconds
     hold: bool = False
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,15 +114,24 @@ class PeerDead:
 
     TAG: ClassVar[str] = "peer_dead"
     worker_id: str
-    rank: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class ExtendLease:
+    """Keep holding a prefilled request's KV: its decode worker is waiting for blocks, not gone."""
+
+    TAG: ClassVar[str] = "extend_lease"
+    request_id: str
 
 
 # ---- events: worker -> router ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Heartbeat:
-    """The step thread's progress beat (also sent while idle), carrying the worker's latest stats."""
+    """The step thread's progress beat (also sent while idle): who it is, and its latest stats."""
 
     TAG: ClassVar[str] = "heartbeat"
+    info: WorkerInfo
     stats: WorkerStats
 
 
@@ -135,10 +182,27 @@ class WorkerFailed:
     reason: str
 
 
-Op = Generate | DecodeHandoff | Abort | PeerDead
-Event = Heartbeat | Delta | Prefilled | Transferred | RequestFailed | WorkerFailed
-OPS: tuple[type[Message], ...] = (Generate, DecodeHandoff, Abort, PeerDead)
-EVENTS: tuple[type[Message], ...] = (Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed)
+@dataclass(frozen=True)
+class KeepAlive:
+    """A decode worker still wants a handoff it is waiting to start (blocks or seats are short)."""
+
+    TAG: ClassVar[str] = "keep_alive"
+    worker_id: str
+    request_id: str
+
+
+Op = Generate | DecodeHandoff | Abort | PeerDead | ExtendLease
+Event = Heartbeat | Delta | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
+OPS: tuple[type[Message], ...] = (Generate, DecodeHandoff, Abort, PeerDead, ExtendLease)
+EVENTS: tuple[type[Message], ...] = (
+    Heartbeat,
+    Delta,
+    Prefilled,
+    Transferred,
+    RequestFailed,
+    WorkerFailed,
+    KeepAlive,
+)
 
 
 # ---- strict decoding from type hints -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The only place that creates placement groups and actors.
+"""The only place that creates worker actors (WorkerLauncher); start_cluster() and ClusterHandle.
 
     ray job submit --working-dir . -- python -m deploy.launch --config deploy/cpu-disagg.yaml
     python -m deploy.launch --config deploy/cpu-disagg.yaml            # local Ray cluster
@@ -9,7 +9,8 @@ Python API (tests, benchmarks):
     handle = start_cluster("deploy/cpu-disagg.yaml")   # or a ClusterConfig / dict
     out = handle.generate(prompt_token_ids, SamplingParams(max_tokens=16))
     async for delta in handle.agenerate(prompt_token_ids, params): ...
-    handle.shutdown()                                   # no actor, placement group or thread left
+    handle.scale("decode", 2)                           # grow / shrink a pool (drains, migrates)
+    handle.shutdown()                                   # no actor or thread left
 
 The router runs on an event loop owned by the handle (its own thread); the HTTP server, when asked
 for, is served on that same loop so handlers and router share it.
@@ -29,8 +30,6 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.frames import new_secret
@@ -42,13 +41,13 @@ from cluster.protocol import (
     TokenDelta,
     WorkerStats,
 )
-from cluster.router import Router, WorkerRef
+from cluster.router import Router
+from cluster.wire import WorkerControl
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _START_TIMEOUT_S = 600.0
-_PLACEMENT_TIMEOUT_S = 120.0
 _LOCAL_RAY_CPUS = 16
 _ids = itertools.count()
 
@@ -76,10 +75,64 @@ class RouterLoop:
         self._thread.join(timeout=10)
 
 
-class ClusterHandle:
-    """A running cluster: worker actors, their placement group, the router on its own loop.
+class WorkerLauncher:
+    """Creates and stops worker actors of one cluster (at start and when scaling): the only place that
+    creates actors. Each worker asks Ray for its own resources (no placement group), so a worker can be
+    added or removed alone and its resources go back to Ray with it."""
 
-    Built complete by :func:`start_cluster`; ``shutdown()`` leaves no actor, placement group or thread.
+    def __init__(
+        self, cfg: ClusterConfig, secret: bytes, control: WorkerControl, fault_injection: bool
+    ) -> None:
+        self.cfg = cfg
+        self.secret = secret
+        self.control = control
+        self.fault_injection = fault_injection
+        self.actors: dict[str, Any] = {}
+        self._next_index: dict[str, int] = {}
+
+    def create(self, pool: str) -> tuple[str, Any]:
+        from workers.worker import EngineWorker
+
+        pc = _pool_config(self.cfg, pool)
+        index = self._next_index.get(pool, 0)
+        self._next_index[pool] = index + 1
+        worker_id = f"{pool}-{index}"
+        actor_cls: Any = ray.remote(EngineWorker)
+        actor = actor_cls.options(
+            num_cpus=max(pc.num_cpus, 0.001),
+            num_gpus=pc.num_gpus,
+            resources=dict(pc.resources) or None,
+            max_restarts=pc.max_restarts,
+            scheduling_strategy="SPREAD" if self.cfg.placement_strategy == "SPREAD" else "DEFAULT",
+        ).remote(
+            worker_id,
+            pool,
+            self.cfg.engine_config(),
+            self.cfg.transfer,
+            self.secret,
+            self.control,
+            torch_threads=pc.torch_threads if not pc.num_gpus else None,
+            allow_fault_injection=self.fault_injection,
+        )
+        self.actors[worker_id] = actor
+        return worker_id, actor
+
+    def stop(self, worker_id: str) -> None:
+        actor = self.actors.pop(worker_id)
+        # NOTE: a dead actor cannot shut down; it is killed regardless
+        with contextlib.suppress(Exception):
+            ray.get(actor.shutdown.remote(), timeout=10)
+        ray.kill(actor, no_restart=True)
+
+    def stop_all(self) -> None:
+        for worker_id in list(self.actors):
+            self.stop(worker_id)
+
+
+class ClusterHandle:
+    """A running cluster: worker actors and the router on its own loop.
+
+    Built complete by :func:`start_cluster`; ``shutdown()`` leaves no actor or thread behind.
     """
 
     def __init__(
@@ -87,19 +140,20 @@ class ClusterHandle:
         config: ClusterConfig,
         router: Router,
         router_loop: RouterLoop,
-        actors: dict[str, Any],
-        pg: Any,
-        secret: bytes,
+        launcher: WorkerLauncher,
         started_ray: bool,
     ) -> None:
         self.config = config
-        self.secret = secret  # the control plane's key (cluster/frames.py); tests sign frames with it
         self.router = router
         self._router_loop = router_loop
         self.loop = router_loop.loop
-        self.actors = actors
-        self.pg = pg
+        self._launcher = launcher
+        self.secret = launcher.secret  # the control plane's key (cluster/frames.py); tests sign with it
         self._started_ray = started_ray
+
+    @property
+    def actors(self) -> dict[str, Any]:
+        return self._launcher.actors
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the router's loop from any other thread."""
@@ -166,6 +220,35 @@ class ClusterHandle:
                 fut.cancel()
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(router.abort(rid), self.loop))
 
+    # ---- elasticity -----------------------------------------------------------------------------------
+    def scale(self, pool: str, num_workers: int, *, timeout_s: float = _START_TIMEOUT_S) -> list[str]:
+        """Grow or shrink ``pool`` to ``num_workers`` live workers; returns the pool's worker ids.
+
+        Growing waits (bounded) until the new workers are admitted. Shrinking drains the newest workers
+        (nothing new is routed to them; their requests finish or migrate within ``drain_timeout_s``),
+        then stops them, which returns their resources to Ray. Never call it on the router's loop.
+        """
+        if pool not in {p for p, _ in _pools(self.config)}:
+            raise ValueError(f"pool must be one of {[p for p, _ in _pools(self.config)]}, got {pool!r}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        live = self._live(pool)
+        if num_workers > len(live):
+            new = [self._launcher.create(pool) for _ in range(num_workers - len(live))]
+            for worker_id, actor in new:
+                self.run(_call(self.router.watch, worker_id, actor))
+            self.run(self.router.wait_admitted([wid for wid, _ in new], timeout_s), timeout_s + 10)
+        for worker_id in sorted(live, key=_index)[num_workers:][::-1]:
+            drain_s = self.config.router.drain_timeout_s
+            self.run(self.router.drain(worker_id, drain_s), drain_s + 30)
+            self._launcher.stop(worker_id)
+        return self._live(pool)
+
+    def _live(self, pool: str) -> list[str]:
+        return sorted(
+            (w.worker_id for w in self.router.workers if w.pool == pool and w.state != "dead"), key=_index
+        )
+
     # ---- observability & tests ------------------------------------------------------------------------
     def worker_stats(self) -> list[WorkerStats]:
         return self.router.worker_stats()
@@ -195,7 +278,8 @@ class ClusterHandle:
         raise TimeoutError(f"workers still busy after {timeout_s} s: {self.check_leaks(timeout_s)}")
 
     def kill_worker(self, worker_id: str, *, no_restart: bool = True) -> None:
-        """Failure injection: kill one worker actor (restarted by Ray only if allowed and asked)."""
+        """Failure injection: kill one worker actor (Ray restarts it if its pool allows and no_restart
+        is False)."""
         ray.kill(self.actors[worker_id], no_restart=no_restart)
 
     def inject_fault(self, worker_id: str, kind: str) -> None:
@@ -207,21 +291,23 @@ class ClusterHandle:
             self.run(self.router.close(), timeout=10)
         except Exception:
             logger.exception("router close failed")
-        _stop_actors(self.actors, self.pg)
+        self._launcher.stop_all()
         self._router_loop.stop()
         if self._started_ray:
             ray.shutdown()
 
 
-def _stop_actors(actors: dict[str, Any], pg: Any) -> None:
-    for actor in actors.values():
-        # NOTE: a dead actor cannot shut down; it is killed regardless
-        with contextlib.suppress(Exception):
-            ray.get(actor.shutdown.remote(), timeout=10)
-        ray.kill(actor, no_restart=True)
-    actors.clear()
-    if pg is not None:
-        remove_placement_group(pg)
+async def _call(fn: Any, *args: Any) -> None:
+    """Run a plain function on the router's loop (router methods that create tasks)."""
+    fn(*args)
+
+
+def _index(worker_id: str) -> int:
+    return int(worker_id.rsplit("-", 1)[1])
+
+
+def _pool_config(cfg: ClusterConfig, pool: str) -> PoolConfig:
+    return {"prefill": cfg.prefill, "decode": cfg.decode, "colocated": cfg.colocated}[pool]
 
 
 def _init_ray(cfg: ClusterConfig) -> bool:
@@ -240,12 +326,21 @@ def _init_ray(cfg: ClusterConfig) -> bool:
     return True
 
 
+def _bind_host(cfg: ClusterConfig) -> tuple[str, str]:
+    """(worker bind mode, the router's own bind address): loopback on one host, else the node's."""
+    network = cfg.network
+    if network == "auto":
+        network = "node" if sum(1 for n in ray.nodes() if n.get("Alive")) > 1 else "loopback"
+    if network == "loopback":
+        return "loopback", "127.0.0.1"
+    return "node", str(ray.util.get_node_ip_address())
+
+
 def start_cluster(
     config: ClusterConfig | dict[str, Any] | str, *, fault_injection: bool = False
 ) -> ClusterHandle:
-    """Placement group -> worker actors -> torch.distributed world -> router. See module docstring.
-
-    fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
+    """Router -> worker actors (each registers with the router) -> KV-transfer world. See the module
+    docstring. fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
     if isinstance(config, str):
         cfg = ClusterConfig.from_yaml(config)
     elif isinstance(config, dict):
@@ -253,120 +348,57 @@ def start_cluster(
     else:
         cfg = config
     started_ray = _init_ray(cfg)
+    worker_bind, router_host = _bind_host(cfg)
+    secret = new_secret()
     router_loop = RouterLoop()
-    actors: dict[str, Any] = {}
-    pg: Any = None
+
+    async def make_router() -> Router:
+        router = Router(
+            cfg.router, secret, served_model_name=cfg.server.served_model_name, bind_host=router_host
+        )
+        await router.start()
+        return router
+
+    router = router_loop.run(make_router(), timeout=60)
+    control = WorkerControl(router.endpoint, cfg.router.health_interval_s, worker_bind)
+    launcher = WorkerLauncher(cfg, secret, control, fault_injection)
     try:
-        pg = _placement_group(cfg)
-        secret = new_secret()
-        _start_workers(cfg, pg, secret, actors, fault_injection)
-        router = _start_router(cfg, router_loop, secret, actors)
+        for pool, pc in _pools(cfg):
+            for _ in range(pc.num_workers):
+                worker_id, actor = launcher.create(pool)
+                router_loop.run(_call(router.watch, worker_id, actor))
+        try:
+            router_loop.run(
+                router.wait_admitted(list(launcher.actors), _START_TIMEOUT_S), _START_TIMEOUT_S + 10
+            )
+        except TimeoutError as e:
+            raise RuntimeError(f"{e}; Ray resources available: {ray.available_resources()}") from None
+        if cfg.router.mode != "colocated":
+            ranks = _join_transfer_world(cfg, launcher.actors)
+            router_loop.run(_call(router.set_ranks, ranks))
     except BaseException:
-        _stop_actors(actors, pg)
+        router_loop.run(router.close(), timeout=10)
+        launcher.stop_all()
         router_loop.stop()
         if started_ray:
             ray.shutdown()
         raise
-    return ClusterHandle(cfg, router, router_loop, actors, pg, secret, started_ray)
+    return ClusterHandle(cfg, router, router_loop, launcher, started_ray)
 
 
-def _specs(cfg: ClusterConfig) -> list[tuple[str, int, PoolConfig]]:
-    return [(pool, i, pc) for pool, pc in _pools(cfg) for i in range(pc.num_workers)]
-
-
-def _placement_group(cfg: ClusterConfig) -> Any:
-    bundles = [
-        {"CPU": max(pc.num_cpus, 0.001), **({"GPU": pc.num_gpus} if pc.num_gpus else {})}
-        for _, _, pc in _specs(cfg)
-    ]
-    pg = placement_group(bundles, strategy=cfg.placement_strategy)
-    try:
-        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"placement group {bundles} ({cfg.placement_strategy}) did not fit within {_PLACEMENT_TIMEOUT_S:.0f} s; "
-            f"available: {ray.available_resources()}"
-        ) from None
-    return pg
-
-
-def _start_workers(
-    cfg: ClusterConfig, pg: Any, secret: bytes, actors: dict[str, Any], fault_injection: bool
-) -> None:
-    """Create every worker actor (into ``actors`` as they are made, so a failure can clean up), then
-    join the KV-transfer world (not in colocated mode)."""
-    from workers.worker import EngineWorker
-
-    engine_config = cfg.engine_config()
-    actor_cls: Any = ray.remote(EngineWorker)
-    specs = _specs(cfg)
-    for index, (pool, i, pc) in enumerate(specs):
-        worker_id = f"{pool}-{i}"
-        actors[worker_id] = actor_cls.options(
-            num_cpus=max(pc.num_cpus, 0.001),
-            num_gpus=pc.num_gpus,
-            max_restarts=pc.max_restarts,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-        ).remote(
-            worker_id,
-            pool,
-            engine_config,
-            cfg.transfer,
-            secret,
-            torch_threads=pc.torch_threads if not pc.num_gpus else None,
-            allow_fault_injection=fault_injection,
-        )
-    if cfg.router.mode == "colocated":
-        return
+def _join_transfer_world(cfg: ClusterConfig, actors: dict[str, Any]) -> dict[str, int]:
+    """Every launch-time worker joins one torch.distributed world for KV transfers; returns the ranks."""
     handles = list(actors.values())
-    all_gpu = all(pc.num_gpus for _, _, pc in specs)
-    backend = cfg.transfer.backend if cfg.transfer.backend != "auto" else ("nccl" if all_gpu else "gloo")
+    specs = [pc for _, pc in _pools(cfg) for _ in range(pc.num_workers)]
+    backend = cfg.transfer.backend
+    if backend == "auto":
+        backend = "nccl" if all(pc.num_gpus for pc in specs) else "gloo"
     master = ray.get(handles[0].rendezvous_address.remote(), timeout=_START_TIMEOUT_S)
     ray.get(
         [a.init_process_group.remote(rank, len(handles), master, backend) for rank, a in enumerate(handles)],
         timeout=_START_TIMEOUT_S,
     )
-
-
-def _start_router(
-    cfg: ClusterConfig, router_loop: RouterLoop, secret: bytes, actors: dict[str, Any]
-) -> Router:
-    infos = dict(
-        zip(
-            actors, ray.get([a.info.remote() for a in actors.values()], timeout=_START_TIMEOUT_S), strict=True
-        )
-    )
-    ranks = {} if cfg.router.mode == "colocated" else {wid: rank for rank, wid in enumerate(actors)}
-    first = next(iter(infos.values()))
-    model_info = ModelInfo(
-        name=cfg.server.served_model_name or os.path.basename(first["model_dir"].rstrip("/")),
-        model_dir=first["model_dir"],
-        max_model_len=min(i["max_model_len"] for i in infos.values()),
-        vocab_size=first["vocab_size"],
-    )
-    refs = [
-        WorkerRef(
-            wid, info["pool"], actors[wid], info["request_endpoint"], info["block_size"], ranks.get(wid)
-        )
-        for wid, info in infos.items()
-    ]
-
-    async def make_router() -> Router:
-        router = Router(cfg.router, refs, model_info, secret)
-        await router.start()
-        return router
-
-    router = router_loop.run(make_router(), timeout=60)
-    try:
-        ray.get(
-            [a.start.remote(router.endpoint, cfg.router.health_interval_s) for a in actors.values()],
-            timeout=60,
-        )
-    except BaseException:
-        router_loop.run(router.close(), timeout=10)
-        raise
-    return router
+    return {wid: rank for rank, wid in enumerate(actors)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -85,7 +85,7 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
     prompts = shared_prefix_prompts(NUM_STREAMS, seed=8, vocab=VOCAB)
     params = [greedy(24 + i % 5 * 8) for i in range(NUM_STREAMS)]
     reference = [o.token_ids for o in offline.generate(prompts, params)]
-    targets = {w.worker_id: w.request_endpoint for w in cluster.router.workers}
+    targets = {w.worker_id: w.info.request_endpoint for w in cluster.router.workers}
     targets[ROUTER_ID] = cluster.router.endpoint
     plan = make_plan(seed=4, num_frames=NUM_FUZZ_FRAMES, secret=cluster.secret, targets=targets)
     before = total_rejected(cluster)
@@ -113,7 +113,7 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
 def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: ClusterHandle, offline: LLM) -> None:
     decode = next(w for w in cluster.router.workers if w.pool == "decode")
     before = total_rejected(cluster)
-    send_frames([(decode.request_endpoint, bytes.fromhex("81910102"))])
+    send_frames([(decode.info.request_endpoint, bytes.fromhex("81910102"))])
     wait_for(lambda: total_rejected(cluster) == before + 1, 10, "the frame counted")
     with start_http(cluster) as http:
         assert httpx.get(f"{http.url}/health").json() == {"status": "ok"}
@@ -155,7 +155,11 @@ def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle
 
 
 def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(offline: LLM) -> None:
-    handle = start_cluster(config(decode={"max_restarts": 1}), fault_injection=True)
+    # NOTE: no migration and no colocated fallback, so losing the one decode worker leaves no path
+    router_cfg = {**HEALTH, "max_migrations": 0, "colocated_fallback": False}
+    handle = start_cluster(
+        cluster_config("", router=router_cfg, decode={"max_restarts": 1}), fault_injection=True
+    )
     try:
         router, actor = handle.router, handle.actors["decode-0"]
         old_pid = ray.get(actor.ping.remote(), timeout=30)
@@ -182,7 +186,7 @@ def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(
             assert isinstance(error, WorkerFailedError)
             assert "step thread died: RuntimeError: injected fault" in str(error)
             assert 0 <= latency <= HEALTH["health_interval_s"] + 1.0
-            assert router.workers[1].state == "dead"
+            assert worker_state(handle, "decode-0") == "dead"
             assert not router.is_healthy()
             health = httpx.get(f"{http.url}/health")
             assert (health.status_code, health.json()) == (503, {"status": "unhealthy"})
@@ -191,9 +195,18 @@ def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(
             assert 'pdserve_worker_healthy{pool="prefill",worker="prefill-0"} 1.0' in metrics
         new_pid = wait_for(lambda: _pid_if_back(actor, old_pid), 120, "Ray restarted decode-0")
         assert new_pid != old_pid
-        assert handle.check_leaks() == {"prefill-0": None}
+        # the new incarnation registers itself and serves again
+        wait_for(lambda: worker_state(handle, "decode-0") == "healthy", 60, "decode-0 re-admitted")
+        out = handle.generate(prompt, greedy(8), timeout_s=60)
+        assert out.token_ids == offline.generate([prompt], greedy(8))[0].token_ids
+        handle.wait_until_quiet(timeout_s=30)
+        assert handle.check_leaks() == {"prefill-0": None, "decode-0": None}
     finally:
         handle.shutdown()
+
+
+def worker_state(handle: ClusterHandle, worker_id: str) -> str | None:
+    return next((w.state.value for w in handle.router.workers if w.worker_id == worker_id), None)
 
 
 def _pid_if_back(actor: Any, old_pid: int) -> int | None:

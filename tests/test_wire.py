@@ -38,8 +38,10 @@ from cluster.wire import (
     Abort,
     DecodeHandoff,
     Delta,
+    ExtendLease,
     Generate,
     Heartbeat,
+    KeepAlive,
     PeerDead,
     Prefilled,
     RequestFailed,
@@ -47,6 +49,7 @@ from cluster.wire import (
     WireDecoder,
     WireEncoder,
     WorkerFailed,
+    WorkerInfo,
 )
 
 SECRET = b"k" * 32
@@ -70,14 +73,21 @@ STATS = WorkerStats(
     transfer=TransferStats(num_ok=1, bytes_total=4096, seconds_total=0.5),
     rejected_frames={"bad_mac": 2},
 )
+INFO = WorkerInfo(
+    "decode-0", "decode", "ab12", "tcp://127.0.0.1:5000", "127.0.0.1", 16, 64, 1024, 512, "/m", "cpu", 7
+)
 ALL_OPS = [
     Generate("r1", [1, 2, 3], PARAMS, 1e9, hold=True),
+    Generate("r1~1", [1, 2, 3], PARAMS, 1e9, output_token_ids=[9, 8]),
     DecodeHandoff("r1", [1, 2, 3], 4, PARAMS, b"\x81\xa1a\x01", 1e9),
     Abort("r1"),
     PeerDead("prefill-0", 0),
+    PeerDead("prefill-0"),
+    ExtendLease("r1"),
 ]
 ALL_EVENTS = [
-    Heartbeat(STATS),
+    Heartbeat(INFO, STATS),
+    KeepAlive("decode-0", "r1"),
     Delta("decode-0", DELTA),
     Prefilled("prefill-0", DELTA, b"handoff"),
     Transferred("decode-0", "r1", 0.5, 1024, recomputed=None),
@@ -141,12 +151,12 @@ def test_each_bad_field_is_rejected_with_its_reason() -> None:
         {**good, "params": [1, 2]},  # nested wrong shape
     ]
     assert rejected([signed("generate", c) for c in cases]) == {"bad_field": len(cases)}
-    enum_case = {**body_of(ALL_EVENTS[4]), "code": "not_a_code"}
+    enum_case = {**body_of(ALL_EVENTS[5]), "code": "not_a_code"}
     assert rejected([signed("request_failed", enum_case)], EVENTS) == {"bad_field": 1}
 
 
 def test_unknown_tags_and_events_sent_to_a_worker_are_rejected() -> None:
-    frames = [signed("launch_missiles", {}), signed(Delta.TAG, body_of(ALL_EVENTS[1]))]
+    frames = [signed("launch_missiles", {}), signed(Delta.TAG, body_of(ALL_EVENTS[2]))]
     assert rejected(frames) == {"unknown_tag": 2}
 
 

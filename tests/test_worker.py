@@ -24,6 +24,7 @@ from cluster.wire import (
     RequestFailed,
     WireDecoder,
     WireEncoder,
+    WorkerControl,
     WorkerFailed,
 )
 from tests.cluster_utils import wait_for
@@ -38,16 +39,19 @@ ENGINE = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=64,
 class FakeRouter:
     """The router's end of one worker: a PULL for events, a PUSH for ops, signed with the secret."""
 
-    def __init__(self, worker: EngineWorker, secret: bytes) -> None:
+    def __init__(self, secret: bytes) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:*")
         self.endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(worker.request_endpoint)
-        self.worker_id = worker.worker_id
         self.encoder = WireEncoder(secret)
         self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
+        self.worker_id = ""
+
+    def connect(self, worker: EngineWorker) -> None:
+        self.push.connect(worker.request_endpoint)
+        self.worker_id = worker.worker_id
 
     def send(self, op: Any) -> None:
         self.push.send(self.encoder.encode(self.worker_id, op))
@@ -76,17 +80,19 @@ def reference() -> list[int]:
 def started() -> Iterator[tuple[EngineWorker, FakeRouter, list[str]]]:
     secret = new_secret()
     fatal: list[str] = []
+    router = FakeRouter(secret)
+    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)
     worker = EngineWorker(
         "colocated-0",
         "colocated",
         ENGINE,
         TransferConfig(),
         secret,
+        control,
         allow_fault_injection=True,
         on_fatal=fatal.append,
     )
-    router = FakeRouter(worker, secret)
-    worker.start(router.endpoint, heartbeat_interval_s=0.05)
+    router.connect(worker)
     yield worker, router, fatal
     worker.shutdown()
     router.close()
@@ -129,6 +135,8 @@ def test_it_beats_while_idle_with_fresh_stats(started: tuple[EngineWorker, FakeR
     worker, router, _ = started
     beats = [router.next((Heartbeat,), timeout_s=5) for _ in range(3)]
     assert all(b.stats.worker_id == "colocated-0" and b.stats.healthy for b in beats)
+    assert {b.info for b in beats} == {worker.info}
+    assert worker.info.request_endpoint == worker.request_endpoint and worker.info.pool == "colocated"
     assert beats[-1].stats.engine.num_total_blocks == worker.engine.stats().num_total_blocks
 
 
@@ -162,12 +170,15 @@ def test_a_dead_thread_makes_the_worker_say_so(
 
 
 def test_fault_injection_is_off_unless_asked() -> None:
-    worker = EngineWorker("colocated-1", "colocated", ENGINE, TransferConfig(), new_secret())
+    router = FakeRouter(new_secret())
+    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)
+    worker = EngineWorker("colocated-1", "colocated", ENGINE, TransferConfig(), new_secret(), control)
     try:
         with pytest.raises(PermissionError):
             worker.inject_fault("step")
     finally:
         worker.shutdown()
+        router.close()
 
 
 def test_ops_and_events_are_disjoint() -> None:

@@ -131,6 +131,16 @@ class KVSender(Side):
             block_hashes=list(block_hashes),
         )
 
+    def extend_lease(self, request_id: str, lease_s: float) -> bool:
+        """Push an offer's lease expiry to at least ``lease_s`` from now (its decode side is waiting for
+        blocks, not gone). False if the request is not offered (any more)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.expiry = max(lease.expiry, time.monotonic() + lease_s)
+            return True
+
     def abort(self, request_id: str) -> bool:
         """Withdraw an offer. True: withdrawn, no callback will come. False: in flight (its `on_sent`
         still comes) or unknown."""

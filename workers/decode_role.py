@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
-from cluster.wire import DecodeHandoff, PeerDead, RequestFailed, Transferred
+from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
 from transfer.channel import TorchDistChannel
 from transfer.connector import KVReceiver
 from transfer.protocol import KVHandoff, TransferError, TransferResult
@@ -63,6 +63,7 @@ class DecodeRole:
         self._pending = PendingHandoffs()
         self._in_flight: dict[str, DecodeHandoff] = {}
         self._abort_after_transfer: set[str] = set()
+        self._last_keep_alive = 0.0
 
     def start(self, rank: int) -> None:
         self.receiver = KVReceiver(
@@ -114,9 +115,6 @@ class DecodeRole:
         future.add_done_callback(lambda f: self.ctx.post(_KVDone(op.request_id, f)))
         return True
 
-    def has_pending_work(self) -> bool:
-        return bool(self._pending)
-
     def poll(self) -> None:
         if not self._pending:
             return
@@ -128,6 +126,12 @@ class DecodeRole:
             )
         while self._pending and self._try_start(*self._pending.items[0]):
             self._pending.items.popleft()
+        now = time.monotonic()
+        if self._pending and now - self._last_keep_alive >= self.ctx.transfer_config.lease_s / 4:
+            # NOTE: waiting for blocks is not being gone: keep the prefill side holding the KV
+            self._last_keep_alive = now
+            for op, _ in self._pending.items:
+                self.ctx.send(KeepAlive(self.ctx.worker_id, op.request_id))
 
     def on_abort(self, request_id: str) -> bool:
         if request_id in self._in_flight:
@@ -165,8 +169,11 @@ class DecodeRole:
                 rid, ErrorCode.KV_TRANSFER_FAILED, f"KV transfer failed: {type(error).__name__}: {error}"
             )
 
+    def on_extend_lease(self, request_id: str) -> None:
+        raise RuntimeError("a decode worker holds no prefills")
+
     def on_peer_dead(self, op: PeerDead) -> None:
-        if self.receiver is not None:
+        if self.receiver is not None and op.rank is not None:
             self.receiver.drop_peer(op.rank)
 
     # ---- observability --------------------------------------------------------------------------------

@@ -71,17 +71,18 @@ class PrefillRole:
         return held and self.sender is not None and not self.sender.abort(request_id)
 
     def on_peer_dead(self, op: PeerDead) -> None:
-        if self.sender is not None:
+        if self.sender is not None and op.rank is not None:
             self.sender.drop_peer(op.rank)
+
+    def on_extend_lease(self, request_id: str) -> None:
+        if self.sender is not None:
+            self.sender.extend_lease(request_id, self.ctx.transfer_config.lease_s)
 
     def handle(self, cmd: object) -> None:
         if not isinstance(cmd, _Sent):
             raise RuntimeError(f"prefill role: unexpected command {type(cmd).__name__}")
         if self.ctx.engine.request_status(cmd.request_id) == RequestStatus.SENDING_KV:
             self.ctx.engine.release(cmd.request_id)
-
-    def has_pending_work(self) -> bool:
-        return False
 
     def poll(self) -> None:
         return None

@@ -48,10 +48,11 @@ class Role(Protocol):
 
     def on_peer_dead(self, op: PeerDead) -> None: ...
 
+    def on_extend_lease(self, request_id: str) -> None:
+        """The decode side still wants this held request: keep its KV past the lease."""
+
     def handle(self, cmd: object) -> None:
         """A command the role posted from its transfer thread."""
-
-    def has_pending_work(self) -> bool: ...
 
     def poll(self) -> None:
         """Once per step-loop turn: retry waiting handoffs, expire them."""

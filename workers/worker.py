@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -40,13 +41,16 @@ from cluster.wire import (
     Abort,
     DecodeHandoff,
     Delta,
+    ExtendLease,
     Generate,
     Heartbeat,
     PeerDead,
     RequestFailed,
     WireDecoder,
     WireEncoder,
+    WorkerControl,
     WorkerFailed,
+    WorkerInfo,
 )
 from workers.decode_role import DecodeRole
 from workers.engine import Engine
@@ -80,6 +84,13 @@ def _make_role(pool: str, context: WorkerContext) -> Role | None:
     return None
 
 
+def resolve_node_ip() -> str:
+    """This node's address as Ray knows it (the one other hosts reach it on)."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
 def exit_process(reason: str) -> None:
     """Default ``on_fatal``: leave now (a thread is dead, the process cannot serve); Ray restarts it."""
     logging.shutdown()
@@ -97,9 +108,9 @@ class EngineWorker:
         engine_config: EngineConfig,
         transfer_config: TransferConfig,
         secret: bytes,
+        control: WorkerControl,
         *,
         torch_threads: int | None = None,
-        bind_host: str = "127.0.0.1",
         engine_factory: Callable[[EngineConfig], Engine] = Engine,
         allow_fault_injection: bool = False,
         on_fatal: Callable[[str], None] = exit_process,
@@ -111,62 +122,70 @@ class EngineWorker:
         self.worker_id = worker_id
         self.pool = pool
         self.transfer_config = transfer_config
+        self.control = control
         self.engine = engine_factory(engine_config)
-        self._secret = secret
         self._allow_faults = allow_fault_injection
         self._on_fatal = on_fatal
+        self.node_ip = resolve_node_ip() if control.bind == "node" else "127.0.0.1"
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(f"tcp://{bind_host}:*")
+        self._pull.bind(f"tcp://{self.node_ip}:*")
         self.request_endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = WireDecoder(secret, worker_id, OPS)
         self._encoder = WireEncoder(secret)
-        self._push: zmq.Socket[Any] | None = None
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(control.router_endpoint)
         self._push_lock = threading.Lock()  # NOTE: the step thread sends; a dying thread sends once too
         self._commands: queue.Queue[object] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._inbound_fault = threading.Event()
-        self._heartbeat_interval_s = 0.5
         self._last_beat = 0.0
         self.failed: str | None = None
         self._fatal_lock = threading.Lock()
+        e = self.engine
+        self.info = WorkerInfo(
+            worker_id=worker_id,
+            pool=pool,
+            incarnation=secrets.token_hex(8),
+            request_endpoint=self.request_endpoint,
+            node_ip=self.node_ip,
+            block_size=e.config.block_size,
+            num_blocks=e.runner.num_blocks,
+            max_model_len=e.max_model_len,
+            vocab_size=e.vocab_size,
+            model_dir=e.model_dir,
+            device=str(e.runner.device),
+            pid=os.getpid(),
+        )
         context = WorkerContext(
-            worker_id, bind_host, self.engine, transfer_config, self._send, self._commands.put
+            worker_id, self.node_ip, self.engine, transfer_config, self._send, self._commands.put
         )
         self.role: Role | None = _make_role(pool, context)
         self._stats = WorkerStats(worker_id, pool)
-
-    # ---- actor API ------------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        e = self.engine
-        return {
-            "worker_id": self.worker_id,
-            "pool": self.pool,
-            "request_endpoint": self.request_endpoint,
-            "max_model_len": e.max_model_len,
-            "vocab_size": e.vocab_size,
-            "model_dir": e.model_dir,
-            "block_size": e.config.block_size,
-            "num_blocks": e.runner.num_blocks,
-            "device": str(e.runner.device),
-            "pid": os.getpid(),
-        }
-
-    def start(self, router_endpoint: str, heartbeat_interval_s: float) -> None:
-        """Connect to the router's PULL socket and start the step and inbound threads."""
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(router_endpoint)
         self._publish_stats()
         for target, name in ((self._inbound_loop, "inbound"), (self._step_loop, "step")):
             t = threading.Thread(
-                target=self._guarded, args=(name, target), name=f"{self.worker_id}-{name}", daemon=True
+                target=self._guarded, args=(name, target), name=f"{worker_id}-{name}", daemon=True
             )
             t.start()
             self._threads.append(t)
+        logger.info(
+            "%s: %s worker up on %s (%s, %d KV blocks of %d tokens, max_model_len %d)",
+            worker_id,
+            pool,
+            self.request_endpoint,
+            self.info.device,
+            self.info.num_blocks,
+            self.info.block_size,
+            self.info.max_model_len,
+        )
+
+    # ---- actor API ------------------------------------------------------------------------------------
+    def get_info(self) -> WorkerInfo:
+        return self.info
 
     def stats(self) -> WorkerStats:
         return self._stats
@@ -199,10 +218,9 @@ class EngineWorker:
         """Rank 0 publishes where the torch.distributed TCPStore will listen (a free port here)."""
         import socket
 
-        host = self.request_endpoint.rsplit(":", 1)[0].removeprefix("tcp://")
         with socket.socket() as s:
-            s.bind((host, 0))
-            return host, int(s.getsockname()[1])
+            s.bind((self.node_ip, 0))
+            return self.node_ip, int(s.getsockname()[1])
 
     def init_process_group(self, rank: int, world_size: int, master: tuple[str, int], backend: str) -> None:
         """Join the cluster's torch.distributed world (every worker calls this at launch, together)."""
@@ -227,8 +245,7 @@ class EngineWorker:
         if self.role is not None:
             self.role.close()
         self._pull.close(linger=0)
-        if self._push is not None:
-            self._push.close(linger=0)
+        self._push.close(linger=0)
         self._ctx.term()
 
     # ---- threads --------------------------------------------------------------------------------------
@@ -269,9 +286,9 @@ class EngineWorker:
 
     def _step_loop(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            pending = self.role is not None and self.role.has_pending_work()
-            self._drain_commands(block=not busy and not pending)
+            # NOTE: an idle engine waits for a command (bounded): handoffs waiting for blocks can only
+            # start after a command (an abort, a finished transfer) frees some, so nothing spins.
+            self._drain_commands(block=not self.engine.has_unfinished())
             if self.role is not None:
                 self.role.poll()
             if self.engine.has_unfinished():
@@ -281,13 +298,13 @@ class EngineWorker:
 
     def _beat(self) -> None:
         now = time.monotonic()
-        if now - self._last_beat < self._heartbeat_interval_s:
+        if now - self._last_beat < self.control.heartbeat_interval_s:
             return
         self._last_beat = now
         dead = [t.name for t in self._role_threads() if not t.is_alive()]
         if dead:
             raise RuntimeError(f"transfer thread(s) {dead} died")
-        self._send(Heartbeat(self._stats))
+        self._send(Heartbeat(self.info, self._stats))
 
     def _role_threads(self) -> list[threading.Thread]:
         return self.role.threads() if self.role is not None else []
@@ -320,6 +337,9 @@ class EngineWorker:
         elif isinstance(cmd, PeerDead):
             if self.role is not None:
                 self.role.on_peer_dead(cmd)
+        elif isinstance(cmd, ExtendLease):
+            if self.role is not None:
+                self.role.on_extend_lease(cmd.request_id)
         elif isinstance(cmd, _LeakCheck):
             cmd.result.set_result(self._leak_report())
         elif isinstance(cmd, _Fault):
@@ -335,7 +355,13 @@ class EngineWorker:
             self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, f"{self.pool} worker cannot hold KV")
             return
         try:
-            self.engine.add_request(op.request_id, op.prompt_token_ids, op.params, hold_after_prefill=op.hold)
+            self.engine.add_request(
+                op.request_id,
+                op.prompt_token_ids,
+                op.params,
+                hold_after_prefill=op.hold,
+                output_token_ids=op.output_token_ids,
+            )
         except ValueError as e:
             self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
 
@@ -352,8 +378,6 @@ class EngineWorker:
     def _send(self, message: Any, flush_timeout_s: float | None = None) -> None:
         frame = self._encoder.encode(ROUTER_ID, message)
         with self._push_lock:
-            if self._push is None:
-                raise RuntimeError("start() first")
             if flush_timeout_s is None:
                 self._push.send(frame)
                 return
