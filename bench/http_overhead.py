@@ -44,9 +44,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deploy.http_host import HttpServerHandle, _listen
 from cluster.protocol import FinishReason, GenerateRequest, ModelInfo, RequestTimings, TokenDelta, WorkerStats
 from cluster.server import create_app, create_server
+from deploy.http_host import HttpServerHandle, _listen
 
 PROMPT = [10, 11, 12]
 KINDS = {

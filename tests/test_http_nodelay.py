@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from deploy.http_host import HttpServerHandle, _listen
 from cluster.server import create_app, create_server
+from deploy.http_host import HttpServerHandle, _listen
 from tests.stub_router import StubRouter, make_tokenizer
 
 
