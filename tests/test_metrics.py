@@ -59,12 +59,15 @@ def unresolved(names: set[str], families: dict[str, str]) -> list[str]:
     return missing
 
 
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
+def samples(text: str, model: str = "stub-model") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(name, labels) -> value; every sample must carry model_name=``model`` (left out of the key)."""
+    out = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name") == model, s
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +157,7 @@ def test_colocated_skips_transfer_and_broken_stats_do_not_break_the_scrape() -> 
         num_prompt_tokens=5,
         num_generation_tokens=3,
     )
-    got = samples(metrics.render().decode())
+    got = samples(metrics.render().decode(), model="")
     assert got[("pdserve_prefill_time_seconds_count", (("mode", "colocated"),))] == 1.0
     assert not any(name.startswith("pdserve_kv_transfer_time") for name, _ in got)
     assert not any(name.startswith("pdserve_num_requests") for name, _ in got)

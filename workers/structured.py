@@ -187,7 +187,8 @@ def _printable_row(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Ten
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """An int32 CPU bitmask of ``num_rows`` rows, every token allowed (xgrammar's layout)."""
-    return _xgr().allocate_token_bitmask(num_rows, vocab_size)  # type: ignore[no-any-return]
+    bitmask: torch.Tensor = _xgr().allocate_token_bitmask(num_rows, vocab_size)
+    return bitmask
 
 
 def reset_bitmask(bitmask: torch.Tensor) -> None:
