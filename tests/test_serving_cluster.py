@@ -171,7 +171,7 @@ def _abort_count(http: HttpServerHandle) -> float:
     text = httpx.get(f"{http.url}/metrics").text
     return sum(
         v
-        for (name, labels), v in samples(text).items()
+        for (name, labels), v in samples(text, model=MODEL).items()
         if name == "pdserve_requests_total" and ("finish_reason", "abort") in labels
     )
 
@@ -227,7 +227,7 @@ def test_every_dashboard_metric_is_exported_after_real_traffic(
     # the workers' own stats arrived through the router (both pools present)
     worker_kv = {
         labels
-        for (name, labels) in samples(httpx.get(f"{http.url}/metrics").text)
+        for (name, labels) in samples(httpx.get(f"{http.url}/metrics").text, model=MODEL)
         if name == "pdserve_kv_cache_free_blocks"
     }
     assert worker_kv == {
