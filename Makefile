@@ -6,10 +6,15 @@ PYTHON ?= python3
 VENV ?= .venv
 # NOTE: pinned so a CPU machine takes the local CPU wheel and never pulls multi-GB CUDA wheels.
 TORCH_SPEC ?= torch==2.13.0
+# GPU machines (`make setup-gpu`): torch's CUDA build from PyTorch's wheel index for that CUDA version
+# (cu126, cu128, cu130, ...: pick the newest your NVIDIA driver supports; `nvidia-smi` shows it).
+CUDA ?= cu128
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(CUDA)
+GPU_STAMP := $(VENV)/.pdserve-gpu-installed
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup run test lint bench-offline clean
+.PHONY: setup setup-gpu run test lint bench-offline wheel clean
 
 setup: $(STAMP)
 
@@ -19,6 +24,22 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e '.[dev]'
 	touch $(STAMP)
+
+# A GPU machine: the CUDA build of torch first (pip then keeps it), pdserve with the [gpu] and [bench]
+# extras, and a check that torch sees a GPU. Fails loudly on a CPU-only torch instead of serving on CPU.
+setup-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): setup.cfg pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch --index-url $(TORCH_INDEX_URL)
+	$(PIP) install -q -e '.[gpu,bench,dev]'
+	$(VENV)/bin/python -c "import torch, sys; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count()); sys.exit(0 if ok else 'torch sees no CUDA device: check the driver and CUDA=...')"
+	touch $(GPU_STAMP) $(STAMP)
+
+# A non-editable wheel (configs, dashboards and the bundled model included) in dist/.
+wheel: setup
+	$(PIP) wheel --no-deps --no-build-isolation -w dist .
 
 run: setup
 	$(VENV)/bin/pdserve demo

@@ -1,8 +1,16 @@
 """pdserve SDK: ``Client`` / ``AsyncClient`` over httpx (no torch, no ray).
 
-    client = Client("http://127.0.0.1:8000", api_key=None)
+Results are shaped like the ``openai`` package's (``out.choices[0].text``,
+``out.choices[0].message.content``, ``out.usage.prompt_tokens``) and errors are typed like its
+(``BadRequestError``, ``AuthenticationError``, ``NotFoundError``, ``RateLimitError``,
+``InternalServerError``, ``APITimeoutError``, ``APIConnectionError``, all ``APIError``). What the SDK
+adds: the token ids of every choice and chunk, the server's per-request timing split, and client-side
+TTFT / TBT / e2e for streams. ``base_url`` and ``api_key`` default to ``PDSERVE_BASE_URL`` /
+``PDSERVE_API_KEY`` (else ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, else http://127.0.0.1:8000).
+
+    client = Client()                        # or Client("http://127.0.0.1:8000", api_key=...)
     out = client.completions.create(prompt="Once upon a time", max_tokens=32)
-    print(out.text, out.token_ids, out.usage, out.timings)
+    print(out.choices[0].text, out.token_ids, out.usage, out.timings)
     stream = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True)
     for delta in stream:                     # StreamDelta(text, token_ids, arrival_time, index, ...)
         print(delta.text, end="")
@@ -20,134 +28,67 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import httpx
 
+from cluster.client_types import (
+    DEFAULT_BASE_URL,
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    Choice,
+    ChunkChoice,
+    ChunkDelta,
+    InternalServerError,
+    Message,
+    NotFoundError,
+    RateLimitError,
+    Result,
+    ServerTimings,
+    StreamDelta,
+    StreamResult,
+    ToolCall,
+    ToolCallFunction,
+    Usage,
+    error_class,
+)
+
+__all__ = [
+    "APIConnectionError",
+    "APIError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "AsyncStream",
+    "AuthenticationError",
+    "BadRequestError",
+    "Choice",
+    "ChunkChoice",
+    "ChunkDelta",
+    "Client",
+    "InternalServerError",
+    "Message",
+    "NotFoundError",
+    "RateLimitError",
+    "Result",
+    "ServerTimings",
+    "Stream",
+    "StreamDelta",
+    "StreamResult",
+    "ToolCall",
+    "ToolCallFunction",
+    "Usage",
+    "error_class",
+]
+
 RETRY_STATUSES = (429, 503)
-
-
-class APIError(Exception):
-    """The server answered with an error (``status`` None: an error event inside a 200 stream)."""
-
-    def __init__(
-        self, status: int | None, message: str, type: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(f"{status}: {message}" if status is not None else message)
-        self.status, self.message, self.type, self.code = status, message, type, code
-
-
-class APIConnectionError(APIError):
-    def __init__(self, message: str) -> None:
-        super().__init__(None, message, "connection_error", "connection_error")
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    cached_tokens: int = 0
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Usage:
-        details = d.get("prompt_tokens_details") or {}
-        return cls(
-            d["prompt_tokens"], d["completion_tokens"], d["total_tokens"], details.get("cached_tokens") or 0
-        )
-
-
-@dataclass
-class ServerTimings:
-    """The router's split of one request (seconds)."""
-
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    decode_s: float = 0.0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> ServerTimings | None:
-        return (
-            None if d is None else cls(**{k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__})
-        )
-
-
-@dataclass
-class Choice:
-    index: int
-    text: str
-    token_ids: list[int] | None
-    finish_reason: str | None
-    timings: ServerTimings | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-@dataclass
-class Result:
-    """A finished (non-streaming) answer; ``text``/``token_ids``/``finish_reason``/``timings`` are choice 0's."""
-
-    id: str
-    model: str
-    choices: list[Choice]
-    usage: Usage | None
-    latency_s: float
-    raw: dict[str, Any]
-
-    @property
-    def text(self) -> str:
-        return self.choices[0].text
-
-    @property
-    def token_ids(self) -> list[int] | None:
-        return self.choices[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.choices[0].finish_reason
-
-    @property
-    def timings(self) -> ServerTimings | None:
-        return self.choices[0].timings
-
-
-@dataclass
-class StreamDelta:
-    text: str
-    token_ids: list[int]
-    arrival_time: float
-    index: int = 0
-    finish_reason: str | None = None
-
-
-@dataclass
-class StreamResult:
-    """One streamed choice, measured at the client: TTFT, the gaps between token deltas, e2e."""
-
-    index: int
-    start_time: float
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    timings: ServerTimings | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    tbt_s: list[float] = field(default_factory=list)
-    end_time: float | None = None
-    usage: Usage | None = None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.start_time
-
-    @property
-    def e2e_s(self) -> float | None:
-        return None if self.end_time is None else self.end_time - self.start_time
 
 
 class _StreamState:
@@ -172,7 +113,9 @@ class _StreamState:
         chunk = json.loads(data)
         if "error" in chunk:
             e = chunk["error"]
-            raise APIError(None, e.get("message", "stream failed"), e.get("type"), e.get("code"))
+            raise APIError(
+                None, e.get("message", "stream failed"), e.get("type"), e.get("code"), e.get("param")
+            )
         if chunk.get("usage"):
             self.usage = Usage.from_dict(chunk["usage"])
         deltas = []
@@ -180,6 +123,7 @@ class _StreamState:
             index = int(c.get("index", 0))
             r = self.results.setdefault(index, StreamResult(index, self.start_time))
             text = c["text"] if "text" in c else (c.get("delta") or {}).get("content") or ""
+            tool_calls = (c.get("delta") or {}).get("tool_calls")
             ids = list(c.get("token_ids") or [])
             if text or ids:
                 if r.last_token_time is None:
@@ -192,8 +136,8 @@ class _StreamState:
             if c.get("finish_reason") is not None:
                 r.finish_reason, r.end_time = c["finish_reason"], now
                 r.timings = ServerTimings.from_dict(c.get("pdserve_timings"))
-            if text or ids or c.get("finish_reason") is not None:
-                deltas.append(StreamDelta(text, ids, now, index, c.get("finish_reason")))
+            if text or ids or tool_calls or c.get("finish_reason") is not None:
+                deltas.append(StreamDelta(text, ids, now, index, c.get("finish_reason"), tool_calls))
         return deltas
 
     def result(self, index: int = 0) -> StreamResult:
@@ -205,7 +149,9 @@ class _StreamState:
 def _parse_result(body: dict[str, Any], latency_s: float) -> Result:
     choices = []
     for c in body.get("choices", []):
-        text = c["text"] if "text" in c else (c.get("message") or {}).get("content") or ""
+        message = _parse_message(c["message"]) if isinstance(c.get("message"), dict) else None
+        content = message.content if message is not None else None
+        text = c.get("text", content or "")
         choices.append(
             Choice(
                 int(c.get("index", 0)),
@@ -214,18 +160,28 @@ def _parse_result(body: dict[str, Any], latency_s: float) -> Result:
                 c.get("finish_reason"),
                 ServerTimings.from_dict(c.get("pdserve_timings")),
                 c.get("logprobs"),
+                message,
             )
         )
     usage = Usage.from_dict(body["usage"]) if body.get("usage") else None
     return Result(body.get("id", ""), body.get("model", ""), choices, usage, latency_s, body)
 
 
-def _error_from(response: httpx.Response) -> APIError:
+def _parse_message(m: dict[str, Any]) -> Message:
+    calls = [
+        ToolCall(c.get("id", ""), ToolCallFunction(c["function"]["name"], c["function"]["arguments"]))
+        for c in m.get("tool_calls") or []
+    ]
+    return Message(m.get("role", "assistant"), m.get("content"), calls or None)
+
+
+def _error_from(response: httpx.Response) -> APIStatusError:
+    cls = error_class(response.status_code)
     try:
         e = response.json()["error"]
-        return APIError(response.status_code, e["message"], e.get("type"), e.get("code"))
+        return cls(response.status_code, e["message"], e.get("type"), e.get("code"), e.get("param"))
     except (ValueError, KeyError, TypeError):
-        return APIError(response.status_code, response.text[:500])
+        return cls(response.status_code, response.text[:500])
 
 
 def _payload(body: dict[str, Any], stream: bool) -> dict[str, Any]:
@@ -240,8 +196,12 @@ def _backoff_s(attempt: int, base_s: float, response: httpx.Response | None) -> 
 
 
 def _http_kwargs(
-    base_url: str, api_key: str | None, timeout: float, connect_timeout: float
+    base_url: str | None, api_key: str | None, timeout: float, connect_timeout: float
 ) -> dict[str, Any]:
+    if base_url is None:
+        base_url = os.environ.get("PDSERVE_BASE_URL") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    if api_key is None:
+        api_key = os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     base = base_url.rstrip("/")
     base = base[:-3] if base.endswith("/v1") else base
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -260,6 +220,8 @@ class Stream:
                 yield from self._state.feed(line)
                 if self._state.done:
                     break
+        except httpx.TimeoutException as e:
+            raise APITimeoutError(f"no chunk within the timeout: {e!r}") from e
         except httpx.HTTPError as e:
             raise APIConnectionError(f"stream broke: {e!r}") from e
         finally:
@@ -290,6 +252,8 @@ class AsyncStream:
                     yield delta
                 if self._state.done:
                     break
+        except httpx.TimeoutException as e:
+            raise APITimeoutError(f"no chunk within the timeout: {e!r}") from e
         except httpx.HTTPError as e:
             raise APIConnectionError(f"stream broke: {e!r}") from e
         finally:
@@ -312,7 +276,7 @@ class Client:
 
     def __init__(
         self,
-        base_url: str = "http://127.0.0.1:8000",
+        base_url: str | None = None,
         api_key: str | None = None,
         timeout: float = 600.0,
         *,
@@ -334,6 +298,8 @@ class Client:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 if attempt == self.max_retries:
                     raise APIConnectionError(f"cannot connect to {self._http.base_url}: {e!r}") from e
+            except httpx.TimeoutException as e:
+                raise APITimeoutError(f"no answer from {self._http.base_url} in time: {e!r}") from e
             if response is not None:
                 if response.status_code < 400:
                     return response
@@ -351,6 +317,8 @@ class Client:
             return Stream(response, _StreamState(start))
         try:
             data = json.loads(response.read())
+        except httpx.TimeoutException as e:
+            raise APITimeoutError(f"no answer within the timeout: {e!r}") from e
         finally:
             response.close()
         return _parse_result(data, time.perf_counter() - start)
@@ -395,7 +363,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        base_url: str = "http://127.0.0.1:8000",
+        base_url: str | None = None,
         api_key: str | None = None,
         timeout: float = 600.0,
         *,
@@ -421,6 +389,8 @@ class AsyncClient:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 if attempt == self.max_retries:
                     raise APIConnectionError(f"cannot connect to {self._http.base_url}: {e!r}") from e
+            except httpx.TimeoutException as e:
+                raise APITimeoutError(f"no answer from {self._http.base_url} in time: {e!r}") from e
             if response is not None:
                 if response.status_code < 400:
                     return response
@@ -438,6 +408,8 @@ class AsyncClient:
             return AsyncStream(response, _StreamState(start))
         try:
             data = json.loads(await response.aread())
+        except httpx.TimeoutException as e:
+            raise APITimeoutError(f"no answer within the timeout: {e!r}") from e
         finally:
             await response.aclose()
         return _parse_result(data, time.perf_counter() - start)

@@ -8,13 +8,19 @@ This module imports nothing of the project.
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
+METRICS_COMPAT = ("none", "vllm")
 
 T = TypeVar("T")
 
@@ -28,14 +34,17 @@ def _require(ok: bool, message: str) -> None:
 class ModelConfig:
     """Which checkpoint to serve and how.
 
-    path: a Hugging Face checkpoint directory (config.json + *.safetensors [+ tokenizer.json]);
-    empty means the bundled tiny model. dtype "auto" takes the checkpoint's torch_dtype on CUDA and
-    float32 on CPU. max_model_len None means the model's max_position_embeddings.
+    path: a Hugging Face checkpoint directory (config.json + *.safetensors [+ tokenizer.json]) or a
+    Hugging Face repo id (``org/name``, resolved through the hub cache by ``cluster/hub.py`` before any
+    worker starts); empty means the bundled tiny model. revision: the repo's branch, tag or commit
+    (repo ids only). dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU.
+    max_model_len None means the model's max_position_embeddings.
     """
 
     path: str = ""
     dtype: str = "auto"
     max_model_len: int | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -106,15 +115,53 @@ class EngineConfig:
         return from_dict(cls, {**options, "model": ModelConfig(path=model, **model_opts)})
 
 
-def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-    """Construct dataclass `cls` from a mapping; unknown keys raise ValueError naming them."""
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Construct dataclass `cls` from a mapping. Unknown keys and values of the wrong type raise
+    ValueError naming the key (``where``: the mapping's own path in the YAML, e.g. ``engine``)."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or cls.__name__} must be a mapping, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} option(s) {unknown}; known: {sorted(names)}")
+        raise ValueError(f"unknown {where or cls.__name__} option(s) {unknown}; known: {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        _check_type(f"{where}.{key}" if where else key, value, hints[key])
     return cls(**data)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:  # NOTE: YAML's `true` is a bool, which Python counts as an int; refuse it here
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, tp)
+
+
+def _check_type(key: str, value: Any, tp: Any) -> None:
+    if not _matches(value, tp):
+        raise ValueError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})"[:300])
 
 
 ROUTER_MODES = ("disaggregated", "colocated", "conditional")
@@ -192,11 +239,36 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """The HTTP edge. metrics_compat "vllm" also exports the ``vllm:*`` metric names pdserve shares."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 1 << 20
+    metrics_compat: str = "none"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"server port must be in [0, 65535], got {self.port}")
+        _require(
+            self.metrics_compat in METRICS_COMPAT,
+            f"metrics_compat must be one of {METRICS_COMPAT}, got {self.metrics_compat!r}",
+        )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Logging of the driver and every actor: level, format (text | json), and how often each worker
+    logs its stats line (0 turns that line off)."""
+
+    level: str = "INFO"
+    format: str = "text"
+    stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _require(self.level in LOG_LEVELS, f"log level must be one of {LOG_LEVELS}, got {self.level!r}")
+        _require(self.format in LOG_FORMATS, f"log format must be one of {LOG_FORMATS}, got {self.format!r}")
+        _require(self.stats_interval_s >= 0, f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
 
 
 @dataclass(frozen=True)
@@ -213,6 +285,7 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     # PACK: Ray's default placement (fills a node first); SPREAD: spread workers over nodes
     placement_strategy: str = "PACK"
     ray_address: str | None = None  # None: join RAY_ADDRESS if set, else start a local cluster
@@ -241,7 +314,7 @@ class ClusterConfig:
             )
 
     def engine_config(self) -> EngineConfig:
-        return from_dict(EngineConfig, {**self.engine, "model": self.model})
+        return from_dict(EngineConfig, {**self.engine, "model": self.model}, "engine")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
@@ -253,8 +326,9 @@ class ClusterConfig:
             "transfer": TransferConfig,
             "router": RouterConfig,
             "server": ServerConfig,
+            "log": LogConfig,
         }
-        parsed = {k: from_dict(nested[k], v or {}) if k in nested else v for k, v in data.items()}
+        parsed = {k: from_dict(nested[k], v or {}, k) if k in nested else v for k, v in data.items()}
         return from_dict(cls, parsed)
 
     @classmethod

@@ -7,7 +7,11 @@ Two sources feed it:
 * a custom collector turns ``router.worker_stats()`` (a cached snapshot, cheap) into per-worker gauges
   and counters at scrape time, so nothing polls the workers on the metrics path.
 
-Names carry the ``pdserve_`` prefix. Counters are declared without ``_total``; the exposition adds it.
+Names carry the ``pdserve_`` prefix and every series a ``model_name`` label (the served name), as
+vLLM's do. Counters are declared without ``_total``; the exposition adds it. Counters whose children a
+dashboard sums (errors by status and code, requests by finish reason) are created at zero up front, so
+a healthy cluster's error panels read 0, not "No data". ``compat="vllm"`` also exports the ``vllm:*``
+names whose meaning pdserve shares (``cluster/metrics_vllm.py``).
 The registry is never the global one, so two apps in one process (tests) never collide.
 This module imports no torch and nothing of the project beyond ``cluster.protocol``.
 """
@@ -21,7 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.protocol import RequestTimings, WorkerStats
+from cluster.metrics_vllm import VllmMetrics, vllm_worker_metrics
+from cluster.protocol import ErrorCode, FinishReason, RequestTimings, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,23 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+COMPAT_MODES = ("none", "vllm")
+# (HTTP status, code) pairs the edge answers with; created at 0 so error panels never read "No data".
+KNOWN_ERRORS: tuple[tuple[int, str], ...] = (
+    (400, "invalid_request"),
+    (400, "context_length_exceeded"),
+    (401, "invalid_api_key"),
+    (404, "model_not_found"),
+    (413, "request_too_large"),
+    (429, ErrorCode.QUEUE_FULL.value),
+    (499, ErrorCode.ABORTED.value),
+    (499, "client_disconnected"),
+    (500, ErrorCode.INTERNAL.value),
+    (500, ErrorCode.WORKER_FAILED.value),
+    (500, ErrorCode.KV_TRANSFER_FAILED.value),
+    (503, ErrorCode.UNAVAILABLE.value),
+    (504, ErrorCode.DEADLINE_EXCEEDED.value),
+)
 
 StatsSource = Callable[[], Sequence[WorkerStats]]
 RejectedSource = Callable[[], dict[str, int]]
@@ -102,9 +124,17 @@ class WorkerStatsCollector(Collector):
         ("pdserve_kv_transfers", "KV handoffs completed", lambda s: s.transfer.num_ok),
     )
 
-    def __init__(self, source: StatsSource, router_rejected: RejectedSource | None = None) -> None:
+    def __init__(
+        self,
+        source: StatsSource,
+        router_rejected: RejectedSource | None = None,
+        model_name: str = "",
+        compat: str = "none",
+    ) -> None:
         self.source = source
         self.router_rejected = router_rejected
+        self.model_name = model_name
+        self.compat = compat
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -112,31 +142,33 @@ class WorkerStatsCollector(Collector):
         except Exception:  # NOTE: a broken stats source must not take the whole scrape down.
             logger.exception("worker_stats() failed during a /metrics scrape")
             return
-        labels = ["worker", "pool"]
+        labels = ["model_name", "worker", "pool"]
         for name, doc, get in self.GAUGES:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             for s in stats:
-                gauge.add_metric([s.worker_id, s.pool], float(get(s)))
+                gauge.add_metric([self.model_name, s.worker_id, s.pool], float(get(s)))
             yield gauge
         for name, doc, get in self.COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=labels)
             for s in stats:
-                counter.add_metric([s.worker_id, s.pool], float(get(s)))
+                counter.add_metric([self.model_name, s.worker_id, s.pool], float(get(s)))
             yield counter
         yield self._rejected(stats)
+        if self.compat == "vllm":
+            yield from vllm_worker_metrics(stats, self.model_name)
 
     def _rejected(self, stats: list[WorkerStats]) -> Metric:
         counter = CounterMetricFamily(
             "pdserve_control_messages_rejected",
             "Control frames dropped (bad MAC, malformed, replayed, unknown tag, ...) by receiver and reason",
-            labels=["worker", "reason"],
+            labels=["model_name", "worker", "reason"],
         )
         sources = [(s.worker_id, s.rejected_frames) for s in stats]
         if self.router_rejected is not None:
             sources.append(("router", self.router_rejected()))
         for worker, rejected in sources:
             for reason, count in sorted(rejected.items()):
-                counter.add_metric([worker, reason], float(count))
+                counter.add_metric([self.model_name, worker, reason], float(count))
         return counter
 
 
@@ -144,16 +176,29 @@ class Metrics:
     """The server-side metrics of one cluster; ``render()`` is the /metrics body.
 
     ``mode`` labels the latency histograms ("disaggregated" | "colocated" | "conditional") so one
-    dashboard compares runs of different modes.
+    dashboard compares runs of different modes; ``model_name`` labels every series. ``mode`` given
+    here pre-creates the per-mode request counters at 0.
     """
 
     def __init__(
-        self, stats_source: StatsSource | None = None, router_rejected: RejectedSource | None = None
+        self,
+        stats_source: StatsSource | None = None,
+        router_rejected: RejectedSource | None = None,
+        *,
+        model_name: str = "",
+        mode: str | None = None,
+        compat: str = "none",
     ) -> None:
+        if compat not in COMPAT_MODES:
+            raise ValueError(f"metrics compat must be one of {COMPAT_MODES}, got {compat!r}")
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.vllm = VllmMetrics(self.registry, model_name) if compat == "vllm" else None
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["mode"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            return Histogram(
+                name, doc, ["model_name", "mode"], buckets=LATENCY_BUCKETS, registry=self.registry
+            )
 
         self.ttft = histogram("pdserve_time_to_first_token_seconds", "Server arrival -> first token delta")
         self.tbt = histogram("pdserve_time_between_tokens_seconds", "Gap between token deltas of one request")
@@ -163,40 +208,54 @@ class Metrics:
         self.transfer = histogram("pdserve_kv_transfer_time_seconds", "KV handoff of one request")
         self.decode = histogram("pdserve_decode_time_seconds", "First token -> finish")
         self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "Prompt tokens of finished requests", ["mode"], registry=self.registry
+            "pdserve_prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["model_name", "mode"],
+            registry=self.registry,
         )
         self.generation_tokens = Counter(
             "pdserve_generation_tokens",
             "Generated tokens streamed to clients",
-            ["mode"],
+            ["model_name", "mode"],
             registry=self.registry,
         )
         self.cached_tokens = Counter(
             "pdserve_cached_prompt_tokens",
             "Prompt tokens served from a prefix cache",
-            ["mode"],
+            ["model_name", "mode"],
             registry=self.registry,
         )
         self.requests = Counter(
             "pdserve_requests",
             "Finished requests by finish reason",
-            ["finish_reason", "mode"],
+            ["model_name", "finish_reason", "mode"],
             registry=self.registry,
         )
         self.errors = Counter(
             "pdserve_request_errors",
             "Requests answered with an error, by HTTP status",
-            ["status", "code"],
+            ["model_name", "status", "code"],
             registry=self.registry,
         )
+        for status, code in KNOWN_ERRORS:
+            self.errors.labels(model_name, str(status), code)
+        if mode is not None:
+            for reason in FinishReason:
+                self.requests.labels(model_name, reason.value, mode)
+            for counter in (self.prompt_tokens, self.generation_tokens, self.cached_tokens):
+                counter.labels(model_name, mode)
         if stats_source is not None:
-            self.registry.register(WorkerStatsCollector(stats_source, router_rejected))
+            self.registry.register(WorkerStatsCollector(stats_source, router_rejected, model_name, compat))
 
     def observe_first_token(self, ttft_s: float, mode: str) -> None:
-        self.ttft.labels(mode).observe(ttft_s)
+        self.ttft.labels(self.model_name, mode).observe(ttft_s)
+        if self.vllm is not None:
+            self.vllm.ttft.labels(self.model_name).observe(ttft_s)
 
     def observe_token_gap(self, gap_s: float, mode: str) -> None:
-        self.tbt.labels(mode).observe(gap_s)
+        self.tbt.labels(self.model_name, mode).observe(gap_s)
+        if self.vllm is not None:
+            self.vllm.observe_token_gap(gap_s)
 
     def observe_finished(
         self,
@@ -210,22 +269,38 @@ class Metrics:
         num_cached_tokens: int = 0,
     ) -> None:
         """Record one finished router request: e2e as the server saw it, the router's phase split."""
-        self.e2e.labels(mode).observe(e2e_s)
+        name = self.model_name
+        self.e2e.labels(name, mode).observe(e2e_s)
         if timings is not None:
-            self.queue.labels(mode).observe(timings.queue_s)
-            self.prefill.labels(mode).observe(timings.prefill_s)
-            self.decode.labels(mode).observe(timings.decode_s)
+            self.queue.labels(name, mode).observe(timings.queue_s)
+            self.prefill.labels(name, mode).observe(timings.prefill_s)
+            self.decode.labels(name, mode).observe(timings.decode_s)
             # NOTE: colocated requests (and conditional-mode requests that skipped the handoff) move
             # no KV; recording their zeros would drag the transfer quantiles to 0.
             if timings.transfer_s > 0.0:
-                self.transfer.labels(mode).observe(timings.transfer_s)
-        self.prompt_tokens.labels(mode).inc(num_prompt_tokens)
-        self.generation_tokens.labels(mode).inc(num_generation_tokens)
-        self.cached_tokens.labels(mode).inc(num_cached_tokens)
-        self.requests.labels(finish_reason, mode).inc()
+                self.transfer.labels(name, mode).observe(timings.transfer_s)
+        self.prompt_tokens.labels(name, mode).inc(num_prompt_tokens)
+        self.generation_tokens.labels(name, mode).inc(num_generation_tokens)
+        self.cached_tokens.labels(name, mode).inc(num_cached_tokens)
+        self.requests.labels(name, finish_reason, mode).inc()
+        if self.vllm is not None:
+            self.vllm.observe_finished(
+                timings, finish_reason, e2e_s, num_prompt_tokens, num_generation_tokens
+            )
+
+    def observe_group(self, generation_tokens: list[int]) -> None:
+        """One client request (n choices x prompts) finished every choice."""
+        if self.vllm is not None and generation_tokens:
+            self.vllm.max_generation_tokens.labels(self.model_name).observe(max(generation_tokens))
+
+    def observe_abort(self, mode: str) -> None:
+        """A request abandoned before it finished (client gone, a sibling choice failed)."""
+        self.requests.labels(self.model_name, FinishReason.ABORT.value, mode).inc()
+        if self.vllm is not None:
+            self.vllm.success.labels(self.model_name, FinishReason.ABORT.value).inc()
 
     def observe_error(self, status: int, code: str) -> None:
-        self.errors.labels(str(status), code).inc()
+        self.errors.labels(self.model_name, str(status), code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,9 +4,8 @@ Requests: pydantic models give the types only; ranges are checked by hand so a 4
 its limit. ``plan_completion`` / ``plan_chat`` turn a raw JSON body into a :class:`Plan` (the router
 requests to send and how to shape the answer) or raise :class:`ApiError` before anything is queued.
 
-Responses: :class:`ChoiceBuilder` accumulates one choice's deltas and renders it as a stream chunk
-choice or a full choice; ``usage``, ``envelope`` and ``sse_event`` complete the bodies. pdserve adds
-``token_ids`` to every choice and ``pdserve_timings`` to the chunk or choice that finishes one.
+Response shapes live in ``cluster/openai_response.py``. What constrains the output (structured outputs,
+tools) is parsed by ``cluster/output_constraints.py``.
 """
 
 from __future__ import annotations
@@ -15,22 +14,19 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cluster.output_constraints import ConstraintError, Constraints, ToolCalls, parse_constraints
 from cluster.protocol import (
     MAX_LOGPROBS,
     ErrorCode,
-    FinishReason,
     GenerateRequest,
     ModelInfo,
-    RequestTimings,
     RouterError,
     SamplingParams,
-    TokenDelta,
-    TokenLogprobs,
 )
 from cluster.tokenizer import Tokenizer
 
@@ -170,10 +166,26 @@ class _ContentPart(BaseModel):
     text: str | None = None
 
 
+class _FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str | list[_ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatBody(_Body):
@@ -182,6 +194,7 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -197,6 +210,7 @@ class Plan:
     prompts: list[list[int]]
     jobs: list[tuple[int, GenerateRequest]]  # (choice index, router request)
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_calls: ToolCalls | None = None  # render the output as tool calls (chat, tool_choice)
 
 
 def _check(ok: bool, message: str, param: str) -> None:
@@ -281,23 +295,43 @@ def _check_prompt_ids(ids: list[int], info: ModelInfo, param: str) -> None:
         )
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def _context_error(chat: bool, limit: int, prompt_len: int, max_tokens: int | None) -> ApiError:
+    """OpenAI's wording and code for a request that does not fit the context window."""
+    where = "messages" if chat else "prompt"
+    if max_tokens is None:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, your {where} resulted in "
+            f"{prompt_len} tokens. Please reduce the length of the {where}."
+        )
+    elif chat:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens, however you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in your prompt; {max_tokens} for the "
+            "completion). Please reduce your prompt; or completion length."
+        )
+    return ApiError(400, message, where, CONTEXT_LENGTH_EXCEEDED)
+
+
 def _resolve_max_tokens(
     requested: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str
 ) -> int:
+    chat = param != "max_tokens" or default is None
     room = info.max_model_len - prompt_len
-    _check(
-        room >= 1,
-        f"prompt ({prompt_len} tokens) leaves no room to generate within max_model_len "
-        f"({info.max_model_len})",
-        "prompt" if param == "max_tokens" else "messages",
-    )
+    if room < 1:
+        raise _context_error(chat, info.max_model_len, prompt_len, None)
     max_tokens = requested if requested is not None else min(default or room, room)
     _check(max_tokens >= 1, f"{param} must be >= 1, got {max_tokens}", param)
-    _check(
-        prompt_len + max_tokens <= info.max_model_len,
-        f"prompt ({prompt_len} tokens) + {param} ({max_tokens}) exceeds max_model_len ({info.max_model_len})",
-        param,
-    )
+    if prompt_len + max_tokens > info.max_model_len:
+        raise _context_error(chat, info.max_model_len, prompt_len, max_tokens)
     return max_tokens
 
 
@@ -309,6 +343,7 @@ def _build_plan(
     num_logprobs: int | None,
     model: str,
     deadline: float | None,
+    constraints: Constraints,
 ) -> Plan:
     plan_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -326,10 +361,21 @@ def _build_plan(
                 stop_token_ids=list(body.stop_token_ids or []),
                 ignore_eos=body.ignore_eos,
                 logprobs=num_logprobs,
+                structured=constraints.structured,
             )
             jobs.append((p * body.n + j, GenerateRequest(f"{plan_id}-{p}-{j}", ids, params, deadline)))
     include_usage = bool((body.stream_options or {}).get("include_usage", False))
-    return Plan(kind, plan_id, model, body.stream, include_usage, num_logprobs is not None, prompts, jobs)
+    return Plan(
+        kind,
+        plan_id,
+        model,
+        body.stream,
+        include_usage,
+        num_logprobs is not None,
+        prompts,
+        jobs,
+        tool_calls=constraints.tool_calls,
+    )
 
 
 @dataclass(frozen=True)
@@ -338,6 +384,8 @@ class Edge:
 
     names: the served model name first, then aliases. default_timeout_s bounds requests without a
     ``timeout`` field (None leaves it to the router); max_timeout_s caps every client deadline.
+    structured_outputs: whether the workers apply structured-output masks (when False, a request that
+    asks for one is a 400 naming the field instead of free text).
     """
 
     info: ModelInfo
@@ -345,6 +393,22 @@ class Edge:
     names: Sequence[str]
     default_timeout_s: float | None = None
     max_timeout_s: float | None = None
+    structured_outputs: bool = False
+
+    def constraints(self, raw: dict[str, Any], *, chat: bool) -> Constraints:
+        """The body's output constraints (ApiError 400 naming the field when refused)."""
+        try:
+            constraints = parse_constraints(raw, chat=chat)
+        except ConstraintError as e:
+            raise ApiError(400, str(e), e.param) from None
+        if constraints.structured is not None and not self.structured_outputs:
+            raise ApiError(
+                400,
+                f"{constraints.param}: structured outputs are not enabled on this server "
+                "(its workers do not apply grammar masks yet)",
+                constraints.param,
+            )
+        return constraints
 
     def deadline(self, timeout: float | None) -> float | None:
         t = timeout if timeout is not None else self.default_timeout_s
@@ -361,6 +425,7 @@ def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
     except ValidationError as e:
         raise ApiError(400, *_validation_message(e)) from None
     _check_common(body, info, names)
+    constraints = edge.constraints(raw, chat=False)
     _check(not body.echo, "echo is not supported", "echo")
     _check(body.suffix is None, "suffix is not supported", "suffix")
     _check(body.best_of in (None, body.n), f"best_of must equal n ({body.n}), got {body.best_of}", "best_of")
@@ -391,7 +456,9 @@ def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
         prompts.append(ids)
     max_tokens = [_resolve_max_tokens(body.max_tokens, 16, len(ids), info, "max_tokens") for ids in prompts]
     deadline = edge.deadline(body.timeout)
-    return _build_plan("completion", body, prompts, max_tokens, body.logprobs, names[0], deadline)
+    return _build_plan(
+        "completion", body, prompts, max_tokens, body.logprobs, names[0], deadline, constraints
+    )
 
 
 def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
@@ -416,25 +483,17 @@ def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
     _check(
         tokenizer is not None, "chat needs a tokenizer with a chat template; this model has none", "messages"
     )
-    messages: list[dict[str, str]] = []
-    for i, m in enumerate(body.messages):
-        _check(
-            m.role in CHAT_ROLES,
-            f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role!r}"[:300],
-            "messages",
-        )
-        if isinstance(m.content, list):
-            _check(
-                all(p.type == "text" and p.text is not None for p in m.content),
-                f"messages[{i}].content: only text parts are supported",
-                "messages",
-            )
-            text = "".join(p.text or "" for p in m.content)
-        else:
-            text = m.content or ""
-        messages.append({"role": m.role, "content": text})
+    constraints = edge.constraints(raw, chat=True)
+    messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+    _check(not reserved, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
     try:
-        ids = tokenizer.encode_chat(messages, body.add_generation_prompt) if tokenizer is not None else []
+        ids = (
+            tokenizer.encode_chat(messages, body.add_generation_prompt, tools=constraints.tools, **kwargs)
+            if tokenizer is not None
+            else []
+        )
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
     _check_prompt_ids(ids, info, "messages")
@@ -443,131 +502,53 @@ def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
     max_tokens = [_resolve_max_tokens(requested, None, len(ids), info, param)]
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     deadline = edge.deadline(body.timeout)
-    return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline)
+    return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline, constraints)
 
 
-# ---- response shapes ----
-
-
-class ChoiceBuilder:
-    """One choice's output so far, and its OpenAI shapes (stream chunk choice or full choice)."""
-
-    def __init__(self, kind: str, tokenizer: Tokenizer | None, want_logprobs: bool) -> None:
-        self.kind, self.tokenizer, self.want_logprobs = kind, tokenizer, want_logprobs
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.finish_reason: FinishReason | None = None
-        self.timings: RequestTimings | None = None
-        self.num_cached_tokens = 0
-        self._text_offset = 0
-
-    def add(self, delta: TokenDelta) -> None:
-        self.text += delta.text
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs or []
-        self.num_cached_tokens = delta.num_cached_tokens
-        if delta.finish_reason is not None:
-            self.finish_reason, self.timings = delta.finish_reason, delta.timings
-
-    def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _format_logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
-        if not self.want_logprobs:
-            return None
-        if self.kind == "chat":
-            content = []
-            for e in entries:
-                tok = self._token(e.token_id)
-                tops = [(self._token(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)]
-                content.append(
-                    {
-                        "token": tok,
-                        "logprob": e.logprob,
-                        "bytes": list(tok.encode()),
-                        "top_logprobs": [
-                            {"token": s, "logprob": lp, "bytes": list(s.encode())} for s, lp in tops
-                        ],
-                    }
-                )
-            return {"content": content}
-        out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
-        for e in entries:
-            tok = self._token(e.token_id)
-            out["tokens"].append(tok)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append(
-                {self._token(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs, strict=True)}
-            )
-            out["text_offset"].append(self._text_offset)
-            self._text_offset += len(tok)
-        return out
-
-    def _tail(
-        self, choice: dict[str, Any], finish: FinishReason | None, timings: RequestTimings | None
-    ) -> None:
-        choice["finish_reason"] = finish.value if finish is not None else None
-        if timings is not None:
-            choice["pdserve_timings"] = asdict(timings)
-
-    def stream_choice(self, index: int, delta: TokenDelta) -> dict[str, Any]:
-        self.add(delta)
-        body: dict[str, Any]
-        if self.kind == "chat":
-            body = {"index": index, "delta": {"content": delta.text}}
-        else:
-            body = {"index": index, "text": delta.text}
-        body["logprobs"] = self._format_logprobs(delta.logprobs or [])
-        body["token_ids"] = list(delta.token_ids)
-        self._tail(body, delta.finish_reason, delta.timings)
-        return body
-
-    def full_choice(self, index: int) -> dict[str, Any]:
-        body: dict[str, Any]
-        if self.kind == "chat":
-            body = {"index": index, "message": {"role": "assistant", "content": self.text}}
-        else:
-            body = {"index": index, "text": self.text}
-        body["logprobs"] = self._format_logprobs(self.logprobs)
-        body["token_ids"] = self.token_ids
-        self._tail(body, self.finish_reason, self.timings)
-        return body
-
-
-def usage(plan: Plan, choices: dict[int, ChoiceBuilder]) -> dict[str, Any]:
-    n = len(plan.jobs) // len(plan.prompts)
-    completion = sum(len(c.token_ids) for c in choices.values())
-    prompt = sum(len(p) for p in plan.prompts)
-    cached = sum(
-        max(choices[p * n + j].num_cached_tokens for j in range(n)) for p in range(len(plan.prompts))
+def _template_message(i: int, m: _Message) -> dict[str, Any]:
+    """One message as chat templates expect it (transformers' shape: tool call arguments as objects)."""
+    _check(
+        m.role in CHAT_ROLES,
+        f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {m.role!r}"[:300],
+        "messages",
     )
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    if isinstance(m.content, list):
+        _check(
+            all(p.type == "text" and p.text is not None for p in m.content),
+            f"messages[{i}].content: only text parts are supported",
+            "messages",
+        )
+        text: str | None = "".join(p.text or "" for p in m.content)
+    else:
+        text = m.content
+    message: dict[str, Any] = {"role": m.role, "content": text if text is not None or m.tool_calls else ""}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        _check(
+            m.role == "assistant", f"messages[{i}].tool_calls: only assistant messages carry them", "messages"
+        )
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in m.tool_calls
+        ]
+    return message
 
 
-def envelope(plan: Plan, *, chunk: bool) -> dict[str, Any]:
-    obj = (
-        ("chat.completion.chunk" if chunk else "chat.completion")
-        if plan.kind == "chat"
-        else "text_completion"
-    )
-    return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model}
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+def _arguments(text: str) -> Any:
+    # NOTE: OpenAI sends arguments as JSON text; Hugging Face chat templates (Qwen, Llama 3.1, Mistral)
+    # iterate or tojson them as an object, so a JSON object is passed on decoded (as vLLM does).
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def as_api_error(e: BaseException) -> ApiError:
@@ -576,3 +557,84 @@ def as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, RouterError):
         return ApiError.from_router(e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----
+
+
+class _TokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[_Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class _DetokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _check_model(model: str | None, names: Sequence[str]) -> None:
+    if model is not None and model not in names:
+        raise ApiError(404, f"model {model!r} does not exist; served: {names[0]!r}", "model")
+
+
+def tokenize_body(raw: dict[str, Any], edge: Edge) -> dict[str, Any]:
+    """POST /tokenize: ``prompt`` (special tokens added unless ``add_special_tokens`` is false) or chat
+    ``messages`` rendered through the template (none added unless asked) -> ids, count, max_model_len."""
+    try:
+        body = _TokenizeBody.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError(400, *_validation_message(e)) from None
+    _check_model(body.model, edge.names)
+    _check(
+        (body.prompt is None) != (body.messages is None), "give exactly one of prompt or messages", "prompt"
+    )
+    tokenizer = edge.tokenizer
+    _check(tokenizer is not None, "this model has no tokenizer", "prompt")
+    assert tokenizer is not None
+    if body.prompt is not None:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    else:
+        messages = [_template_message(i, m) for i, m in enumerate(body.messages or [])]
+        try:
+            tools = parse_constraints({"tools": body.tools, "tool_choice": "none"}, chat=True).tools
+        except ConstraintError as e:
+            raise ApiError(400, str(e), e.param) from None
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, body.add_generation_prompt, tools, **(body.chat_template_kwargs or {})
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return {
+        "count": len(ids),
+        "max_model_len": edge.info.max_model_len,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+    }
+
+
+def detokenize_body(raw: dict[str, Any], edge: Edge) -> dict[str, Any]:
+    """POST /detokenize: ``tokens`` -> ``prompt`` (the text, special tokens included)."""
+    try:
+        body = _DetokenizeBody.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError(400, *_validation_message(e)) from None
+    _check_model(body.model, edge.names)
+    _check(edge.tokenizer is not None, "this model has no tokenizer", "tokens")
+    for t in body.tokens:
+        _check(
+            0 <= t < edge.info.vocab_size,
+            f"tokens: id {t} is outside the vocabulary [0, {edge.info.vocab_size})",
+            "tokens",
+        )
+    assert edge.tokenizer is not None
+    return {"prompt": edge.tokenizer.decode(body.tokens, skip_special_tokens=False)}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class FinishReason(str, enum.Enum):
@@ -23,12 +24,42 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass
+class StructuredOutput:
+    """A constraint on a request's output, applied by the worker as a per-step token mask
+    (workers/structured.py compiles it with xgrammar).
+
+    kind "json": ``spec`` is a JSON schema as JSON text; "json_object": any JSON object; "regex":
+    ``spec`` is the pattern; "choice": the output is exactly one of ``choices``; "grammar": ``spec``
+    is an EBNF grammar (xgrammar's dialect, as vLLM's ``guided_grammar``).
+    """
+
+    kind: str
+    spec: str = ""
+    choices: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise ValueError naming what is wrong (the worker's compiler checks the rest)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if self.kind == "choice":
+            if not self.choices or any(not isinstance(c, str) or not c for c in self.choices):
+                raise ValueError("choice needs a non-empty list of non-empty strings")
+        elif self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec")
+
+    @property
+    def cache_key(self) -> tuple[str, str, tuple[str, ...]]:
+        return (self.kind, self.spec, tuple(self.choices))
+
+
+@dataclass
 class SamplingParams:
     """How to pick the next tokens for one request (the fields vLLM's offline API accepts).
 
     temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
     seed makes the request's random draws independent of whatever else shares the batch.
     logprobs None returns none; k >= 0 returns the chosen token's logprob plus the top k.
+    structured: constrain the output (JSON schema, regex, choice, grammar); None: free text.
     """
 
     max_tokens: int = 16
@@ -41,6 +72,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +98,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.structured is not None:
+            self.structured.validate()
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

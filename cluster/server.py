@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import uvicorn
@@ -38,26 +38,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster import __version__
 from cluster.metrics import CONTENT_TYPE, Metrics
+from cluster.openai_response import ChoiceBuilder, envelope, sse_event, usage
 from cluster.openai_schema import (
     ApiError,
-    ChoiceBuilder,
     Edge,
     Plan,
     as_api_error,
-    envelope,
+    detokenize_body,
     error_body,
     parse_body,
     plan_chat,
     plan_completion,
-    sse_event,
-    usage,
+    tokenize_body,
 )
 from cluster.protocol import FinishReason, GenerateRequest, ModelInfo, RouterError, TokenDelta, WorkerStats
 from cluster.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 KEEPALIVE_S = 15.0  # an SSE comment while idle, so a vanished client is noticed on the next send
 
 
@@ -89,6 +90,7 @@ class _Fanout:
         self.router, self.metrics, self.arrival, self.mode = router, metrics, arrival, router.mode
         self.queue: asyncio.Queue[tuple[int, TokenDelta | BaseException]] = asyncio.Queue()
         self.unfinished = {req.request_id for _, req in plan.jobs}
+        self.generated: list[int] = []  # tokens of each finished choice (vllm:request_max_num_...)
         self.failed: set[str] = set()
         self.closed = False
         self.tasks = [asyncio.create_task(self._consume(i, req)) for i, req in plan.jobs]
@@ -112,6 +114,9 @@ class _Fanout:
                     )
                 if delta.finish_reason is not None:
                     self.unfinished.discard(req.request_id)
+                    self.generated.append(num_tokens)
+                    if not self.unfinished:
+                        self.metrics.observe_group(self.generated)
                     self.metrics.observe_finished(
                         delta.timings,
                         delta.finish_reason.value,
@@ -154,7 +159,7 @@ class _Fanout:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for request_id in sorted(self.unfinished):
             if request_id not in self.failed:
-                self.metrics.requests.labels("abort", self.mode).inc()
+                self.metrics.observe_abort(self.mode)
             try:
                 await self.router.abort(request_id)
             except Exception:
@@ -180,7 +185,7 @@ async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyn
 
 
 async def _collect(fanout: _Fanout, plan: Plan, tokenizer: Tokenizer | None) -> dict[int, ChoiceBuilder]:
-    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs) for i, _ in plan.jobs}
+    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs, plan.tool_calls) for i, _ in plan.jobs}
     remaining = len(choices)
     while remaining:
         index, event = await fanout.queue.get()
@@ -216,7 +221,7 @@ async def _stream(
     tokenizer: Tokenizer | None,
     metrics: Metrics,
 ) -> AsyncIterator[bytes]:
-    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs) for i, _ in plan.jobs}
+    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs, plan.tool_calls) for i, _ in plan.jobs}
     usage_field = {"usage": None} if plan.include_usage else {}
     if plan.kind == "chat":
         for i in choices:
@@ -273,9 +278,13 @@ class ServerState:
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
 
     async def plan(self, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]) -> Plan:
+        return await self.run_on_pool(request, planner)
+
+    async def run_on_pool(self, request: Request, handler: Callable[[dict[str, Any], Edge], T]) -> T:
+        """Read the body (413 past the limit) and run ``handler(json, edge)`` on the edge's pool."""
         body = await read_body(request, self.max_body_bytes)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, lambda: planner(parse_body(body), self.edge))
+        return await loop.run_in_executor(self.pool, lambda: handler(parse_body(body), self.edge))
 
 
 def _state(request: Request) -> ServerState:
@@ -371,7 +380,30 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
 @routes.get("/health")
 async def health(request: Request) -> Response:
     healthy = _state(request).router.is_healthy()
-    return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+    if healthy:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unhealthy"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@routes.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's /tokenize: ``prompt`` text, or chat ``messages`` rendered through the template."""
+    state = _state(request)
+    state.authorize(request)
+    return await state.run_on_pool(request, tokenize_body)
+
+
+@routes.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    """vLLM's /detokenize: token ids -> ``prompt`` text."""
+    state = _state(request)
+    state.authorize(request)
+    return await state.run_on_pool(request, detokenize_body)
 
 
 @routes.get("/metrics")
@@ -381,9 +413,13 @@ async def metrics_endpoint(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
+RETRY_AFTER_S = 1  # NOTE: 429 (queue full) and 503 (no healthy worker) are worth retrying soon
+
+
 def _error_response(request: Request, e: ApiError) -> JSONResponse:
     _state(request).metrics.observe_error(e.status, e.code)
-    return JSONResponse(error_body(e), status_code=e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
 async def _on_api_error(request: Request, e: Exception) -> JSONResponse:
@@ -419,19 +455,30 @@ def create_app(
     default_timeout_s: float | None = None,
     max_timeout_s: float | None = None,
     num_tokenizer_threads: int = 2,
+    structured_outputs: bool = False,
+    metrics_compat: str = "none",
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
 
     tokenizer None serves token-id prompts only (text prompts and chat answer 400). default_timeout_s
     bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any.
+    structured_outputs: the workers apply structured-output masks (else such requests are a 400).
+    metrics_compat "vllm" also exports the ``vllm:*`` metric names.
     """
     info = router.model_info
     names = list(dict.fromkeys([served_model_name or info.name, info.name]))
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = Metrics(
+        router.worker_stats,
+        getattr(router, "rejected_frames", None),
+        model_name=names[0],
+        mode=router.mode,
+        compat=metrics_compat,
+    )
     app.state.pdserve = ServerState(
         router=router,
-        edge=Edge(info, tokenizer, names, default_timeout_s, max_timeout_s),
-        metrics=Metrics(router.worker_stats, getattr(router, "rejected_frames", None)),
+        edge=Edge(info, tokenizer, names, default_timeout_s, max_timeout_s, structured_outputs),
+        metrics=metrics,
         expected_auth=f"Bearer {api_key}".encode() if api_key is not None else None,
         max_body_bytes=max_body_bytes,
         pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),

@@ -51,9 +51,22 @@ def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # NOTE: jinja's builtin tojson HTML-escapes <, > and &, which would corrupt prompts.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # NOTE: jinja's builtin tojson HTML-escapes <, > and &, which would corrupt prompts; this one takes
+    # the arguments transformers' chat-template tojson takes (templates pass indent, separators, ...).
+    return json.dumps(
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=tuple(separators) if separators is not None else None,  # type: ignore[arg-type]
+        sort_keys=sort_keys,
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -132,27 +145,45 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
         """Render the conversation to prompt text.
 
-        The template already writes bos_token itself, so encode the result with
-        ``add_special_tokens=False`` (``encode_chat`` does) or the prompt starts with two BOS tokens.
-        Raises ValueError when the model has no template or the template rejects the messages.
+        Messages keep every key they carry (``tool_calls``, ``tool_call_id``, ``name``); ``tools`` (OpenAI
+        function definitions) and ``template_kwargs`` (a request's ``chat_template_kwargs``, e.g. Qwen3's
+        ``enable_thinking``) become template variables, as in transformers. The template already writes
+        bos_token itself, so encode the result with ``add_special_tokens=False`` (``encode_chat`` does)
+        or the prompt starts with two BOS tokens. Raises ValueError when the model has no template or
+        the template rejects the messages.
         """
+        variables: dict[str, Any] = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            **template_kwargs,
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools is not None:
+            variables["tools"] = list(tools)
         try:
-            return self._compiled_template.render(
-                messages=list(messages),
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                add_generation_prompt=add_generation_prompt,
-            )
+            return self._compiled_template.render(**variables)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+        except (TypeError, AttributeError, KeyError) as e:
+            # NOTE: a template indexing a message field a client left out fails with these, not with
+            # a TemplateError; it is still the request's fault.
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)

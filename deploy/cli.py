@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.client import StreamResult
-    from cluster.config import ClusterConfig
-
-DEFAULT_CONFIG = "deploy/cpu-disagg.yaml"
 # (endpoint, prompt): the demo's requests; the first streams alone, the rest concurrently.
 DEMO_REQUESTS = [
     ("completion", "Once upon a time"),
@@ -26,10 +22,12 @@ DEMO_REQUESTS = [
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from cluster.hub import resolve_model
     from cluster.protocol import SamplingParams
     from workers.llm import LLM
 
-    llm = LLM(args.model, block_size=args.block_size, attention_backend=args.attention_backend)
+    model = resolve_model(args.model, args.revision).path
+    llm = LLM(model, block_size=args.block_size, attention_backend=args.attention_backend)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -45,24 +43,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_config(path: str, model: str | None) -> ClusterConfig:
-    from cluster.config import ClusterConfig
-
-    # NOTE: the default is relative to the repository, so `pdserve demo` works from any directory.
-    repo_relative = Path(__file__).resolve().parents[1] / path
-    cfg = ClusterConfig.from_yaml(
-        path if Path(path).exists() or not repo_relative.exists() else str(repo_relative)
-    )
-    return cfg if not model else dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model))
-
-
 def _serve(args: argparse.Namespace) -> int:
+    from deploy.cli_args import build_config
     from deploy.http_host import serve_on_loop
     from deploy.launch import start_cluster
+    from deploy.logs import configure_logging
 
-    handle = start_cluster(_load_config(args.config, args.model))
+    cfg = build_config(args)
+    configure_logging(cfg.log)
+    handle = start_cluster(cfg)
     try:
-        serve_on_loop(handle, args.host, args.port)
+        serve_on_loop(handle, cfg.server.host, cfg.server.port)
     finally:
         handle.shutdown()
     return 0
@@ -70,11 +61,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Local cluster -> HTTP server on a free loopback port -> streaming SDK requests -> latency table."""
+    from deploy.cli_args import build_config
     from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
-    cfg = _load_config(args.config, args.model)
-    print(f"starting the {cfg.router.mode} cluster from {args.config} (Ray, CPU workers) ...", flush=True)
+    cfg = build_config(args)
+    where = args.config or "the packaged cpu-disagg.yaml"
+    print(f"starting the {cfg.router.mode} cluster from {where} (Ray) ...", flush=True)
     handle = start_cluster(cfg)
     try:
         with start_http(handle) as http:
@@ -177,13 +170,11 @@ def _bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen = sub.add_parser("generate", help="offline generation with one engine (bundled model by default)")
     gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--model", default="", help="HF checkpoint directory (default: the bundled tiny model)")
+    gen.add_argument("--model", default="", help="checkpoint directory or Hugging Face repo id")
+    gen.add_argument("--revision", default=None, help="hub repo branch, tag or commit")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -192,16 +183,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="start the cluster and serve the OpenAI API until interrupted")
-    srv.add_argument("--config", default=DEFAULT_CONFIG, help="ClusterConfig YAML (deploy/*.yaml)")
-    srv.add_argument("--host", default=None, help="default: the config's server.host")
-    srv.add_argument("--port", type=int, default=None, help="default: the config's server.port")
-    srv.add_argument("--model", default=None, help="override the config's model.path")
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    from cluster.config import LogConfig
+    from deploy.logs import configure_logging
+
+    configure_logging(
+        LogConfig(
+            level=getattr(args, "log_level", None) or "INFO",
+            format=getattr(args, "log_format", None) or "text",
+        )
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deploy.cli_args import add_cluster_arguments
+
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+
+    srv = sub.add_parser(
+        "serve",
+        help="start the cluster and serve the OpenAI API until interrupted",
+        description="pdserve serve [MODEL] [--config YAML] [flags]: flags override the YAML",
+    )
+    add_cluster_arguments(srv)
     srv.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="local cluster + HTTP server, a few streaming requests, latency table")
-    demo.add_argument("--config", default=DEFAULT_CONFIG, help="ClusterConfig YAML (deploy/*.yaml)")
-    demo.add_argument("--model", default=None, help="override the config's model.path")
+    add_cluster_arguments(demo)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=_demo)
 
@@ -209,10 +221,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("bench", choices=["offline", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+    return parser
 
-    args = parser.parse_args(argv)
-    result: int = args.func(args)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("serve", "demo"):
+            _configure_logging(args)
+        result: int = args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        from cluster.hub import ModelNotFoundError
+        from deploy.device_check import CudaUnavailableError
+
+        # NOTE: configuration problems (bad YAML value, unknown model, no CUDA) end in one logged line,
+        # not a traceback; anything else keeps its traceback.
+        if not isinstance(e, (ValueError, FileNotFoundError, ModelNotFoundError, CudaUnavailableError)):
+            raise
+        logging.getLogger("pdserve").error("%s", e)
+        return 2
     return result
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         max_body_bytes=cfg.max_body_bytes,
         served_model_name=cfg.served_model_name,
         max_timeout_s=handle.config.router.request_timeout_s,
+        metrics_compat=cfg.metrics_compat,
     )
 
 

@@ -33,6 +33,7 @@ import ray
 
 from cluster.config import ClusterConfig, PoolConfig
 from cluster.frames import new_secret
+from cluster.hub import resolve_cluster_model
 from cluster.protocol import (
     GenerateRequest,
     ModelInfo,
@@ -43,6 +44,7 @@ from cluster.protocol import (
 )
 from cluster.router import Router
 from cluster.wire import WorkerControl
+from deploy import device_check, logs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,6 +115,7 @@ class WorkerLauncher:
             self.control,
             torch_threads=pc.torch_threads if not pc.num_gpus else None,
             allow_fault_injection=self.fault_injection,
+            stats_interval_s=self.cfg.log.stats_interval_s,
         )
         self.actors[worker_id] = actor
         return worker_id, actor
@@ -315,14 +318,22 @@ def _init_ray(cfg: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    handlers = list(logging.getLogger().handlers)
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_config=logs.ray_logging_config(cfg.log))
+        logs.after_ray_init(handlers)
         return False
     needed = sum(p.num_cpus * p.num_workers for _, p in _pools(cfg))
     # NOTE: a local cluster's CPUs are admission tokens (workers set their own torch threads), so leave
     # room for more than one cluster in the same driver (tests, benchmarks comparing two configs).
     num_cpus = max(int(needed) + 1, os.cpu_count() or 1, _LOCAL_RAY_CPUS)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_config=logs.ray_logging_config(cfg.log),
+    )
+    logs.after_ray_init(handlers)
     return True
 
 
@@ -347,6 +358,10 @@ def start_cluster(
         cfg = ClusterConfig.from_dict(config)
     else:
         cfg = config
+    cfg = resolve_cluster_model(cfg)
+    joining = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
+    if not joining:
+        device_check.check_local(cfg)
     started_ray = _init_ray(cfg)
     worker_bind, router_host = _bind_host(cfg)
     secret = new_secret()
@@ -363,6 +378,8 @@ def start_cluster(
     control = WorkerControl(router.endpoint, cfg.router.health_interval_s, worker_bind)
     launcher = WorkerLauncher(cfg, secret, control, fault_injection)
     try:
+        if joining:
+            device_check.check_remote(cfg)
         for pool, pc in _pools(cfg):
             for _ in range(pc.num_workers):
                 worker_id, actor = launcher.create(pool)
@@ -407,8 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompt", action="append", help="send this prompt, print the output, exit (repeatable)")
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handle = start_cluster(args.config)
+    cfg = ClusterConfig.from_yaml(args.config)
+    logs.configure_logging(cfg.log)
+    handle = start_cluster(cfg)
     try:
         if args.prompt:
             from cluster.tokenizer import Tokenizer

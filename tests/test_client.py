@@ -188,3 +188,79 @@ def test_edge_modules_import_no_torch_and_client_no_ray() -> None:
         "import cluster.server, cluster.metrics; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_results_are_shaped_like_the_openai_package(stub: StubRouter, client: Client) -> None:
+    out = client.chat.completions.create(messages=[{"role": "user", "content": "w20 w21"}], max_tokens=3)
+    ids = expected_tokens(
+        make_tokenizer().encode_chat([{"role": "user", "content": "w20 w21"}]), SamplingParams(max_tokens=3)
+    )
+    text = "".join(token_text(t) for t in ids)
+    assert out.choices[0].message is not None
+    assert (out.choices[0].message.role, out.choices[0].message.content) == ("assistant", text)
+    assert out.choices[0].text == text and out.choices[0].message.tool_calls is None
+    assert out.usage is not None and (out.usage.completion_tokens, out.usage.total_tokens) == (
+        3,
+        out.usage.prompt_tokens + 3,
+    )
+    done = client.completions.create(prompt=PROMPT_IDS, max_tokens=2)
+    assert (
+        done.choices[0].text == "".join(token_text(t) for t in _expected(2))
+        and done.choices[0].message is None
+    )
+    stream = client.chat.completions.create(
+        messages=[{"role": "user", "content": "w20 w21"}], max_tokens=3, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert [c.choices[0].token_ids for c in chunks] == [[t] for t in ids]
+    assert chunks[-1].choices[0].finish_reason == "length" and stream.result.timings is not None
+
+
+def test_typed_errors(stub: StubRouter, server: ServerThread) -> None:
+    from cluster.client import (
+        APITimeoutError,
+        AuthenticationError,
+        BadRequestError,
+        InternalServerError,
+        NotFoundError,
+        RateLimitError,
+    )
+
+    with Client(server.url, api_key="k", max_retries=0) as c:
+        with pytest.raises(BadRequestError) as bad:
+            c.completions.create(prompt=PROMPT_IDS, max_tokens=0)
+        assert (bad.value.status_code, bad.value.param, bad.value.code) == (
+            400,
+            "max_tokens",
+            "invalid_request",
+        )
+        with pytest.raises(NotFoundError):
+            c.completions.create(prompt=PROMPT_IDS, model="nope")
+        stub.behavior = "queue_full"
+        with pytest.raises(RateLimitError) as limited:
+            c.completions.create(prompt=PROMPT_IDS)
+        assert limited.value.status_code == 429 and isinstance(limited.value, APIError)
+        stub.behavior = "unavailable"
+        with pytest.raises(InternalServerError) as down:
+            c.completions.create(prompt=PROMPT_IDS)
+        assert down.value.status_code == 503
+        stub.behavior = "hang"
+    with Client(server.url, api_key="wrong") as c, pytest.raises(AuthenticationError):
+        c.completions.create(prompt=PROMPT_IDS)
+    with Client(server.url, api_key="k", timeout=0.5, max_retries=0) as c, pytest.raises(APITimeoutError):
+        list(c.completions.create(prompt=PROMPT_IDS, max_tokens=4, stream=True))
+
+
+def test_base_url_and_key_from_the_environment(
+    stub: StubRouter, server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_BASE_URL", f"{server.url}/v1")
+    monkeypatch.setenv("PDSERVE_API_KEY", "k")
+    monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+    with Client() as c:
+        assert c.completions.create(prompt=PROMPT_IDS, max_tokens=2).token_ids == _expected(2)
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    with Client() as c, pytest.raises(APIError) as info:
+        c.completions.create(prompt=PROMPT_IDS, max_tokens=2)
+    assert info.value.status == 401

@@ -191,8 +191,14 @@ def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(
             health = httpx.get(f"{http.url}/health")
             assert (health.status_code, health.json()) == (503, {"status": "unhealthy"})
             metrics = httpx.get(f"{http.url}/metrics").text
-            assert 'pdserve_worker_healthy{pool="decode",worker="decode-0"} 0.0' in metrics
-            assert 'pdserve_worker_healthy{pool="prefill",worker="prefill-0"} 1.0' in metrics
+            assert (
+                'pdserve_worker_healthy{model_name="pdserve-tiny",pool="decode",worker="decode-0"} 0.0'
+                in metrics
+            )
+            assert (
+                'pdserve_worker_healthy{model_name="pdserve-tiny",pool="prefill",worker="prefill-0"} 1.0'
+                in metrics
+            )
         new_pid = wait_for(lambda: _pid_if_back(actor, old_pid), 120, "Ray restarted decode-0")
         assert new_pid != old_pid
         # the new incarnation registers itself and serves again

@@ -59,12 +59,15 @@ def unresolved(names: set[str], families: dict[str, str]) -> list[str]:
     return missing
 
 
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
+def samples(text: str, model: str = "stub-model") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(name, labels) -> value; every sample must carry model_name=``model`` (left out of the key)."""
+    out = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name") == model, s
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +157,91 @@ def test_colocated_skips_transfer_and_broken_stats_do_not_break_the_scrape() -> 
         num_prompt_tokens=5,
         num_generation_tokens=3,
     )
-    got = samples(metrics.render().decode())
+    got = samples(metrics.render().decode(), model="")
     assert got[("pdserve_prefill_time_seconds_count", (("mode", "colocated"),))] == 1.0
     assert not any(name.startswith("pdserve_kv_transfer_time") for name, _ in got)
     assert not any(name.startswith("pdserve_num_requests") for name, _ in got)
+
+
+# The series vLLM's published Grafana dashboard queries (examples/.../prometheus_grafana/grafana.json),
+# each filtered by model_name.
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
+
+
+def test_vllm_compat_exports_what_vllms_dashboard_queries() -> None:
+    router = StubRouter(mode="disaggregated")
+    with ServerThread(create_app(router, make_tokenizer(), metrics_compat="vllm")) as s:
+        body = {"prompt": [6, 7, 8], "max_tokens": 4, "n": 2}
+        assert httpx.post(f"{s.url}/v1/completions", json=body).status_code == 200
+        text = httpx.get(f"{s.url}/metrics").text
+    got = samples(text)  # every series, vllm:* included, carries model_name="stub-model"
+    names = {name for name, _ in got}
+    assert [n for n in VLLM_DASHBOARD_SERIES if n not in names] == []
+    assert got[("vllm:prompt_tokens_total", ())] == 6.0
+    assert got[("vllm:generation_tokens_total", ())] == 8.0
+    assert got[("vllm:request_success_total", (("finished_reason", "length"),))] == 2.0
+    assert got[("vllm:request_success_total", (("finished_reason", "stop"),))] == 0.0
+    assert got[("vllm:request_max_num_generation_tokens_count", ())] == 1.0
+    assert got[("vllm:request_max_num_generation_tokens_sum", ())] == 4.0
+    assert got[("vllm:time_per_output_token_seconds_count", ())] == 6.0
+    assert got[("vllm:num_requests_waiting", (("engine", "prefill-0"),))] == 2.0
+    assert got[("vllm:gpu_cache_usage_perc", (("engine", "decode-0"),))] == 0.5
+    assert got[("vllm:prefix_cache_hits_total", (("engine", "prefill-0"),))] == 40.0
+
+
+def test_error_and_request_counters_read_zero_before_any_traffic() -> None:
+    router = StubRouter(mode="colocated")
+    with ServerThread(create_app(router, make_tokenizer(), served_model_name="m")) as s:
+        text = httpx.get(f"{s.url}/metrics").text
+    got = samples(text, model="m")
+    errors = {labels: v for (name, labels), v in got.items() if name == "pdserve_request_errors_total"}
+    assert errors[(("code", "queue_full"), ("status", "429"))] == 0.0
+    assert errors[(("code", "internal_error"), ("status", "500"))] == 0.0
+    assert len(errors) == 13 and set(errors.values()) == {0.0}
+    requests = {labels: v for (name, labels), v in got.items() if name == "pdserve_requests_total"}
+    assert requests == {
+        (("finish_reason", r), ("mode", "colocated")): 0.0 for r in ("stop", "length", "abort", "error")
+    }
+    assert not any(name.startswith("vllm:") for name, _ in got)
+
+
+def test_dashboard_filters_every_query_by_model_name() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                exprs.append(node["expr"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(dashboard)
+    selectors = [m for e in exprs for m in re.findall(r"pdserve_[A-Za-z0-9_]+(\{[^}]*\})?", e)]
+    assert len(selectors) >= 20 and all('model_name=~"$model_name"' in s for s in selectors)
+    assert "model_name" in [v["name"] for v in dashboard["templating"]["list"]]

@@ -171,7 +171,7 @@ def _abort_count(http: HttpServerHandle) -> float:
     text = httpx.get(f"{http.url}/metrics").text
     return sum(
         v
-        for (name, labels), v in samples(text).items()
+        for (name, labels), v in samples(text, model=MODEL).items()
         if name == "pdserve_requests_total" and ("finish_reason", "abort") in labels
     )
 
@@ -227,7 +227,7 @@ def test_every_dashboard_metric_is_exported_after_real_traffic(
     # the workers' own stats arrived through the router (both pools present)
     worker_kv = {
         labels
-        for (name, labels) in samples(httpx.get(f"{http.url}/metrics").text)
+        for (name, labels) in samples(httpx.get(f"{http.url}/metrics").text, model=MODEL)
         if name == "pdserve_kv_cache_free_blocks"
     }
     assert worker_kv == {
@@ -243,10 +243,13 @@ def test_prompt_over_max_model_len_is_400_and_the_cluster_keeps_serving(
     with pytest.raises(openai.BadRequestError) as too_long:
         oai.completions.create(model=MODEL, prompt=[11] * (limit + 1), max_tokens=1)
     assert too_long.value.status_code == 400
-    assert f"max_model_len ({limit})" in str(too_long.value)
+    assert f"maximum context length is {limit} tokens" in str(too_long.value)
+    assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as overflow:
         oai.completions.create(model=MODEL, prompt=[11] * (limit - 4), max_tokens=8)
-    assert f"max_tokens (8) exceeds max_model_len ({limit})" in str(overflow.value)
+    assert f"you requested {limit + 4} tokens ({limit - 4} in your prompt; 8 for the completion)" in str(
+        overflow.value
+    )
     out = oai.completions.create(
         model=MODEL, prompt=[11] * (limit - 4), max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
     )

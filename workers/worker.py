@@ -57,6 +57,7 @@ from workers.engine import Engine
 from workers.prefill_role import PrefillRole
 from workers.request import RequestStatus
 from workers.role import Role, WorkerContext
+from workers.stats_log import StatsLine
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class EngineWorker:
         engine_factory: Callable[[EngineConfig], Engine] = Engine,
         allow_fault_injection: bool = False,
         on_fatal: Callable[[str], None] = exit_process,
+        stats_interval_s: float = 0.0,
     ) -> None:
         if torch_threads is not None:
             import torch
@@ -165,6 +167,7 @@ class EngineWorker:
         )
         self.role: Role | None = _make_role(pool, context)
         self._stats = WorkerStats(worker_id, pool)
+        self._stats_line = StatsLine(stats_interval_s)  # the periodic INFO line (0: off)
         self._publish_stats()
         for target, name in ((self._inbound_loop, "inbound"), (self._step_loop, "step")):
             t = threading.Thread(
@@ -295,6 +298,7 @@ class EngineWorker:
                 self._on_deltas(self.engine.step())
             self._publish_stats()
             self._beat()
+            self._stats_line.maybe_log(self._stats)
 
     def _beat(self) -> None:
         now = time.monotonic()

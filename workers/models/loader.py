@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from cluster.hub import weight_files
 from workers.models import get_model_class
 from workers.models.arch import ArchConfig
 from workers.models.layers import CausalLM, Linear, RMSNorm, RotaryEmbedding
@@ -32,12 +33,14 @@ def _materialize(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> 
 
 
 def iter_safetensors(model_dir: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(name, tensor)`` one tensor at a time from every ``*.safetensors`` file in ``model_dir``.
+    """Yields ``(name, tensor)`` one tensor at a time from the checkpoint's weight files: the shards that
+    ``model.safetensors.index.json`` names, else ``model.safetensors``, else every ``*.safetensors``
+    (``cluster.hub.weight_files``; a ``consolidated.safetensors`` beside indexed shards is not read).
 
     Each tensor is read straight onto ``device``; the caller copies it into its parameter and drops it,
     so at most one checkpoint tensor is alive beside the model.
     """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = [Path(model_dir) / name for name in weight_files(model_dir)]
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model directory {model_dir!r}")
     for path in files:

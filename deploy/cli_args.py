@@ -1,0 +1,152 @@
+"""``pdserve serve`` / ``demo`` flags, named as ``vllm serve`` names them, layered over the YAML config.
+
+Precedence: flag > environment (``PDSERVE_API_KEY``) > YAML (``--config``, default the packaged
+``cpu-disagg.yaml``) > the config dataclasses' defaults. Flags are written into the YAML's mapping
+before ``ClusterConfig.from_dict`` checks it, so a flag and a YAML key fail the same way: the key named,
+its expected type and the value given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from cluster.config import LOG_FORMATS, LOG_LEVELS, METRICS_COMPAT, ROUTER_MODES, ClusterConfig
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_CONFIG = "cpu-disagg.yaml"
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+# (flag, YAML section, key, argparse type, help); a section "engine" key is an EngineConfig field.
+_VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
+    ("--revision", "model", "revision", str, "hub repo branch, tag or commit (repo ids only)"),
+    ("--dtype", "model", "dtype", str, "auto | float32 | float16 | bfloat16"),
+    ("--max-model-len", "model", "max_model_len", int, "context length (default: the model's)"),
+    ("--max-num-seqs", "engine", "max_num_seqs", int, "requests in one worker's batch"),
+    ("--max-num-batched-tokens", "engine", "max_num_batched_tokens", int, "tokens in one step"),
+    ("--block-size", "engine", "block_size", int, "tokens per KV block"),
+    ("--num-kv-blocks", "engine", "num_kv_blocks", int, "KV blocks per worker (default: sized from memory)"),
+    ("--gpu-memory-utilization", "engine", "gpu_memory_utilization", float, "fraction of GPU memory"),
+    ("--attention-backend", "engine", "attention_backend", str, "torch | triton"),
+    ("--device", "engine", "device", str, "auto | cpu | cuda"),
+    ("--mode", "router", "mode", str, f"{' | '.join(ROUTER_MODES)}"),
+    ("--num-prefill-workers", "prefill", "num_workers", int, "prefill pool size"),
+    ("--num-decode-workers", "decode", "num_workers", int, "decode pool size"),
+    ("--num-colocated-workers", "colocated", "num_workers", int, "colocated pool size (--mode colocated)"),
+    ("--host", "server", "host", str, "bind address (default 127.0.0.1)"),
+    ("--port", "server", "port", int, "HTTP port (default 8000)"),
+    ("--served-model-name", "server", "served_model_name", str, "name clients use (default: MODEL)"),
+    (
+        "--metrics-compat",
+        "server",
+        "metrics_compat",
+        str,
+        f"{' | '.join(METRICS_COMPAT)}: also export vllm:*",
+    ),
+    ("--log-level", "log", "level", str.upper, f"{' | '.join(LOG_LEVELS)}"),
+    ("--log-format", "log", "format", str, f"{' | '.join(LOG_FORMATS)}"),
+    ("--stats-interval", "log", "stats_interval_s", float, "seconds between worker stats lines (0: off)"),
+]
+_BOOL_FLAGS: list[tuple[str, str, str, str]] = [
+    ("--enable-prefix-caching", "engine", "enable_prefix_caching", "prefix caching (--no-... turns it off)"),
+    ("--enforce-eager", "engine", "enforce_eager", "no CUDA graphs"),
+]
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model positional, ``--config``, ``--api-key``, ``--ray-address`` and every override flag."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory or Hugging Face repo id (default: the config's model.path)",
+    )
+    parser.add_argument("--model", default=None, help="the same as MODEL")
+    parser.add_argument(
+        "--config", default=None, help=f"ClusterConfig YAML (default: packaged {DEFAULT_CONFIG})"
+    )
+    parser.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV})")
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS)")
+    group = parser.add_argument_group("overrides of the YAML config")
+    for flag, _, _, tp, help_ in _VALUE_FLAGS:
+        group.add_argument(flag, type=tp, default=None, help=help_)
+    for flag, _, _, help_ in _BOOL_FLAGS:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+
+
+def config_path(given: str | None) -> Path:
+    """``given`` as a path, else relative to the installed ``deploy`` package (``deploy/x.yaml`` and
+    ``x.yaml`` both work from any directory); None: the packaged default."""
+    if given is None:
+        return PACKAGE_DIR / DEFAULT_CONFIG
+    path = Path(given)
+    if path.exists():
+        return path
+    for candidate in (PACKAGE_DIR.parent / given, PACKAGE_DIR / given):
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(
+        f"config file {given!r} not found (nor among the packaged configs in {PACKAGE_DIR})"
+    )
+
+
+def load_config_data(path: Path) -> dict[str, Any]:
+    import yaml
+
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a mapping")
+    return data
+
+
+def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {value!r}"[:200])
+    section = dict(value or {})
+    data[name] = section
+    return section
+
+
+def apply_overrides(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The YAML mapping with every flag that was given written in (``data`` is not modified)."""
+    data = dict(data)
+    model = args.model_tag if args.model_tag is not None else args.model
+    if args.model_tag is not None and args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+    if model is not None:
+        _section(data, "model")["path"] = model
+    for flag, section, key, _, _ in _VALUE_FLAGS:
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            _section(data, section)[key] = value
+    for flag, section, key, _ in _BOOL_FLAGS:
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            _section(data, section)[key] = value
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None:
+        _section(data, "server")["api_key"] = api_key
+    if args.ray_address is not None:
+        data["ray_address"] = args.ray_address
+    router = data.get("router") or {}
+    colocated = data.get("colocated") or {}
+    if isinstance(router, dict) and router.get("mode") == "colocated" and not colocated.get("num_workers"):
+        # NOTE: a disaggregated YAML switched to colocated: one worker shaped like a decode worker.
+        decode = data.get("decode") or {}
+        _section(data, "colocated").update({**decode, "num_workers": colocated.get("num_workers") or 1})
+    return data
+
+
+def build_config(args: argparse.Namespace) -> ClusterConfig:
+    """ClusterConfig from ``--config`` plus the flags; raises ValueError naming the key on bad values."""
+    path = config_path(args.config)
+    return ClusterConfig.from_dict(apply_overrides(load_config_data(path), args))
