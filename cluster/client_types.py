@@ -102,12 +102,14 @@ class ServerTimings:
     decode_s: float = 0.0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    num_migrations: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> ServerTimings | None:
-        return (
-            None if d is None else cls(**{k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__})
-        )
+        if d is None:
+            return None
+        fields = cls.__dataclass_fields__
+        return cls(**{k: int(v) if k == "num_migrations" else float(v) for k, v in d.items() if k in fields})
 
 
 @dataclass

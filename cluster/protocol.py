@@ -218,6 +218,7 @@ class RequestTimings:
     decode_s: float = 0.0  # first token -> finish
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    num_migrations: int = 0  # times the router dispatched it again after its worker died
 
 
 @dataclass

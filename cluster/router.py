@@ -448,6 +448,7 @@ class Router:
             decode_s=now - first,
             ttft_s=first - f.arrival,
             e2e_s=now - f.arrival,
+            num_migrations=f.attempt,
         )
 
     # ---- workers --------------------------------------------------------------------------------------

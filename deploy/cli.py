@@ -167,6 +167,10 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.serve import main as serve_main
 
         return serve_main(args.rest)
+    if args.bench == "soak":
+        from bench.soak import main as soak_main
+
+        return soak_main(args.rest)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
@@ -218,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures (see bench/)")
-    bench.add_argument("bench", choices=["offline", "serve"])
+    bench.add_argument("bench", choices=["offline", "serve", "soak"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     return parser

@@ -17,6 +17,7 @@ import pytest
 import ray
 import zmq
 
+from bench.fuzz_frames import make_plan
 from cluster.protocol import SamplingParams, WorkerFailedError
 from cluster.wire import ROUTER_ID
 from deploy.http_host import start_http
@@ -28,7 +29,6 @@ from tests.cluster_utils import (
     shared_prefix_prompts,
     wait_for,
 )
-from tests.fuzz_frames import make_plan
 from workers.llm import LLM
 
 pytestmark = pytest.mark.slow

@@ -73,6 +73,7 @@ def test_completion_non_streaming(stub: StubRouter, oai: openai.OpenAI) -> None:
         "decode_s",
         "ttft_s",
         "e2e_s",
+        "num_migrations",
     }
     assert out.usage is not None and (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
     assert out.usage.total_tokens == 8

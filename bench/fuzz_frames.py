@@ -1,4 +1,4 @@
-"""Seeded malformed control frames for the live fuzz test (not a test module).
+"""Seeded malformed control frames (the live fuzz test, the soak benchmark).
 
 Every frame made here must be rejected by its receiver, except the first copy of each replayed frame
 (a harmless signed Abort of a request nobody has), which is accepted once; ``num_bad`` counts the rest.

@@ -7,7 +7,7 @@ with the custom resource ``host_a``, a worker node on B with ``host_b``, so a po
 with ``resources: {host_b: 1}``. ``stop()`` ends exactly those Ray processes and deletes the namespace and
 the link, whatever happened before.
 
-    python -m tests.netns_lab up        # prints the Ray address and the link; Ctrl-C tears it down
+    python -m bench.netns_lab up        # prints the Ray address and the link; Ctrl-C tears it down
     with two_host_lab() as lab: ...     # tests; skipped (with the reason) where netns is refused
 
 ``lab.link(False)`` takes the link down, ``lab.rate_limit("1gbit")`` adds a tbf qdisc on both ends,
