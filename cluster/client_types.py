@@ -108,8 +108,8 @@ class ServerTimings:
     def from_dict(cls, d: dict[str, Any] | None) -> ServerTimings | None:
         if d is None:
             return None
-        fields = cls.__dataclass_fields__
-        return cls(**{k: int(v) if k == "num_migrations" else float(v) for k, v in d.items() if k in fields})
+        seconds = {k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__ and k != "num_migrations"}
+        return cls(**seconds, num_migrations=int(d.get("num_migrations", 0)))
 
 
 @dataclass
