@@ -292,6 +292,9 @@ class ClusterConfig:
     # which address every socket binds and advertises: loopback (one host), the node's own address
     # (several hosts), or auto (loopback when the Ray cluster has one node)
     network: str = "auto"
+    # CPU workers on one host: pin worker k to CPU core k (round-robin over the driver's cores), so two
+    # workers on two cores stand for two devices (benchmarks comparing modes on equal hardware)
+    pin_cpu_cores: bool = False
 
     def __post_init__(self) -> None:
         self.engine_config()  # validates engine options (unknown keys are an error)

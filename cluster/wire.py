@@ -71,6 +71,7 @@ class WorkerInfo:
     model_dir: str
     device: str
     pid: int
+    cpu_cores: list[int] = dataclasses.field(default_factory=list)  # the process's CPU affinity
 
 
 # ---- ops: router -> worker ---------------------------------------------------------------------------

@@ -91,6 +91,8 @@ class WorkerLauncher:
         self.fault_injection = fault_injection
         self.actors: dict[str, Any] = {}
         self._next_index: dict[str, int] = {}
+        self._cores = sorted(os.sched_getaffinity(0))
+        self._num_created = 0
 
     def create(self, pool: str) -> tuple[str, Any]:
         from workers.worker import EngineWorker
@@ -99,6 +101,8 @@ class WorkerLauncher:
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
+        core = self._cores[self._num_created % len(self._cores)] if self.cfg.pin_cpu_cores else None
+        self._num_created += 1
         actor_cls: Any = ray.remote(EngineWorker)
         actor = actor_cls.options(
             num_cpus=max(pc.num_cpus, 0.001),
@@ -114,6 +118,7 @@ class WorkerLauncher:
             self.secret,
             self.control,
             torch_threads=pc.torch_threads if not pc.num_gpus else None,
+            cpu_core=core,
             allow_fault_injection=self.fault_injection,
             stats_interval_s=self.cfg.log.stats_interval_s,
         )

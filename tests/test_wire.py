@@ -74,7 +74,7 @@ STATS = WorkerStats(
     rejected_frames={"bad_mac": 2},
 )
 INFO = WorkerInfo(
-    "decode-0", "decode", "ab12", "tcp://127.0.0.1:5000", "127.0.0.1", 16, 64, 1024, 512, "/m", "cpu", 7
+    "decode-0", "decode", "ab12", "tcp://127.0.0.1:5000", "127.0.0.1", 16, 64, 1024, 512, "/m", "cpu", 7, [0]
 )
 ALL_OPS = [
     Generate("r1", [1, 2, 3], PARAMS, 1e9, hold=True),

@@ -112,11 +112,14 @@ class EngineWorker:
         control: WorkerControl,
         *,
         torch_threads: int | None = None,
+        cpu_core: int | None = None,
         engine_factory: Callable[[EngineConfig], Engine] = Engine,
         allow_fault_injection: bool = False,
         on_fatal: Callable[[str], None] = exit_process,
         stats_interval_s: float = 0.0,
     ) -> None:
+        if cpu_core is not None:
+            os.sched_setaffinity(0, {cpu_core})  # NOTE: before torch starts its thread pool
         if torch_threads is not None:
             import torch
 
@@ -161,6 +164,7 @@ class EngineWorker:
             model_dir=e.model_dir,
             device=str(e.runner.device),
             pid=os.getpid(),
+            cpu_cores=sorted(os.sched_getaffinity(0)),
         )
         context = WorkerContext(
             worker_id, self.node_ip, self.engine, transfer_config, self._send, self._commands.put
