@@ -178,6 +178,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
             self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            self.warm_up_kernels()
         if self.graph_sizes and self.buffers is not None:
             self.graphs = DecodeGraphs(
                 self.model, self.buffers, self.kv_caches, self.backend, self.graph_sizes,
@@ -276,6 +278,33 @@ class ModelRunner:
             num_blocks, num_blocks * self.bytes_per_block / 2**30, activation_peak / 2**30, graph_reserve / 2**30,
         )  # fmt: skip
         return num_blocks
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Launch every Triton kernel variant a step can need, so none compiles in the middle of a run.
+
+        Per-step integers are not specialised on (see ``triton_kernels``), so the variants are fixed by
+        the layers' constants and by whether the decode kernel splits its keys: two mixed steps cover
+        them, one whose decode sees 1 key (never split) and one whose decode sees ``max_model_len`` keys
+        (split whenever any step can be). Both point at the null block with slot -1: nothing is written.
+        """
+        for decode_len in sorted({1, self.max_model_len}):
+            bs = self.block_size
+            sched = [
+                ScheduledRequest("warm-decode", [0], decode_len - 1, [0] * -(-decode_len // bs), True, True,
+                                 _PROFILE_PARAMS, 0),
+                ScheduledRequest("warm-prefill", [0, 0], 0, [0] * -(-2 // bs), True, False, _PROFILE_PARAMS, 0),
+            ]  # fmt: skip
+            out = SchedulerOutput(sched, 3)
+            arrays = build_step_arrays(sched, bs)
+            arrays.slots[:] = -1
+            inputs = self._step_inputs(arrays, out, self._upload_fresh)
+            if inputs.meta is None:
+                raise RuntimeError("warm-up step unexpectedly has no attention metadata")
+            with forward_context(ForwardContext(inputs.meta, self.kv_caches, self.backend)):
+                self.model(inputs.input_ids, inputs.positions)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Device tensors of one step. On CUDA they are slices of the reused buffers, uploaded with

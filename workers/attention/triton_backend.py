@@ -153,7 +153,7 @@ class TritonAttentionBackend(AttentionBackend):
         if is_split:
             kernels.decode_reduce_kernel[(num_decodes, num_heads)](
                 part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_splits,
-                HEAD_DIM=head_dim, DIM_PAD=_next_pow2(head_dim), SPLIT_PAD=_next_pow2(num_splits),
+                HEAD_DIM=head_dim, DIM_PAD=_next_pow2(head_dim),
             )  # fmt: skip
 
     @staticmethod
