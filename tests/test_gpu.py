@@ -21,7 +21,6 @@ import torch
 from cluster.config import EngineConfig, ModelConfig
 from cluster.protocol import SamplingParams
 from tests.hf_models import make_random_hf_model
-from workers.forward_context import ForwardContext, forward_context
 from workers.llm import LLM
 from workers.model_runner import ModelRunner
 from workers.scheduler import ScheduledRequest, SchedulerOutput
@@ -48,10 +47,7 @@ def _prompts(num: int, vocab: int, seed: int, max_len: int = 300) -> list[list[i
 def _step_logits(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
     inputs = runner.prepare_inputs(out)
     assert inputs.meta is not None
-    with (
-        torch.inference_mode(),
-        forward_context(ForwardContext(inputs.meta, runner.kv_caches, runner.backend)),
-    ):
+    with torch.inference_mode(), runner.forward_context(inputs.meta):
         hidden = runner.model(inputs.input_ids, inputs.positions)
         return runner.model.compute_logits(hidden[inputs.logits_indices])
 

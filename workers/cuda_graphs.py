@@ -154,8 +154,10 @@ class DecodeGraphs:
         batch_sizes: list[int],
         max_model_len: int,
         block_size: int,
+        fused_ops: bool = False,
     ) -> None:
         self.model, self.buffers, self.kv_caches, self.backend = model, buffers, kv_caches, backend
+        self.fused_ops = fused_ops
         self.batch_sizes = sorted(batch_sizes)
         self.max_model_len, self.block_size = max_model_len, block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -184,7 +186,7 @@ class DecodeGraphs:
     def forward(self, graph_size: int) -> torch.Tensor:
         """The eager forward a graph records (warm-up; also how CPU tests check the padded layout)."""
         g = graph_size
-        ctx = ForwardContext(self.metadata(g), self.kv_caches, self.backend)
+        ctx = ForwardContext(self.metadata(g), self.kv_caches, self.backend, self.fused_ops)
         with forward_context(ctx):
             hidden: torch.Tensor = self.model(
                 self.buffers.input_ids.device[:g], self.buffers.positions.device[:g]

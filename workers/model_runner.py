@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,6 +143,8 @@ class ModelRunner:
         # NOTE: before the model: building it imports torch._dynamo, which imports triton, and on CPU the
         # Triton backend must set TRITON_INTERPRET before triton is first imported.
         self.backend = create_attention_backend(config.attention_backend)
+        # NOTE: the Triton path also fuses the layers' elementwise work; the torch path stays the oracle.
+        self.fused_ops = config.attention_backend == "triton"
         if config.load_format == "dummy":
             self.model = build_random_model(self.arch, self.dtype, self.device, seed=config.seed)
         else:
@@ -183,7 +186,7 @@ class ModelRunner:
         if self.graph_sizes and self.buffers is not None:
             self.graphs = DecodeGraphs(
                 self.model, self.buffers, self.kv_caches, self.backend, self.graph_sizes,
-                self.max_model_len, self.block_size,
+                self.max_model_len, self.block_size, self.fused_ops,
             )  # fmt: skip
             free_before = torch.cuda.mem_get_info(self.device)[0]
             self.graphs.capture()
@@ -238,7 +241,8 @@ class ModelRunner:
         inputs = self._step_inputs(arrays, out, self._upload_fresh)
         if inputs.meta is None:
             raise RuntimeError("profile step unexpectedly has no attention metadata")
-        with torch.inference_mode(), forward_context(ForwardContext(inputs.meta, caches, self.backend)):
+        ctx = ForwardContext(inputs.meta, caches, self.backend, self.fused_ops)
+        with torch.inference_mode(), forward_context(ctx):
             hidden = self.model(inputs.input_ids, inputs.positions)
             rows = torch.arange(num_logits_rows, device=self.device) % hidden.shape[0]
             logits = self.model.compute_logits(hidden[rows])
@@ -279,6 +283,10 @@ class ModelRunner:
         )  # fmt: skip
         return num_blocks
 
+    def forward_context(self, meta: AttentionMetadata) -> AbstractContextManager[ForwardContext]:
+        """The scope a forward of this runner's model runs in (its KV caches, backend and op path)."""
+        return forward_context(ForwardContext(meta, self.kv_caches, self.backend, self.fused_ops))
+
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
         """Launch every Triton kernel variant a step can need, so none compiles in the middle of a run.
@@ -301,7 +309,7 @@ class ModelRunner:
             inputs = self._step_inputs(arrays, out, self._upload_fresh)
             if inputs.meta is None:
                 raise RuntimeError("warm-up step unexpectedly has no attention metadata")
-            with forward_context(ForwardContext(inputs.meta, self.kv_caches, self.backend)):
+            with self.forward_context(inputs.meta):
                 self.model(inputs.input_ids, inputs.positions)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -397,7 +405,7 @@ class ModelRunner:
         else:
             if inputs.meta is None:
                 raise RuntimeError("an eager step needs attention metadata")
-            with forward_context(ForwardContext(inputs.meta, self.kv_caches, self.backend)):
+            with self.forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
         if events is not None and self.forward_events is not None:
             events[1].record()

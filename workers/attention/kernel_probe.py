@@ -22,22 +22,33 @@ from typing import Any
 
 import torch
 
-KERNEL_MODULES = ("workers.attention.triton_kernels",)
+
+def _sm90() -> Any:
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+KERNEL_MODULES = ("workers.attention.triton_kernels", "workers.models.triton_ops")
 
 LaunchHook = Callable[[str, Any, tuple[Any, ...], dict[str, Any]], None]
 
 
 class _LaunchProxy:
-    """Stands in for one kernel: ``proxy[grid](*args, **kwargs)`` reports, then launches the real one."""
+    """Stands in for one kernel: ``proxy[grid](*args, **kwargs)`` reports, then launches the real one
+    (unless ``launch`` is False: then the launch only reports, and its outputs keep whatever they held)."""
 
-    def __init__(self, name: str, kernel: Any, on_launch: LaunchHook, label: bool) -> None:
-        self.name, self.kernel, self.on_launch, self.label = name, kernel, on_launch, label
+    def __init__(self, name: str, kernel: Any, on_launch: LaunchHook, label: bool, launch: bool) -> None:
+        self.name, self.kernel, self.on_launch = name, kernel, on_launch
+        self.label, self.launch = label, launch
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         launch = self.kernel[grid]
 
         def run(*args: Any, **kwargs: Any) -> Any:
             self.on_launch(self.name, self.kernel, args, kwargs)
+            if not self.launch:
+                return None
             if not self.label:
                 return launch(*args, **kwargs)
             with torch.profiler.record_function(f"triton::{self.name}"):
@@ -53,7 +64,7 @@ def _is_kernel(name: str, obj: Any) -> bool:
 
 
 @contextlib.contextmanager
-def probe_launches(on_launch: LaunchHook, label: bool = False) -> Iterator[None]:
+def probe_launches(on_launch: LaunchHook, label: bool = False, launch: bool = True) -> Iterator[None]:
     """Report every launch of a kernel of ``KERNEL_MODULES`` while the context is open."""
     patched: list[tuple[Any, str, Any]] = []
     try:
@@ -62,22 +73,21 @@ def probe_launches(on_launch: LaunchHook, label: bool = False) -> Iterator[None]
             for name, obj in list(vars(module).items()):
                 if _is_kernel(name, obj):
                     patched.append((module, name, obj))
-                    setattr(module, name, _LaunchProxy(name, obj, on_launch, label))
+                    setattr(module, name, _LaunchProxy(name, obj, on_launch, label, launch))
         yield
     finally:
         for module, name, obj in patched:
             setattr(module, name, obj)
 
 
-_BINDERS: dict[int, Callable[..., Any]] = {}
+_BINDERS: dict[int, tuple[Any, Any, Callable[..., Any]]] = {}
 
 
-def _binder(kernel: Any) -> Callable[..., Any]:
-    """Triton's own argument binder of ``kernel``, built for a CUDA sm_90 target (no GPU needed)."""
-    binder = _BINDERS.get(id(kernel))
-    if binder is None:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
+def _binder(kernel: Any) -> tuple[Any, Any, Callable[..., Any]]:
+    """(JITFunction, backend, Triton's own argument binder) of ``kernel`` for a CUDA sm_90 target (no GPU
+    needed)."""
+    entry = _BINDERS.get(id(kernel))
+    if entry is None:
         from triton.runtime.jit import JITFunction, create_function_from_signature
 
         # NOTE: an interpreted kernel keeps its decorator options in .kwargs; a compiled one as attributes.
@@ -90,15 +100,32 @@ def _binder(kernel: Any) -> Callable[..., Any]:
             do_not_specialize=options.get("do_not_specialize"),
             do_not_specialize_on_alignment=options.get("do_not_specialize_on_alignment"),
         )
-        backend = make_backend(GPUTarget("cuda", 90, 32))
-        binder = _BINDERS[id(kernel)] = create_function_from_signature(jit.signature, jit.params, backend)
-    return binder
+        from triton.compiler import make_backend
+
+        backend = make_backend(_sm90())
+        entry = (jit, backend, create_function_from_signature(jit.signature, jit.params, backend))
+        _BINDERS[id(kernel)] = entry
+    return entry
 
 
 def specialization_key(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The compiled-variant key of one launch (see the module docstring)."""
-    _, specialization, options = _binder(kernel)(*args, **kwargs)
+    _, specialization, options = _binder(kernel)[2](*args, **kwargs)
     return f"{specialization}|{sorted(options.items())}"
+
+
+def compile_for_sm90(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Compile the variant one launch would use to an sm_90 cubin, with Triton's bundled ptxas (no GPU
+    needed; run with ``TRITON_INTERPRET=0`` so the kernels are compilable ``JITFunction`` objects)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    jit, backend, binder = _binder(kernel)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(
+        ASTSource(jit, signature, constexprs, attrs), target=_sm90(), options=options.__dict__
+    )
 
 
 class SpecializationLog:
