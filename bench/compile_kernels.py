@@ -71,6 +71,8 @@ def main() -> None:
         variants.setdefault(
             (name, specialization_key(kernel, launch_args, kwargs)), (kernel, launch_args, kwargs)
         )
+        if name == "top_p_race_kernel":
+            launch_args[3].zero_()  # NOTE: the winners feed a gather; unlaunched, they must be valid ids
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
@@ -81,6 +83,7 @@ def main() -> None:
         runner = ModelRunner(engine_config, tmp)
         # NOTE: the H100's launch configuration (132 SMs), so decode split-K is sized as it will be there.
         runner.backend.launch_config = launch_config_for(runner.arch.head_dim, H100_NUM_SMS)  # type: ignore[attr-defined]
+        runner.sampler.use_triton = True  # the CUDA sampler: top-p race and seeded noise kernels
         with probe_launches(collect, launch=False):
             runner.warm_up_kernels()
     print(f"{args.model}: {len(variants)} variants from the warm-up (2 layers, bf16, sm_90)")

@@ -35,6 +35,7 @@ def test_warm_up_variants_compile_for_sm90_without_spills(model: str, tmp_path: 
     lines = result.stdout.splitlines()
     compiled = [line for line in lines if "REG:" in line]
     expected = {"decode_kernel", "decode_reduce_kernel", "prefill_kernel", "kv_write_kernel",
-                "rms_norm_kernel", "rotary_kernel", "gated_act_kernel"}  # fmt: skip
+                "rms_norm_kernel", "rotary_kernel", "gated_act_kernel", "logits_kernel",
+                "seeded_noise_kernel", "top_p_race_kernel"}  # fmt: skip
     assert {line.split()[0] for line in compiled} == expected
     assert all("LOCAL:0 " in line for line in compiled)

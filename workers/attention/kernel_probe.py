@@ -29,7 +29,7 @@ def _sm90() -> Any:
     return GPUTarget("cuda", 90, 32)
 
 
-KERNEL_MODULES = ("workers.attention.triton_kernels", "workers.models.triton_ops")
+KERNEL_MODULES = ("workers.attention.triton_kernels", "workers.models.triton_ops", "workers.sampling_kernels")
 
 LaunchHook = Callable[[str, Any, tuple[Any, ...], dict[str, Any]], None]
 
@@ -78,6 +78,18 @@ def probe_launches(on_launch: LaunchHook, label: bool = False, launch: bool = Tr
     finally:
         for module, name, obj in patched:
             setattr(module, name, obj)
+
+
+def count_compiled_variants() -> int:
+    """Compiled variants held by every kernel of ``KERNEL_MODULES`` (0 under the interpreter, which
+    compiles nothing): a difference across a run is the number of mid-run compilations."""
+    total = 0
+    for module_name in KERNEL_MODULES:
+        for name, obj in vars(importlib.import_module(module_name)).items():
+            caches = getattr(obj, "device_caches", None) if _is_kernel(name, obj) else None
+            for entry in (caches or {}).values():
+                total += len(entry[0])  # NOTE: (kernel cache, key cache, target, backend, binder) per device
+    return total
 
 
 _BINDERS: dict[int, tuple[Any, Any, Callable[..., Any]]] = {}

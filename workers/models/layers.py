@@ -288,11 +288,19 @@ class CausalLM(nn.Module):
         """``input_ids``/``positions``: [T] int64 -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> float32 logits [N, vocab_size] (final soft-cap applied when the arch has one)."""
+    def compute_logits(self, hidden: torch.Tensor, raw: bool = False, fused: bool = False) -> torch.Tensor:
+        """[N, hidden_size] -> float32 logits [N, vocab_size] (final soft-cap applied when the arch has
+        one). ``raw``: the head's output alone, in the model dtype (enough for an argmax: the upcast and
+        the soft-cap are monotonic). ``fused``: upcast and soft-cap in one Triton kernel."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
         cap = self.arch.final_logit_softcapping
+        if raw:
+            return logits
+        if fused:
+            out: torch.Tensor = triton_ops().logits_to_fp32(logits, cap)
+            return out
+        logits = logits.float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

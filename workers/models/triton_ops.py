@@ -12,6 +12,7 @@ fp32 reductions and the rounding of intermediate products inside one fused expre
 - ``rotary_qk_``: RoPE on q and k in place (views into the fused qkv projection), optionally after
   Qwen3's per-head q/k RMSNorm.
 - ``gated_act``: ``act(gate) * up`` over the fused gate/up projection (SiLU, tanh-GELU, erf-GELU).
+- ``logits_to_fp32``: the head's output upcast to float32 with the final soft-cap, in one pass.
 
 The row count and the launch grid vary per step; no integer argument depends on it, so a kernel never
 recompiles for a new batch shape. Under ``TRITON_INTERPRET=1`` (no CUDA) they run on CPU tensors.
@@ -155,6 +156,20 @@ def gated_act_kernel(
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
+@triton.jit
+def logits_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, vocab_size, cap, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr
+):
+    """Grid (rows, cdiv(V, BLOCK)): ``out = tanh(x / cap) * cap`` (or just ``x``) in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab_size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CAP:
+        x = _tanh(x / cap) * cap
+    tl.store(out_ptr + row * stride_o + cols, x, mask=mask)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -234,3 +249,16 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
             x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, ACT=ACT_CODES[act]
         )
     return out.view(*gate_up.shape[:-1], inter)
+
+
+def logits_to_fp32(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """[N, V] head output (any float dtype) -> float32, soft-capped by ``cap`` when given."""
+    x2 = _rows(logits)
+    num_rows, vocab_size = x2.shape
+    out = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=logits.device)
+    if num_rows:
+        block = 1024
+        logits_kernel[(num_rows, triton.cdiv(vocab_size, block))](
+            x2, out, x2.stride(0), out.stride(0), vocab_size, cap or 1.0, BLOCK=block, HAS_CAP=cap is not None
+        )
+    return out
