@@ -37,17 +37,24 @@ NO_KERNEL_OPS = frozenset(
 )  # fmt: skip
 
 
+# Host-side launch calls (CUDA runtime / driver API events of the trace; Triton launches via the driver).
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaLaunchKernelExC")
+
+
 @dataclass
 class KernelCount:
+    """``total``: kernels (device events on CUDA; the CPU proxy otherwise). ``launch_calls``: host launch
+    API calls on CUDA (one per eager kernel, one per graph replay); equal to ``total`` on CPU."""
+
     total: int = 0
     by_name: collections.Counter[str] = field(default_factory=collections.Counter)
+    launch_calls: int = 0
 
     def __sub__(self, other: KernelCount) -> KernelCount:
         by_name = collections.Counter(self.by_name)
         by_name.subtract(other.by_name)
-        return KernelCount(
-            self.total - other.total, collections.Counter({k: v for k, v in by_name.items() if v})
-        )
+        kept = collections.Counter({k: v for k, v in by_name.items() if v})
+        return KernelCount(self.total - other.total, kept, self.launch_calls - other.launch_calls)
 
 
 def _cpu_kernels(event: Any, out: KernelCount) -> int:
@@ -73,6 +80,7 @@ def count_kernels(fn: Callable[[], T], device: torch.device) -> tuple[T, KernelC
             torch.cuda.synchronize(device)
     count = KernelCount()
     if device.type == "cuda":
+        count.launch_calls = sum(1 for e in prof.events() if e.name.startswith(_LAUNCH_CALLS))
         for event in prof.events():
             if (
                 event.device_type == torch.autograd.DeviceType.CUDA
@@ -85,4 +93,5 @@ def count_kernels(fn: Callable[[], T], device: torch.device) -> tuple[T, KernelC
         for event in prof.events():
             if event.cpu_parent is None:
                 _cpu_kernels(event, count)
+        count.launch_calls = count.total
     return result, count
