@@ -324,7 +324,8 @@ class ModelRunner:
         pending = PendingStep([], [], None)
         if inputs.sample_ids:
             sampled = self._sample(hidden[inputs.logits_indices], inputs)
-            self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
+            if self.config.async_scheduling:
+                self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
             pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy())
         if events is not None and self.forward_events is not None:
             events[1].record()
