@@ -2,8 +2,9 @@
 
 Under ``TRITON_INTERPRET=1`` nothing compiles, so the test computes, for every launch, the key Triton's
 JIT would look its compiled variant up by on an sm_90 GPU (``kernel_probe.specialization_key``) and
-checks that, after the model runner's kernel warm-up, a run of mixed steps of many shapes (batch sizes, prompt and chunk lengths, block-table
-widths, decode split counts, prefix hits) meets no key the warm-up did not.
+checks that, after the model runner's kernel warm-up, a run of mixed steps of many shapes (batch sizes,
+prompt and chunk lengths, block-table widths, decode split counts, prefix hits, seeded top-p sampling)
+meets no key the warm-up did not.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def test_mixed_steps_meet_no_new_variant_after_the_runners_warm_up() -> None:
         attention_backend="triton", block_size=2, max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=160
     )
     llm.engine.runner.backend.launch_config = TINY  # type: ignore[attr-defined]
+    llm.engine.runner.sampler.use_triton = True  # the CUDA sampler's kernels (seeded noise, top-p race)
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
     log = SpecializationLog()
@@ -40,7 +42,8 @@ def test_mixed_steps_meet_no_new_variant_after_the_runners_warm_up() -> None:
         num_warm_launches = log.num_launches
 
         prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 3, 14, 30, 9)]
-        params = [_greedy(m) for m in (7, 2, 5, 4, 3)]
+        params = [_greedy(m) for m in (7, 2, 5, 4)]
+        params.append(SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True))
         outs = llm.generate(prompts, params)
         # Prompts extending a finished one: prefix-cache hits (extend steps over cached blocks).
         family = [prompts[3][:n] + [rng.randrange(3, vocab) for _ in range(5)] for n in (12, 24)]
@@ -58,4 +61,5 @@ def test_mixed_steps_meet_no_new_variant_after_the_runners_warm_up() -> None:
     assert any(w == 1 or w % 16 == 0 for w in new_widths), sorted(decode["stride_bt"])
     assert len(decode["num_splits"]) >= 3, sorted(decode["num_splits"])
     assert len(log.int_values["prefill_kernel"]["first_seq"]) >= 4
+    assert {"top_p_race_kernel", "seeded_noise_kernel", "rms_norm_kernel"} <= set(log.keys)
     assert log.new_since(warm) == {}
