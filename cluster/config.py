@@ -77,6 +77,8 @@ class EngineConfig:
     # "auto": weights from the checkpoint's *.safetensors; "dummy": random weights built on the device
     # from config.json alone (benchmarks; vLLM's name for it).
     load_format: str = "auto"
+    # Schedule and prepare step N+1 while step N runs on the device (outputs are the same either way).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")

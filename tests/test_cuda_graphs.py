@@ -60,7 +60,7 @@ def test_decode_only_detection() -> None:
     assert not is_decode_only(SchedulerOutput([], 0))
 
 
-def test_static_buffers_padded_contents() -> None:
+def test_static_buffers_padded_contents_and_used_width_upload() -> None:
     block_size, max_blocks = 4, 5
     buffers = InputBuffers(
         max_tokens=8, max_seqs=8, max_blocks_per_seq=max_blocks, device=torch.device("cpu")
@@ -69,18 +69,24 @@ def test_static_buffers_padded_contents() -> None:
     big = [_sched(f"r{i}", [100 + i], 18, [9, 8, 7, 6, 5]) for i in range(8)]
     a = build_step_arrays(big, block_size)
     buffers.fill_decode_graph(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, 8)
+    buffers.upload_decode_graph(8)
+    assert buffers.num_uploaded_table_entries == 8 * 5
 
     step = [_sched("a", [11], 5, [3, 7]), _sched("b", [12], 0, [2]), _sched("c", [13], 12, [4, 1, 6, 9])]
     a = build_step_arrays(step, block_size)
     buffers.fill_decode_graph(a.input_ids, a.positions, a.slots, a.seq_lens, a.block_tables, 4)
+    buffers.upload_decode_graph(4)
     assert buffers.input_ids.np[:4].tolist() == [11, 12, 13, 0]
     assert buffers.positions.np[:4].tolist() == [5, 0, 12, 0]
     # a: position 5 -> block 7 offset 1; b: block 2 offset 0; c: position 12 -> block 9 offset 0.
     assert buffers.slot_mapping.np[:4].tolist() == [29, 8, 36, -1]
     assert buffers.seq_lens.np[:4].tolist() == [6, 1, 13, 1]
     assert buffers.query_start_loc.np[:5].tolist() == [0, 1, 2, 3, 4]
-    tables = buffers.block_tables.np[: 4 * max_blocks].reshape(4, max_blocks).tolist()
-    assert tables == [[3, 7, 0, 0, 0], [2, 0, 0, 0, 0], [4, 1, 6, 9, 0], [0, 0, 0, 0, 0]]
+    # Only the step's [3, 4] table went up (not [4 graph rows, 5]); the rest keeps the big step's ids,
+    # which no sequence reads (a: 2 blocks, b: 1, c: 4; the padding row reads column 0).
+    assert buffers.num_uploaded_table_entries == 3 * 4
+    tables = buffers.graph_block_tables[:4].tolist()
+    assert tables == [[3, 7, 0, 0, 5], [2, 0, 0, 0, 5], [4, 1, 6, 9, 5], [9, 8, 7, 6, 5]]
     assert a.logits_indices.tolist() == [0, 1, 2]
 
 
@@ -108,7 +114,7 @@ def test_padded_decode_forward_matches_unpadded(
     runner, decode = prefilled_runner
     out = SchedulerOutput(decode, len(decode))
     arrays = build_step_arrays(decode, runner.block_size)
-    reference_inputs = runner._step_inputs(arrays, out, runner._upload_fresh)
+    reference_inputs = runner.fresh_inputs(arrays, out)
     assert reference_inputs.meta is not None
     kv_before = runner.kv_cache.clone()
     with (
@@ -129,11 +135,18 @@ def test_padded_decode_forward_matches_unpadded(
     else:
         backend = TorchAttentionBackend()
     buffers = InputBuffers(8, 8, -(-256 // runner.block_size), torch.device("cpu"))
-    graphs = DecodeGraphs(runner.model, buffers, runner.kv_caches, backend, [4, 8], 256, runner.block_size)  # type: ignore[arg-type]
+    # Stale block ids everywhere (valid ones: 1..39) that this step's upload does not overwrite.
+    buffers.graph_block_tables.copy_(torch.randint(1, 40, buffers.graph_block_tables.shape))
+    # The Triton graph also runs the fused layer kernels, as the runner's graphs do.
+    fused = backend_name == "triton"
+    graphs = DecodeGraphs(
+        runner.model, buffers, runner.kv_caches, backend, [4, 8], 256, runner.block_size, fused
+    )  # type: ignore[arg-type]
     runner.kv_cache.copy_(kv_before)
     buffers.fill_decode_graph(
         arrays.input_ids, arrays.positions, arrays.slots, arrays.seq_lens, arrays.block_tables, 8
     )
+    buffers.upload_decode_graph(8)
     with torch.inference_mode():
         padded = graphs.forward(8)
     assert padded.shape[0] == 8

@@ -21,7 +21,6 @@ import torch
 from cluster.config import EngineConfig, ModelConfig
 from cluster.protocol import SamplingParams
 from tests.hf_models import make_random_hf_model
-from workers.forward_context import ForwardContext, forward_context
 from workers.llm import LLM
 from workers.model_runner import ModelRunner
 from workers.scheduler import ScheduledRequest, SchedulerOutput
@@ -48,10 +47,7 @@ def _prompts(num: int, vocab: int, seed: int, max_len: int = 300) -> list[list[i
 def _step_logits(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
     inputs = runner.prepare_inputs(out)
     assert inputs.meta is not None
-    with (
-        torch.inference_mode(),
-        forward_context(ForwardContext(inputs.meta, runner.kv_caches, runner.backend)),
-    ):
+    with torch.inference_mode(), runner.forward_context(inputs.meta):
         hidden = runner.model(inputs.input_ids, inputs.positions)
         return runner.model.compute_logits(hidden[inputs.logits_indices])
 
@@ -218,3 +214,67 @@ def test_kv_sizing_respects_gpu_memory_utilization() -> None:
         del llm, runner
     expected = 0.1 * total / bytes_per_block
     assert abs((blocks[0.3] - blocks[0.2]) - expected) < 0.05 * expected
+
+
+def test_no_triton_compilation_after_the_runners_warm_up(tmp_path: pathlib.Path) -> None:
+    """The runner's start-up warm-up compiles every variant: a run of mixed steps of many shapes (graphs
+    on, eager mixed steps, split and unsplit decodes, sampling with seeds) compiles nothing more."""
+    from workers.attention.kernel_probe import count_compiled_variants
+
+    path = str(make_random_hf_model("gemma2", tmp_path))
+    llm = LLM(path, device="cuda", dtype="bfloat16", attention_backend="triton", max_num_seqs=16,
+              cuda_graph_max_batch_size=8, num_kv_blocks=512, max_num_batched_tokens=128)  # fmt: skip
+    before = count_compiled_variants()
+    assert before > 0
+    prompts = _prompts(40, 512, seed=6, max_len=400)
+    params = [
+        SamplingParams(max_tokens=random.Random(i).randrange(1, 40), temperature=0.8 * (i % 2), top_p=0.9,
+                       top_k=20 * (i % 3), seed=i if i % 4 == 0 else None, ignore_eos=True)
+        for i in range(40)
+    ]  # fmt: skip
+    llm.generate(prompts, params)
+    llm.check_no_leaks()
+    assert count_compiled_variants() == before
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_async_scheduling_matches_sync(enforce_eager: bool, tmp_path: pathlib.Path) -> None:
+    """fp32, Triton: asynchronous scheduling (placeholder tokens filled on the device, graph replays
+    included) gives exactly the synchronous engine's tokens, greedy and seeded, with EOS stops."""
+    path = str(make_random_hf_model("llama", tmp_path))
+    prompts = _prompts(24, 512, seed=7, max_len=200)
+    params = [
+        SamplingParams(max_tokens=random.Random(200 + i).randrange(1, 50), temperature=0.9 * (i % 2),
+                       top_p=0.95, seed=i, ignore_eos=i % 3 != 0)
+        for i in range(24)
+    ]  # fmt: skip
+    outs = {}
+    for is_async in (False, True):
+        llm = LLM(path, device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=8,
+                  num_kv_blocks=512, enforce_eager=enforce_eager, async_scheduling=is_async)  # fmt: skip
+        outs[is_async] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        llm.check_no_leaks()
+        del llm
+        _free()
+    assert outs[True] == outs[False]
+
+
+def test_sampling_kernels_on_cuda() -> None:
+    """The Triton top-p race equals the torch rounds on CUDA; seeded noise rows do not depend on the batch."""
+    from workers.sampler import _MIN_NOISE, top_p_race_torch
+    from workers.sampling_kernels import seeded_noise, top_p_race
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 32000, device="cuda", generator=gen) * 3.0
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    top_p = torch.tensor([0.5, 0.9, 0.99, float("inf")] * 16, device="cuda")
+    assert torch.equal(top_p_race(probs, noise, top_p, _MIN_NOISE), top_p_race_torch(probs, noise, top_p))
+
+    def noise_rows(seeds: list[int], draws: list[int]) -> torch.Tensor:
+        out = torch.empty(len(seeds), 32000, device="cuda")
+        as_tensor = lambda v: torch.tensor(v, device="cuda")  # noqa: E731
+        seeded_noise(out, as_tensor(list(range(len(seeds)))), as_tensor(seeds), as_tensor(draws))
+        return out
+
+    assert torch.equal(noise_rows([5], [9])[0], noise_rows([1, 5, 2], [0, 9, 9])[1])

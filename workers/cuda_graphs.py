@@ -67,9 +67,14 @@ class _Staged:
 
 class InputBuffers:
     """Step inputs, reused every step. Lifecycle: ``wait_writable()`` before writing the host arrays of
-    a new step (returns at once unless the previous uploads may still be reading them), write ``*.np``,
-    ``upload`` each field, then ``mark_uploaded()``; ``mark_synced()`` once the device has caught up
-    (the runner calls it after the step's one device->host copy of sampled tokens)."""
+    a new step (returns at once unless the previous step's uploads may still be reading them), write
+    ``*.np``, ``upload`` each field, then ``mark_uploaded()``.
+
+    Decode graphs read their block table from ``graph_block_tables`` ``[max graph size,
+    max_blocks_per_seq]``: a step uploads only its own ``[n, width]`` table (through ``block_tables``) and
+    copies it there on the device. Columns past a row's blocks and rows past ``n`` keep stale block ids
+    of earlier steps: always valid ids, and never read (a sequence reads only the blocks its seq_len
+    covers; a padding row has seq_len 1 and reads column 0 of some valid block, writing nothing)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -80,21 +85,25 @@ class InputBuffers:
         self.query_start_loc = _Staged(max_seqs + 1, torch.int32, device)
         self.seq_lens = _Staged(max_seqs, torch.int32, device)
         self.block_tables = _Staged(max_seqs * max_blocks_per_seq, torch.int32, device)
+        self.placeholders = _Staged(2 * max_seqs, torch.int64, device)
+        self.graph_block_tables = torch.zeros(
+            (max_seqs, max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+        self.num_uploaded_table_entries = 0  # block-table entries the last graph step uploaded
+        self._table_shape: tuple[int, int] = (0, 0)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._is_pending = False
+        self._is_recorded = False
 
     def wait_writable(self) -> None:
-        if self._is_pending and self._copied is not None:
+        # NOTE: an event that already completed returns at once; under asynchronous scheduling the last
+        # uploads may still be queued behind the step before them.
+        if self._is_recorded and self._copied is not None:
             self._copied.synchronize()
-        self._is_pending = False
 
     def mark_uploaded(self) -> None:
         if self._copied is not None:
             self._copied.record()
-            self._is_pending = True
-
-    def mark_synced(self) -> None:
-        self._is_pending = False
+            self._is_recorded = True
 
     def stage(self, name: str, values: np.ndarray) -> torch.Tensor:
         """Writes ``values`` (flattened) into field ``name``'s host array and uploads them."""
@@ -113,8 +122,9 @@ class InputBuffers:
         graph_size: int,
     ) -> None:
         """Writes a decode-only step of ``n = len(seq_lens)`` sequences, padded to ``graph_size``, into
-        the host arrays in the graph's layout (block tables ``[graph_size, max_blocks_per_seq]``)."""
-        n, g, width = len(seq_lens), graph_size, block_tables.shape[1]
+        the host arrays: per-token fields padded to ``graph_size``, the block table compact ``[n, width]``
+        (``upload_decode_graph`` places it into ``graph_block_tables``)."""
+        n, g = len(seq_lens), graph_size
         self.input_ids.np[:n] = input_ids
         self.input_ids.np[n:g] = 0
         self.positions.np[:n] = positions
@@ -124,17 +134,20 @@ class InputBuffers:
         self.seq_lens.np[:n] = seq_lens
         self.seq_lens.np[n:g] = 1
         self.query_start_loc.np[: g + 1] = np.arange(g + 1, dtype=np.int32)
-        tables = self.block_tables.np[: g * self.max_blocks_per_seq].reshape(g, self.max_blocks_per_seq)
-        tables[:n, :width] = block_tables
-        tables[:n, width:] = 0
-        tables[n:] = 0
+        self._table_shape = (block_tables.shape[0], block_tables.shape[1])
+        self.block_tables.np[: block_tables.size] = block_tables.reshape(-1)
 
     def upload_decode_graph(self, graph_size: int) -> None:
+        """Uploads what ``fill_decode_graph`` wrote: ``graph_size`` entries per token field and the
+        ``[n, width]`` block table (copied into ``graph_block_tables`` on the device)."""
         g = graph_size
         for field in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens):
             field.upload(g)
         self.query_start_loc.upload(g + 1)
-        self.block_tables.upload(g * self.max_blocks_per_seq)
+        n, width = self._table_shape
+        table = self.block_tables.upload(n * width).view(n, width)
+        self.graph_block_tables[:n, :width].copy_(table)
+        self.num_uploaded_table_entries = n * width
 
 
 class DecodeGraphs:
@@ -154,8 +167,10 @@ class DecodeGraphs:
         batch_sizes: list[int],
         max_model_len: int,
         block_size: int,
+        fused_ops: bool = False,
     ) -> None:
         self.model, self.buffers, self.kv_caches, self.backend = model, buffers, kv_caches, backend
+        self.fused_ops = fused_ops
         self.batch_sizes = sorted(batch_sizes)
         self.max_model_len, self.block_size = max_model_len, block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -167,12 +182,11 @@ class DecodeGraphs:
         the host staging arrays: what the step wrote there (the Triton backend reads only their sizes,
         which a replay keeps)."""
         g, b = graph_size, self.buffers
-        width = b.max_blocks_per_seq
         return AttentionMetadata(
             slot_mapping=b.slot_mapping.device[:g],
             query_start_loc=b.query_start_loc.device[: g + 1],
             seq_lens=b.seq_lens.device[:g],
-            block_tables=b.block_tables.device[: g * width].view(g, width),
+            block_tables=b.graph_block_tables[:g],
             query_start_loc_cpu=b.query_start_loc.host[: g + 1],
             seq_lens_cpu=b.seq_lens.host[:g],
             num_decodes=g,
@@ -184,7 +198,7 @@ class DecodeGraphs:
     def forward(self, graph_size: int) -> torch.Tensor:
         """The eager forward a graph records (warm-up; also how CPU tests check the padded layout)."""
         g = graph_size
-        ctx = ForwardContext(self.metadata(g), self.kv_caches, self.backend)
+        ctx = ForwardContext(self.metadata(g), self.kv_caches, self.backend, self.fused_ops)
         with forward_context(ctx):
             hidden: torch.Tensor = self.model(
                 self.buffers.input_ids.device[:g], self.buffers.positions.device[:g]

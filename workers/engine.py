@@ -13,10 +13,11 @@ from pathlib import Path
 from cluster.config import EngineConfig
 from cluster.protocol import EngineStats, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
+from workers.async_scheduler import AsyncScheduler
 from workers.detokenizer import IncrementalDetokenizer
-from workers.model_runner import ModelRunner
+from workers.model_runner import ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
-from workers.scheduler import Scheduler
+from workers.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,14 @@ BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "pdserve-tiny")
 
 
 class Engine:
+    """Requests in, token deltas out, one ``step()`` at a time (see the module docstring).
+
+    With ``config.async_scheduling`` each ``step()`` schedules and launches step N+1 before it waits for
+    step N's tokens, and returns step N's deltas (``AsyncScheduler``); the first call returns none, and
+    ``has_unfinished()`` stays true until the last launched step is resolved. Tokens, stops, aborts (no
+    delta for a request after ``abort``), holds and handoffs behave exactly as in the synchronous mode.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = config.model.path or BUNDLED_MODEL
@@ -33,7 +42,9 @@ class Engine:
         limit = config.model.max_model_len or self.arch.max_position_embeddings
         # NOTE: a sequence can never outgrow the KV pool, so the pool caps the usable length too.
         self.max_model_len = min(limit, (self.runner.num_blocks - 1) * config.block_size)
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        scheduler_class = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._stats = EngineStats()
 
@@ -120,10 +131,12 @@ class Engine:
 
     # ---- stepping ----------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
     def step(self) -> list[TokenDelta]:
         """Schedule, run one forward, sample; returns one delta per request that got a token."""
+        if isinstance(self.scheduler, AsyncScheduler):
+            return self._step_async(self.scheduler)
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -133,22 +146,53 @@ class Engine:
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(out, sampled)
         t3 = time.perf_counter()
-        deltas = [self._delta(r) for r in updated]
+        deltas = [self._delta(r, len(r.output_token_ids) - 1) for r in updated]
         t4 = time.perf_counter()
+        self._count_launch(out)
+        self._stats.num_generation_tokens += len(sampled)
+        self._count_times((t1 - t0) + (t3 - t2), t2 - t1 - self.runner.prepare_time_s, t4 - t3)
+        return deltas
 
+    def _step_async(self, scheduler: AsyncScheduler) -> list[TokenDelta]:
+        """Launch the next step, then wait for and apply the previous one (see the class docstring)."""
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        t1 = time.perf_counter()
+        previous, self._in_flight = self._in_flight, None
+        if not out.is_empty:
+            self._in_flight = (out, self.runner.launch(out))
+            self._count_launch(out)
+        t2 = time.perf_counter()
+        launch_s = t2 - t1 - (self.runner.prepare_time_s if not out.is_empty else 0.0)
+        if previous is None:
+            self._count_times(t1 - t0, launch_s, 0.0)
+            return []
+        sampled = previous[1].result()
+        t3 = time.perf_counter()
+        resolved = scheduler.resolve(previous[0], sampled)
+        t4 = time.perf_counter()
+        deltas = [self._delta(r, index) for r, index in resolved]
+        t5 = time.perf_counter()
+        self._stats.num_generation_tokens += len(resolved)
+        self._count_times(t1 - t0 + t4 - t3, launch_s + t3 - t2, t5 - t4)
+        return deltas
+
+    def _count_launch(self, out: SchedulerOutput) -> None:
         st = self._stats
         st.num_steps += 1
         st.num_mixed_steps += out.is_mixed
         st.num_prompt_tokens += sum(len(s.token_ids) for s in out.scheduled if not s.is_decode)
-        st.num_generation_tokens += len(sampled)
         st.prepare_time_s += self.runner.prepare_time_s
-        st.forward_time_s += (t2 - t1) - self.runner.prepare_time_s
-        st.schedule_time_s += (t1 - t0) + (t3 - t2)
-        st.detokenize_time_s += t4 - t3
-        return deltas
 
-    def _delta(self, request: Request) -> TokenDelta:
-        token_id = request.output_token_ids[-1]
+    def _count_times(self, schedule_s: float, forward_s: float, detokenize_s: float) -> None:
+        st = self._stats
+        st.schedule_time_s += schedule_s
+        st.forward_time_s += forward_s
+        st.detokenize_time_s += detokenize_s
+
+    def _delta(self, request: Request, index: int) -> TokenDelta:
+        """The delta of ``request``'s output token ``index`` (its newest resolved one)."""
+        token_id = request.output_token_ids[index]
         detok = self.detokenizers.get(request.request_id)
         text = ""
         if detok is not None:
@@ -166,7 +210,7 @@ class Engine:
             logprobs=logprobs,
             finish_reason=request.status.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
-            scheduled_time=request.first_scheduled_time if len(request.output_token_ids) == 1 else None,
+            scheduled_time=request.first_scheduled_time if index == 0 else None,
         )
         if request.status.is_finished:
             self._drop(request.request_id)
@@ -212,6 +256,10 @@ class Engine:
 
     def check_no_leaks(self) -> None:
         """Leak invariant: every block free or cache-owned with ref count 0, and every map empty."""
+        if self._in_flight is not None:
+            raise AssertionError(
+                "a launched step was never resolved (step() until has_unfinished() is false)"
+            )
         self.scheduler.check_no_leaks()
         if self.detokenizers or self.runner.generators:
             raise AssertionError(

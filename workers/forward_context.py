@@ -17,9 +17,13 @@ from workers.attention.base import AttentionBackend, AttentionMetadata
 
 @dataclass
 class ForwardContext:
+    """``fused_ops``: run the layers' elementwise work as fused Triton kernels (``models/triton_ops``)
+    instead of torch operators (the oracle path); the runner turns it on with the Triton backend."""
+
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one [num_blocks, 2, block_size, num_kv_heads, head_dim] per layer
     backend: AttentionBackend
+    fused_ops: bool = False
 
 
 _current: ForwardContext | None = None

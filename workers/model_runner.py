@@ -1,15 +1,17 @@
 """The only place that touches tensors: KV cache, input preparation, forward, sampling.
 
 Inputs of a step are built with numpy from the scheduler's plain lists (no per-token Python loop), moved
-to the device in one go, and the sampled tokens come back in one device->host copy.
+to the device in one go, and the sampled tokens come back in one device->host copy. ``launch`` enqueues a
+step and returns at once (on CUDA) with a ``PendingStep`` whose ``result()`` waits for that copy, so the
+engine can prepare the next step meanwhile; ``execute`` is both in one call.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,15 +28,27 @@ from workers.cuda_graphs import (
     pick_graph_batch_size,
 )
 from workers.forward_context import ForwardContext, forward_context
+from workers.kv_sizing import size_kv_cache_cuda
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
-from workers.sampler import Sampler, advance_generator, is_greedy
+from workers.sampler import (
+    CounterStream,
+    HostCopy,
+    RowGenerator,
+    Sampler,
+    SamplerOutput,
+    advance_generator,
+    is_argmax_only,
+    is_greedy,
+)
 from workers.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from workers.step_inputs import StepArrays, StepInputs, build_step_arrays, placeholder_sources
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the sampling path that allocates the most (temperature + top-k + top-p sort + min-p + logprobs).
-_PROFILE_PARAMS = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, logprobs=20)
+# NOTE: the sampling path that allocates the most (temperature + top-k + top-p + min-p + logprobs); the
+# warm-up samples with it and a seed, so every sampling kernel is compiled before a run.
+_PROFILE_PARAMS = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, logprobs=20, seed=0)
 # NOTE: device memory a captured graph holds outside the torch allocator (kernel nodes, params); measured
 # after capture and logged, this only has to be a safe upper bound.
 _GRAPH_ALLOWANCE_BYTES = 4 << 20
@@ -61,73 +75,6 @@ def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dt
     return _DTYPES.get(arch.torch_dtype or "bfloat16", torch.bfloat16)
 
 
-@dataclass
-class StepArrays:
-    """One step's inputs as host numpy arrays (what ``build_step_arrays`` derives from the schedule)."""
-
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    slots: np.ndarray  # [T] int64
-    cu_q: np.ndarray  # [B + 1] int64
-    seq_lens: np.ndarray  # [B] int64
-    block_tables: np.ndarray  # [B, max blocks of the step] int32, padded with 0
-    logits_indices: np.ndarray  # [N] int64: rows of the hidden states to sample from
-    sample_rows: list[int]  # which sequences those N rows belong to
-    max_query_len: int
-
-
-def build_step_arrays(sched: list[ScheduledRequest], block_size: int) -> StepArrays:
-    """Flat ragged batch of ``sched`` with numpy: no per-token Python loop."""
-    num_seqs = len(sched)
-    bs = block_size
-    q_lens = np.fromiter((len(s.token_ids) for s in sched), np.int64, num_seqs)
-    starts = np.fromiter((s.start_position for s in sched), np.int64, num_seqs)
-    num_tokens = int(q_lens.sum())
-    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in sched), np.int64, num_tokens)
-    cu_q = np.zeros(num_seqs + 1, np.int64)
-    np.cumsum(q_lens, out=cu_q[1:])
-    seq_idx = np.repeat(np.arange(num_seqs), q_lens)
-    positions = np.arange(num_tokens) - cu_q[seq_idx] + starts[seq_idx]
-    seq_lens = starts + q_lens
-    num_blocks = -(-seq_lens // bs)
-    block_tables = np.zeros((num_seqs, int(num_blocks.max())), np.int32)
-    # NOTE: one fromiter + one masked store instead of a numpy call per row (256 rows: ~0.3 ms saved)
-    flat = np.fromiter(
-        itertools.chain.from_iterable(
-            s.block_ids[:n] for s, n in zip(sched, num_blocks.tolist(), strict=True)
-        ),
-        np.int32,
-        int(num_blocks.sum()),
-    )
-    block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = flat
-    slots = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-    sample_rows = [i for i, s in enumerate(sched) if s.needs_sample]
-    logits_indices = cu_q[1:][sample_rows] - 1
-    return StepArrays(
-        input_ids,
-        positions,
-        slots,
-        cu_q,
-        seq_lens,
-        block_tables,
-        logits_indices,
-        sample_rows,
-        int(q_lens.max()),
-    )
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata | None  # None: a captured decode graph runs the step (it owns its metadata)
-    logits_indices: torch.Tensor  # rows of the hidden states to sample from
-    sample_ids: list[str]
-    sample_params: list[SamplingParams]
-    sample_num_outputs: list[int]
-    graph_size: int | None = None  # the captured batch size this step is padded to
-
-
 class ModelRunner:
     """Owns the model, the KV cache ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``
     (block 0 reserved), the sampler, each seeded request's generator (dropped by ``remove``) and, on
@@ -142,13 +89,20 @@ class ModelRunner:
         # NOTE: before the model: building it imports torch._dynamo, which imports triton, and on CPU the
         # Triton backend must set TRITON_INTERPRET before triton is first imported.
         self.backend = create_attention_backend(config.attention_backend)
+        # NOTE: the Triton path also fuses the layers' elementwise work; the torch path stays the oracle.
+        self.fused_ops = config.attention_backend == "triton"
         if config.load_format == "dummy":
             self.model = build_random_model(self.arch, self.dtype, self.device, seed=config.seed)
         else:
             self.model, _ = load_model(model_dir, self.dtype, self.device)
         self.block_size = config.block_size
-        self.sampler = Sampler()
+        # NOTE: on CUDA the top-p race and the seeded noise are single Triton launches (no host sync, no
+        # launch per seeded row); on CPU the torch path keeps the historical per-request generators.
+        self.sampler = Sampler(use_triton=self.device.type == "cuda")
         self.generators: dict[str, torch.Generator] = {}
+        # Rows of the last launched step's sampled tokens (device tensor) by request: the source of the
+        # next step's placeholder tokens under asynchronous scheduling.
+        self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         is_graphed = (
             self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager
         )
@@ -170,7 +124,7 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         # NOTE: the same bound the engine applies (a sequence can never outgrow the KV pool).
-        self.max_model_len = min(self._configured_max_len, (self.num_blocks - 1) * self.block_size)
+        self.max_model_len = min(self.configured_max_len, (self.num_blocks - 1) * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.buffers: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
@@ -178,21 +132,24 @@ class ModelRunner:
         if self.device.type == "cuda":
             max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
             self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            self.warm_up_kernels()
         if self.graph_sizes and self.buffers is not None:
             self.graphs = DecodeGraphs(
                 self.model, self.buffers, self.kv_caches, self.backend, self.graph_sizes,
-                self.max_model_len, self.block_size,
+                self.max_model_len, self.block_size, self.fused_ops,
             )  # fmt: skip
             free_before = torch.cuda.mem_get_info(self.device)[0]
             self.graphs.capture()
             self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             logger.info("CUDA graphs hold %.1f MiB", self.graph_memory_bytes / 2**20)
         self.prepare_time_s = 0.0
-        # Set to a list to time every forward on the device: (start, end) CUDA events are appended.
+        # Set to a list to time every step on the device: (start, end) CUDA events around its forward,
+        # logits and sampling are appended.
         self.forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     @property
-    def _configured_max_len(self) -> int:
+    def configured_max_len(self) -> int:
         return self.config.model.max_model_len or self.arch.max_position_embeddings
 
     @property
@@ -204,83 +161,49 @@ class ModelRunner:
     def _size_kv_cache(self) -> int:
         if self.device.type == "cpu":
             return max(2, self.config.cpu_kv_cache_bytes // self.bytes_per_block + 1)
-        return self._size_kv_cache_cuda()
+        return size_kv_cache_cuda(self, _PROFILE_PARAMS, _GRAPH_ALLOWANCE_BYTES)
 
-    def _profile_schedule(self, query_lens: list[int]) -> SchedulerOutput:
-        """Fresh sequences of the given lengths over consecutive blocks 1.. (block 0 stays null)."""
-        scheduled: list[ScheduledRequest] = []
-        next_block = 1
-        for i, n in enumerate(query_lens):
-            num_blocks = -(-n // self.block_size)
-            blocks = list(range(next_block, next_block + num_blocks))
-            next_block += num_blocks
-            scheduled.append(
-                ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, True, False, _PROFILE_PARAMS, 0)
-            )
-        return SchedulerOutput(scheduled, sum(query_lens))
+    def forward_context(self, meta: AttentionMetadata) -> AbstractContextManager[ForwardContext]:
+        """The scope a forward of this runner's model runs in (its KV caches, backend and op path)."""
+        return forward_context(ForwardContext(meta, self.kv_caches, self.backend, self.fused_ops))
 
-    def _profile_peak(self, query_lens: list[int], num_logits_rows: int) -> int:
-        """Peak bytes a step of fresh sequences allocates beyond what is held now (model forward, then
-        ``num_logits_rows`` rows of logits through the most expensive sampling path)."""
-        out = self._profile_schedule(query_lens)
-        arrays = build_step_arrays(out.scheduled, self.block_size)
-        num_profile_blocks = int(arrays.block_tables.max()) + 1
-        shape = (num_profile_blocks, 2, self.block_size, self.arch.num_key_value_heads, self.arch.head_dim)
-        caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.arch.num_hidden_layers)
-        ]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        inputs = self._step_inputs(arrays, out, self._upload_fresh)
-        if inputs.meta is None:
-            raise RuntimeError("profile step unexpectedly has no attention metadata")
-        with torch.inference_mode(), forward_context(ForwardContext(inputs.meta, caches, self.backend)):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-            rows = torch.arange(num_logits_rows, device=self.device) % hidden.shape[0]
-            logits = self.model.compute_logits(hidden[rows])
-            del hidden
-            self.sampler(logits, [_PROFILE_PARAMS] * num_logits_rows, [None] * num_logits_rows)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches, inputs, logits
-        return peak
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Launch every Triton kernel variant a step can need, so none compiles in the middle of a run.
 
-    def _size_kv_cache_cuda(self) -> int:
-        """Blocks that fit in gpu_memory_utilization of the card, after what a step can need on top of
-        the weights: the peak of a profiling step of max_num_batched_tokens prompt tokens (split into
-        sequences no longer than max_model_len) with max_num_seqs rows sampled, plus, when decode
-        graphs will be captured, their pool (peak of a decode step at the largest graph size) and a
-        per-graph allowance for the graph objects. The sum is what stays free beside the KV cache."""
-        num_tokens = self.config.max_num_batched_tokens
-        max_len = self._configured_max_len
-        lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-        activation_peak = self._profile_peak(lens, self.config.max_num_seqs)
-        graph_reserve = 0
-        if self.graph_sizes:
-            graph_reserve = self._profile_peak([1] * max(self.graph_sizes), 1)
-            graph_reserve += _GRAPH_ALLOWANCE_BYTES * len(self.graph_sizes)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        kv_bytes = free - total * (1.0 - self.config.gpu_memory_utilization) - activation_peak - graph_reserve
-        num_blocks = int(kv_bytes // self.bytes_per_block)
-        if num_blocks < 2:
-            raise RuntimeError(
-                f"no room for a KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, "
-                f"activation peak {activation_peak / 2**30:.2f} GiB, graph reserve "
-                f"{graph_reserve / 2**30:.2f} GiB; raise gpu_memory_utilization"
-            )
-        logger.info(
-            "KV cache: %d blocks (%.2f GiB); activation peak %.2f GiB, graph reserve %.2f GiB",
-            num_blocks, num_blocks * self.bytes_per_block / 2**30, activation_peak / 2**30, graph_reserve / 2**30,
-        )  # fmt: skip
-        return num_blocks
+        Per-step integers are not specialised on (see ``triton_kernels``), so the variants are fixed by
+        the layers' constants and by whether the decode kernel splits its keys: two mixed steps cover
+        them, one whose decode sees 1 key (never split) and one whose decode sees ``max_model_len`` keys
+        (split whenever any step can be). Both point at the null block with slot -1: nothing is written.
+        Each also samples a seeded top-k/top-p/min-p row (the sampler's kernels).
+        """
+        for decode_len in sorted({1, self.max_model_len}):
+            bs = self.block_size
+            sched = [
+                ScheduledRequest("warm-decode", [0], decode_len - 1, [0] * -(-decode_len // bs), True, True,
+                                 _PROFILE_PARAMS, 0),
+                ScheduledRequest("warm-prefill", [0, 0], 0, [0] * -(-2 // bs), True, False, _PROFILE_PARAMS, 0),
+            ]  # fmt: skip
+            out = SchedulerOutput(sched, 3)
+            arrays = build_step_arrays(sched, bs)
+            arrays.slots[:] = -1
+            inputs = self.fresh_inputs(arrays, out)
+            if inputs.meta is None:
+                raise RuntimeError("warm-up step unexpectedly has no attention metadata")
+            with self.forward_context(inputs.meta):
+                hidden = self.model(inputs.input_ids, inputs.positions)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices], fused=self.fused_ops)
+            params = [_PROFILE_PARAMS, _PROFILE_PARAMS]
+            self.sampler(logits, params, [self._generator("warm-up", _PROFILE_PARAMS, 0), None])
+            self.remove("warm-up")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Device tensors of one step. On CUDA they are slices of the reused buffers, uploaded with
         non-blocking copies from pinned staging; a decode-only step that fits a captured graph is
-        padded to that graph's size and laid out where the graph reads."""
+        padded to that graph's size and laid out where the graph reads. Placeholder tokens are then
+        filled in on the device from the previous step's sampled tokens."""
         arrays = build_step_arrays(out.scheduled, self.block_size)
         buffers = self.buffers
         num_seqs, num_tokens = len(arrays.seq_lens), len(arrays.input_ids)
@@ -290,7 +213,9 @@ class ModelRunner:
             or num_seqs > self.config.max_num_seqs
             or arrays.block_tables.size > len(buffers.block_tables.np)
         ):
-            return self._step_inputs(arrays, out, self._upload_fresh)
+            inputs = self.fresh_inputs(arrays, out)
+            self._fill_placeholders(arrays, out, inputs, self._upload_fresh)
+            return inputs
         buffers.wait_writable()
         graph_size = None
         if self.graphs is not None and is_decode_only(out):
@@ -302,8 +227,31 @@ class ModelRunner:
             )
             buffers.upload_decode_graph(graph_size)
         inputs = self._step_inputs(arrays, out, buffers.stage, graph_size)
+        self._fill_placeholders(arrays, out, inputs, buffers.stage)
         buffers.mark_uploaded()
         return inputs
+
+    def _fill_placeholders(
+        self,
+        arrays: StepArrays,
+        out: SchedulerOutput,
+        inputs: StepInputs,
+        upload: Callable[[str, np.ndarray], torch.Tensor],
+    ) -> None:
+        """Overwrite every placeholder input token (id < 0) on the device with the token the previous
+        launched step sampled for that request (stream order makes it ready; the host never waits)."""
+        if not arrays.input_ids.size or arrays.input_ids.min() >= 0:
+            return
+        if self._last_sampled is None:
+            raise RuntimeError("a step has placeholder tokens but no step sampled before it")
+        last_rows, last_tokens = self._last_sampled
+        token_idx, rows = placeholder_sources(arrays, out.scheduled, last_rows)
+        pairs = upload("placeholders", np.concatenate([token_idx, rows])).view(2, -1)
+        inputs.input_ids.index_copy_(0, pairs[0], last_tokens.index_select(0, pairs[1]))
+
+    def fresh_inputs(self, arrays: StepArrays, out: SchedulerOutput) -> StepInputs:
+        """The step's device tensors, freshly allocated (no reused buffers, no placeholders)."""
+        return self._step_inputs(arrays, out, self._upload_fresh)
 
     def _upload_fresh(self, name: str, values: np.ndarray) -> torch.Tensor:
         """A new tensor per step (the CPU path, the profile, and any step larger than the buffers)."""
@@ -351,11 +299,14 @@ class ModelRunner:
             graph_size=graph_size,
         )
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token (and logprobs) of every request that needs one.
+        """Run one step and wait for it: the sampled token (and logprobs) of every request needing one."""
+        return self.launch(out).result()
 
-        On CUDA the only host<->device sync is the copy of the sampled tokens back (``to_host``)."""
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Enqueue one step (inputs, forward, sampling, the copy of the tokens back); on CUDA it returns
+        before the device has run it. Steps are consumed in launch order (``PendingStep.result``)."""
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
         self.prepare_time_s = time.perf_counter() - t0
@@ -368,35 +319,39 @@ class ModelRunner:
         else:
             if inputs.meta is None:
                 raise RuntimeError("an eager step needs attention metadata")
-            with forward_context(ForwardContext(inputs.meta, self.kv_caches, self.backend)):
+            with self.forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        pending = PendingStep([], [], None)
+        if inputs.sample_ids:
+            sampled = self._sample(hidden[inputs.logits_indices], inputs)
+            if self.config.async_scheduling:
+                self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
+            pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy())
         if events is not None and self.forward_events is not None:
             events[1].record()
             self.forward_events.append(events)
-        if not inputs.sample_ids:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        generators = [
-            self._generator(rid, p, n)
-            for rid, p, n in zip(
-                inputs.sample_ids, inputs.sample_params, inputs.sample_num_outputs, strict=True
-            )
-        ]
-        token_ids, logprobs = self.sampler(logits, inputs.sample_params, generators).to_host(
-            inputs.sample_params
-        )
-        if self.buffers is not None:
-            self.buffers.mark_synced()
-        return {
-            rid: SampledToken(t, lp)
-            for rid, t, lp in zip(inputs.sample_ids, token_ids, logprobs, strict=True)
-        }
+        return pending
 
-    def _generator(self, request_id: str, params: SamplingParams, num_sampled: int) -> torch.Generator | None:
-        """A seeded request's own generator: its state is a function of (seed, tokens sampled so far),
-        so it is the same wherever the request's earlier tokens were sampled."""
+    def _sample(self, hidden_rows: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+        params = inputs.sample_params
+        if is_argmax_only(params):
+            # NOTE: no fp32 copy and no soft-cap (monotonic) when only the argmax is wanted.
+            return SamplerOutput(self.model.compute_logits(hidden_rows, raw=True).argmax(dim=-1))
+        logits = self.model.compute_logits(hidden_rows, fused=self.fused_ops)
+        nums = inputs.sample_num_outputs
+        generators = [
+            self._generator(r, p, n) for r, p, n in zip(inputs.sample_ids, params, nums, strict=True)
+        ]
+        return self.sampler(logits, params, generators)
+
+    def _generator(self, request_id: str, params: SamplingParams, num_sampled: int) -> RowGenerator:
+        """A seeded request's random stream, a function of (seed, tokens sampled so far), so the same
+        wherever the request's earlier tokens were sampled. CUDA: a stateless ``CounterStream``; CPU:
+        the request's own ``torch.Generator`` (kept until ``remove``)."""
         if params.seed is None or is_greedy(params):
             return None
+        if self.sampler.use_triton:
+            return CounterStream(params.seed, num_sampled)
         gen = self.generators.get(request_id)
         if gen is None:
             gen = self.generators[request_id] = torch.Generator(device=self.device)
@@ -406,3 +361,20 @@ class ModelRunner:
 
     def remove(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+
+
+@dataclass
+class PendingStep:
+    """A launched step; ``result()`` waits for its sampled tokens (the step's one device sync)."""
+
+    sample_ids: list[str]
+    sample_params: list[SamplingParams]
+    copy: HostCopy | None
+
+    def result(self) -> dict[str, SampledToken]:
+        if self.copy is None:
+            return {}
+        token_ids, logprobs = self.copy.wait(self.sample_params)
+        return {
+            rid: SampledToken(t, lp) for rid, t, lp in zip(self.sample_ids, token_ids, logprobs, strict=True)
+        }

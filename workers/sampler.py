@@ -2,13 +2,21 @@
 
 One call takes the float32 logits of every request that needs a token this step (``[N, V]``) and returns
 the chosen ids plus the logprobs asked for, all still on the logits' device. Nothing inside ``__call__``
-waits for the device; the engine calls ``SamplerOutput.to_host`` once per step for a single copy back.
+waits for the device on the CUDA path; the engine copies the result back once per step.
+
+Sampling is an exponential race, ``argmax(p / E)`` with E ~ Exp(1) per token: it picks token i with
+probability p_i and needs no renormalisation after filtering. Top-k masks by the k-th largest value
+(``topk``, no sort); top-p restricts the race to the nucleus by rejection (see ``top_p_race_torch``), so
+no step sorts the vocabulary. Seeded rows draw their noise from their own stream: a ``torch.Generator``
+per request (CPU: one [V] draw per token, the historical stream) or a ``CounterStream`` (CUDA: Philox of
+(seed, draw index), all seeded rows in one launch; see ``sampling_kernels``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -23,6 +31,24 @@ _MIN_NOISE = 1e-30
 
 def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _MIN_TEMPERATURE or params.top_k == 1
+
+
+def is_argmax_only(params: Sequence[SamplingParams]) -> bool:
+    """Every row greedy and none asks for logprobs: the winner is the argmax of the raw logits (a
+    monotonic soft-cap and an fp32 upcast cannot change it), so the logits need no further work."""
+    return all(is_greedy(p) and p.logprobs is None for p in params)
+
+
+@dataclass(frozen=True)
+class CounterStream:
+    """A seeded row's noise on the batched path: draw number ``draw`` (tokens sampled before) of
+    ``seed``. Stateless: the stream continues wherever the request's earlier tokens were sampled."""
+
+    seed: int
+    draw: int
+
+
+RowGenerator = Union[torch.Generator, CounterStream, None]  # noqa: UP007 - a runtime alias
 
 
 @dataclass
@@ -41,20 +67,51 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None
 
     def to_host(self, params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Copy everything to the host in ONE device->host transfer (the step's only sync point).
+        """Copy everything to the host in ONE device->host transfer and wait for it."""
+        return self.start_copy().wait(params)
 
-        All fields are packed into one float64 tensor first: token ids (< 2**53) and float32 logprobs
-        are both exactly representable there, so the round trip loses nothing.
+    def start_copy(self) -> HostCopy:
+        """Enqueue the one device->host transfer of every field (non-blocking on CUDA, into pinned memory).
+
+        All fields are packed into one tensor first (int64 token ids alone; else float64, where token
+        ids (< 2**53) and float32 logprobs are both exact), so the round trip loses nothing.
         """
-        num_rows = self.token_ids.shape[0]
-        if self.logprobs is None:
-            return self.token_ids.tolist(), [None] * num_rows
-        columns = [self.token_ids.unsqueeze(1).double(), self.logprobs.unsqueeze(1).double()]
         num_top = 0
-        if self.top_token_ids is not None and self.top_logprobs is not None:
-            num_top = self.top_token_ids.shape[1]
-            columns += [self.top_token_ids.double(), self.top_logprobs.double()]
-        rows: list[list[float]] = torch.cat(columns, dim=1).cpu().tolist()
+        if self.logprobs is None:
+            packed = self.token_ids
+        else:
+            columns = [self.token_ids.unsqueeze(1).double(), self.logprobs.unsqueeze(1).double()]
+            if self.top_token_ids is not None and self.top_logprobs is not None:
+                num_top = self.top_token_ids.shape[1]
+                columns += [self.top_token_ids.double(), self.top_logprobs.double()]
+            packed = torch.cat(columns, dim=1)
+        if packed.device.type == "cpu":
+            return HostCopy(packed, None, self.logprobs is not None, num_top)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostCopy(host, done, self.logprobs is not None, num_top)
+
+
+@dataclass
+class HostCopy:
+    """A sampler result on its way to the host: ``wait`` blocks until the copy landed (the step's one
+    device sync) and unpacks it. ``host`` stays valid until then (pinned memory on CUDA)."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    has_logprobs: bool
+    num_top: int
+
+    def wait(self, params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self.done is not None:
+            self.done.synchronize()
+        if not self.has_logprobs:
+            ids: list[int] = self.host.tolist()
+            return ids, [None] * len(ids)
+        rows: list[list[float]] = self.host.tolist()
+        num_top = self.num_top
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for row, p in zip(rows, params, strict=True):
@@ -81,10 +138,42 @@ def _to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
     return host.to(device, non_blocking=True)
 
 
+def mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Mask (in place) every token below each row's k-th largest logit; rows with k > max_top_k keep all."""
+    # NOTE: needs only the k-th largest value per row (topk of max_top_k), far cheaper than a full sort.
+    kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    kth = torch.where(top_k.unsqueeze(1) > max_top_k, float("-inf"), kth)
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def top_p_race_torch(probs: torch.Tensor, noise: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N] winners of ``argmax(probs / noise)`` inside each row's nucleus {i : mass of the tokens strictly
+    more probable than i < top_p} (``top_p`` [N], inf: no restriction), without sorting.
+
+    Rejection: the unrestricted winner c is the nucleus winner too when the mass above it is < top_p
+    (the nucleus is a subset); otherwise no token at most as probable as c is in the nucleus, so they
+    leave the race and it is run again. The loop checks on the host (free on CPU); the CUDA path runs
+    the same rounds on the device (``sampling_kernels.top_p_race``).
+    """
+    scores = probs / noise.clamp(min=_MIN_NOISE)
+    winners = scores.argmax(dim=-1)
+    while True:
+        p_win = probs.gather(1, winners.unsqueeze(1))
+        mass_above = torch.where(probs > p_win, probs, 0.0).sum(dim=-1)
+        rejected = mass_above >= top_p
+        if not bool(rejected.any()):
+            return winners
+        scores.masked_fill_(rejected.unsqueeze(1) & (probs <= p_win), -1.0)
+        winners = torch.where(rejected, scores.argmax(dim=-1), winners)
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int
 ) -> torch.Tensor:
     """Mask (set to -inf, in place) every token outside each row's top-k and then its top-p nucleus.
+
+    The sorting reference of the sampler's filters (tests check the sampler against it); the sampler
+    itself never sorts: ``mask_top_k`` and ``top_p_race_torch`` / ``sampling_kernels.top_p_race``.
 
     top_k: [N] int64 with V for rows that keep everything; top_p: [N] float32 with inf for rows that
     keep everything; max_top_k is the largest top_k over rows that use it (a host int, so no sync).
@@ -93,10 +182,7 @@ def apply_top_k_top_p(
     if top_p is None:
         if top_k is None:
             return logits
-        # NOTE: top-k alone needs only the k-th largest value per row, far cheaper than a full sort.
-        kth = logits.topk(max_top_k, dim=-1).values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
-        kth = torch.where(top_k.unsqueeze(1) > max_top_k, float("-inf"), kth)
-        return logits.masked_fill_(logits < kth, float("-inf"))
+        return mask_top_k(logits, top_k, max_top_k)
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     if top_k is not None:
         positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
@@ -112,17 +198,22 @@ def apply_top_k_top_p(
 class Sampler:
     """Picks one token per row of ``[N, V]`` float32 logits; see the module docstring.
 
-    generators[i] is row i's own ``torch.Generator`` on the logits' device when its request has a seed
-    (the engine seeds it once and keeps it for the request's life), else None. A seeded row draws its
-    [V] noise from its generator alone, so its tokens do not depend on the rest of the batch; the
-    unseeded rows share one batched draw from the device's default generator. ``logits`` is not modified.
+    generators[i] is row i's own stream when its request has a seed, else None: a ``torch.Generator``
+    on the logits' device (the engine seeds it once and keeps it for the request's life) or a
+    ``CounterStream`` (needs Triton). A seeded row's [V] noise comes from its stream alone, so its tokens
+    do not depend on the rest of the batch; the unseeded rows share one batched draw from the device's
+    default generator. ``use_triton``: the top-p race runs as one Triton kernel (no host sync) instead
+    of torch rounds checked on the host. ``logits`` is not modified.
     """
+
+    def __init__(self, use_triton: bool = False) -> None:
+        self.use_triton = use_triton
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        generators: Sequence[RowGenerator],
     ) -> SamplerOutput:
         num_rows = logits.shape[0]
         if len(params) != num_rows or len(generators) != num_rows:
@@ -130,20 +221,20 @@ class Sampler:
                 f"sampler got {num_rows} logits rows but {len(params)} params and {len(generators)} generators"
             )
         greedy = [is_greedy(p) for p in params]
-        token_ids = logits.argmax(dim=-1)
-        if not all(greedy):
-            sampled = self._sample(logits, params, generators, greedy)
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, params, generators, greedy)
             if any(greedy):
-                token_ids = torch.where(_to_device(greedy, torch.bool, logits.device), token_ids, sampled)
-            else:
-                token_ids = sampled
+                is_greedy_row = _to_device(greedy, torch.bool, logits.device)
+                token_ids = torch.where(is_greedy_row, logits.argmax(dim=-1), token_ids)
         return self._with_logprobs(logits, token_ids, params)
 
-    @staticmethod
     def _sample(
+        self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        generators: Sequence[RowGenerator],
         greedy: list[bool],
     ) -> torch.Tensor:
         device = logits.device
@@ -154,31 +245,55 @@ class Sampler:
         scaled = logits.float() / _to_device(temperatures, torch.float32, device).unsqueeze(1)
 
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in neutral]
-        top_ps = [p.top_p if p.top_p < 1.0 else float("inf") for p in neutral]
         active_ks = [k for k in top_ks if k < vocab_size]
-        use_top_p = any(p.top_p < 1.0 for p in neutral)
-        if active_ks or use_top_p:
-            apply_top_k_top_p(
-                scaled,
-                _to_device(top_ks, torch.int64, device) if active_ks else None,
-                _to_device(top_ps, torch.float32, device) if use_top_p else None,
-                max(active_ks, default=vocab_size),
-            )
+        if active_ks:
+            mask_top_k(scaled, _to_device(top_ks, torch.int64, device), max(active_ks))
 
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0.0 for p in neutral):
             min_p = _to_device([p.min_p for p in neutral], torch.float32, device).unsqueeze(1)
             probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p, 0.0)
 
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and needs
-        # no renormalisation after the filters.
+        noise = self._noise(probs, generators, greedy)
+        if any(p.top_p < 1.0 for p in neutral):
+            top_ps = _to_device(
+                [p.top_p if p.top_p < 1.0 else float("inf") for p in neutral], torch.float32, device
+            )
+            if self.use_triton:
+                from workers.sampling_kernels import top_p_race
+
+                return top_p_race(probs, noise, top_ps, _MIN_NOISE)
+            return top_p_race_torch(probs, noise, top_ps)
+        return probs.div_(noise.clamp_(min=_MIN_NOISE)).argmax(dim=-1)
+
+    @staticmethod
+    def _noise(probs: torch.Tensor, generators: Sequence[RowGenerator], greedy: list[bool]) -> torch.Tensor:
+        """Exp(1) noise [N, V]: unseeded rows from the default generator (one batched draw), seeded rows
+        from their own streams (``torch.Generator``: one draw per row; ``CounterStream``: one launch)."""
         noise = torch.empty_like(probs)
         seeded_rows = [row for row, gen in enumerate(generators) if gen is not None and not greedy[row]]
-        if len(seeded_rows) + sum(greedy) < len(params):
+        if len(seeded_rows) + sum(greedy) < len(greedy):
             noise.exponential_()
+        counter_rows = [row for row in seeded_rows if isinstance(generators[row], CounterStream)]
         for row in seeded_rows:
-            noise[row].exponential_(generator=generators[row])
-        return probs.div_(noise.clamp_(min=_MIN_NOISE)).argmax(dim=-1)
+            gen = generators[row]
+            if isinstance(gen, torch.Generator):
+                noise[row].exponential_(generator=gen)
+        if counter_rows:
+            from workers.sampling_kernels import seeded_noise
+
+            streams = [generators[row] for row in counter_rows]
+            seeds = [s.seed & 0xFFFFFFFFFFFFFFFF for s in streams if isinstance(s, CounterStream)]
+            seeds = [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]  # two's complement int64
+            draws = [s.draw for s in streams if isinstance(s, CounterStream)]
+            device = probs.device
+            seeded_noise(
+                noise,
+                _to_device(counter_rows, torch.int64, device),
+                _to_device(seeds, torch.int64, device),
+                _to_device(draws, torch.int64, device),
+            )
+        return noise
 
     @staticmethod
     def _with_logprobs(
@@ -196,7 +311,9 @@ class Sampler:
         return SamplerOutput(token_ids, chosen, top.indices, top.values)
 
 
-def advance_generator(generator: torch.Generator, vocab_size: int, num_draws: int, device: torch.device) -> None:
+def advance_generator(
+    generator: torch.Generator, vocab_size: int, num_draws: int, device: torch.device
+) -> None:
     """Consume exactly what ``num_draws`` sampled tokens of one seeded row consume (one [V] draw each),
     so a request resumed elsewhere (e.g. the decode worker after a handoff) continues its random stream."""
     buf = torch.empty(vocab_size, dtype=torch.float32, device=device)

@@ -47,12 +47,8 @@ class TritonLaunchConfig:
         return 1 << (wanted.bit_length() - 1)
 
 
-@functools.lru_cache(maxsize=16)
-def default_launch_config(head_dim: int, device: torch.device) -> TritonLaunchConfig:
-    """Tiles by head size; split-K occupancy target = 2 programs per SM (1 "SM" on CPU)."""
-    num_sms = 1
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+def launch_config_for(head_dim: int, num_sms: int) -> TritonLaunchConfig:
+    """Tiles by head size; split-K occupancy target = 2 programs per SM."""
     if head_dim > 128:
         return TritonLaunchConfig(
             prefill_block_m=64, prefill_block_n=32, decode_block_n=32, target_programs=2 * num_sms
@@ -60,6 +56,15 @@ def default_launch_config(head_dim: int, device: torch.device) -> TritonLaunchCo
     if head_dim <= 64:
         return TritonLaunchConfig(prefill_num_warps=4, target_programs=2 * num_sms)
     return TritonLaunchConfig(target_programs=2 * num_sms)
+
+
+@functools.lru_cache(maxsize=16)
+def default_launch_config(head_dim: int, device: torch.device) -> TritonLaunchConfig:
+    """``launch_config_for`` the device's SM count (1 "SM" on CPU)."""
+    num_sms = 1
+    if device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return launch_config_for(head_dim, num_sms)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -153,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         if is_split:
             kernels.decode_reduce_kernel[(num_decodes, num_heads)](
                 part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_splits,
-                HEAD_DIM=head_dim, DIM_PAD=_next_pow2(head_dim), SPLIT_PAD=_next_pow2(num_splits),
+                HEAD_DIM=head_dim, DIM_PAD=_next_pow2(head_dim),
             )  # fmt: skip
 
     @staticmethod

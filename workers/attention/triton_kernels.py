@@ -6,6 +6,11 @@ Cache layout of one layer: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]
 token's row through the sequence's block table, one gather per KV position, so a KV tile of BLOCK_N
 positions may span several pages and any block size works (1, 4, 16, ...).
 
+Integer arguments that change from step to step (block-table row stride, decode split count, the index
+of the first prefill sequence, split-scratch strides, the window) are listed in ``do_not_specialize``:
+Triton would otherwise compile a new variant whenever one of them becomes 1 or a multiple of 16, in the
+middle of a run. Constant strides stay specialised (divisibility helps vectorised loads).
+
 Scores are kept in log2 units (``exp2`` is the native instruction); all accumulation is fp32.
 GQA: one program owns one KV head and all query heads mapped onto it, so each K/V tile is read once for
 the whole group (the rows of the Q tile are (query, head-in-group) pairs).
@@ -108,7 +113,12 @@ def _load_kv_tile(
     return k, v
 
 
-@triton.jit
+_DECODE_PER_STEP = (
+    "stride_bt", "stride_po_s", "stride_po_h", "stride_po_split", "stride_pl_s", "stride_pl_h", "window", "num_splits",
+)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_DECODE_PER_STEP)
 def decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
@@ -179,32 +189,52 @@ def decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=(
+        "stride_po_s",
+        "stride_po_h",
+        "stride_po_split",
+        "stride_pl_s",
+        "stride_pl_h",
+        "num_splits",
+    )
+)
 def decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_o_t, stride_o_h,
     num_splits,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Grid (num_decodes, num_heads): merge the split partials with weights 2^(lse_s - max lse)."""
+    """Grid (num_decodes, num_heads): merge the split partials with weights 2^(lse_s - max lse).
+
+    One split at a time with a running max (no split-count-sized tile, so any split count runs the
+    same compiled variant).
+    """
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLIT_PAD)
     d = tl.arange(0, DIM_PAD)
-    s_mask = s < num_splits
-    lse = tl.load(part_lse_ptr + seq * stride_pl_s + head * stride_pl_h + s, mask=s_mask, other=float("-inf"))
-    # NOTE: split 0 starts at the first visible key and every sequence sees >= 1 key: the max is finite.
-    w = tl.exp2(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    mask = s_mask[:, None] & (d < HEAD_DIM)[None, :]
-    ptrs = part_out_ptr + seq * stride_po_s + head * stride_po_h + s[:, None] * stride_po_split + d[None, :]
-    part = tl.load(ptrs, mask=mask, other=0.0)
-    out = tl.sum(part * w[:, None], 0)
+    d_mask = d < HEAD_DIM
+    lse_row = part_lse_ptr + seq * stride_pl_s + head * stride_pl_h
+    part_row = part_out_ptr + seq * stride_po_s + head * stride_po_h + d
+    # NOTE: split 0 starts at the first visible key and every sequence sees >= 1 key, so its lse is
+    # finite and m is finite from the first iteration on; empty splits (lse -inf) get weight 0.
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([DIM_PAD], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_row + s)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        part = tl.load(part_row + s * stride_po_split, mask=d_mask, other=0.0)
+        acc = acc * alpha + part * w
+        total = total * alpha + w
+        m = m_new
     o_ptrs = out_ptr + seq * stride_o_t + head * stride_o_h + d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(o_ptrs, (acc / total).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_bt", "window", "first_seq"))
 def prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,

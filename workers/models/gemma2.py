@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.forward_context import get_forward_context
 from workers.models.arch import ArchConfig
 from workers.models.layers import (
     Attention,
@@ -17,6 +18,7 @@ from workers.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    fused_norm,
 )
 
 
@@ -58,9 +60,28 @@ class Gemma2Model(DecoderModel):
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * self.embed_scale(hidden.dtype)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        if get_forward_context().fused_ops:
+            return self._forward_fused(hidden, cos, sin)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
+
+    def _forward_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The same layers with each sandwich norm, residual add and following norm fused into one
+        kernel: ``residual`` carries the stream (updated in place), ``x`` the branch output whose own
+        post-norm (the previous feed-forward's, for a layer's input) is applied inside the next kernel."""
+        layers: list[Gemma2DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        residual = hidden
+        x = fused_norm(layers[0].input_layernorm, hidden)
+        for i, layer in enumerate(layers):
+            if i > 0:
+                x = fused_norm(
+                    layer.input_layernorm, x, residual, pre=layers[i - 1].post_feedforward_layernorm
+                )
+            x = layer.self_attn(x, cos, sin)
+            x = fused_norm(layer.pre_feedforward_layernorm, x, residual, pre=layer.post_attention_layernorm)
+            x = layer.mlp(x)
+        return fused_norm(self.norm, x, residual, pre=layers[-1].post_feedforward_layernorm)
 
 
 class Gemma2ForCausalLM(CausalLM):

@@ -7,8 +7,11 @@ or initialised by ``loader.build_random_model``.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable, Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +80,21 @@ class RMSNorm(nn.Module):
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         # NOTE: Llama casts back to the input dtype before the weight multiply (HF does the same).
         return self.weight * normed.to(x.dtype)
+
+
+@functools.cache
+def triton_ops() -> ModuleType:
+    """``workers.models.triton_ops``, imported on first use (triton is needed only on the fused path)."""
+    return importlib.import_module("workers.models.triton_ops")
+
+
+def fused_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None, pre: RMSNorm | None = None
+) -> torch.Tensor:
+    """``norm(residual + pre(x))`` in one fused kernel; ``residual`` is updated in place to the sum."""
+    pre_weight = None if pre is None else pre.weight
+    out: torch.Tensor = triton_ops().rms_norm(x, norm.weight, norm.eps, norm.gemma, residual, pre_weight)
+    return out
 
 
 def rope_inv_freq(arch: ArchConfig) -> torch.Tensor:
@@ -160,11 +178,18 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
+        if ctx.fused_ops:
+            # NOTE: in place on the fresh qkv projection output; q/k stay views into it.
+            q_w = None if self.q_norm is None else self.q_norm.weight
+            k_w = None if self.k_norm is None else self.k_norm.weight
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            triton_ops().rotary_qk_(q, k, cos, sin, q_w, k_w, eps)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -177,13 +202,17 @@ class GatedMLP(nn.Module):
         if arch.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[arch.hidden_act]
+        self.act_name = arch.hidden_act
         self.intermediate_size = arch.intermediate_size
         size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, [size, size], arch.mlp_bias)
         self.down_proj = Linear(size, [arch.hidden_size], arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if get_forward_context().fused_ops:
+            return self.down_proj(triton_ops().gated_act(gate_up, self.act_name))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -259,11 +288,19 @@ class CausalLM(nn.Module):
         """``input_ids``/``positions``: [T] int64 -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> float32 logits [N, vocab_size] (final soft-cap applied when the arch has one)."""
+    def compute_logits(self, hidden: torch.Tensor, raw: bool = False, fused: bool = False) -> torch.Tensor:
+        """[N, hidden_size] -> float32 logits [N, vocab_size] (final soft-cap applied when the arch has
+        one). ``raw``: the head's output alone, in the model dtype (enough for an argmax: the upcast and
+        the soft-cap are monotonic). ``fused``: upcast and soft-cap in one Triton kernel."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
         cap = self.arch.final_logit_softcapping
+        if raw:
+            return logits
+        if fused:
+            out: torch.Tensor = triton_ops().logits_to_fp32(logits, cap)
+            return out
+        logits = logits.float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.forward_context import get_forward_context
 from workers.models.arch import ArchConfig
 from workers.models.layers import (
     Attention,
@@ -19,6 +20,7 @@ from workers.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    fused_norm,
 )
 
 
@@ -46,9 +48,25 @@ class LlamaModel(DecoderModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        if get_forward_context().fused_ops:
+            return self._forward_fused(hidden, cos, sin)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
+
+    def _forward_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The same layers with each residual add fused into the RMSNorm that follows it: ``residual``
+        carries the stream (updated in place), ``x`` the branch output waiting to be added."""
+        layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        residual = hidden
+        x = fused_norm(layers[0].input_layernorm, hidden)
+        for i, layer in enumerate(layers):
+            if i > 0:
+                x = fused_norm(layer.input_layernorm, x, residual)
+            x = layer.self_attn(x, cos, sin)
+            x = fused_norm(layer.post_attention_layernorm, x, residual)
+            x = layer.mlp(x)
+        return fused_norm(self.norm, x, residual)
 
 
 class LlamaForCausalLM(CausalLM):
