@@ -114,3 +114,27 @@ def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
         assert handle.check_leaks() == {"prefill-0": None, "decode-0": None}
     finally:
         handle.shutdown()
+
+
+def test_a_decode_worker_waiting_for_seats_keeps_the_prefill_lease_alive(offline: LLM) -> None:
+    """Handoffs wait on the decode side far longer than the lease (2 seats, long decodes): the decode worker
+    keeps the prefill side holding the KV (KeepAlive -> ExtendLease), so nothing fails."""
+    prompts = shared_prefix_prompts(6, seed=13, vocab=VOCAB)
+    params = [greedy(120) for _ in prompts]
+    reference = [o.token_ids for o in offline.generate(prompts, params)]
+    cfg = cluster_config(
+        "",
+        engine={"max_num_seqs": 2},
+        transfer={"lease_s": 0.5, "failure_policy": "fail"},
+        router=HEALTH,
+    )
+    handle = start_cluster(cfg)
+    try:
+        assert run_concurrently(handle, prompts, params) == reference
+        stats = {s.worker_id: s for s in handle.worker_stats()}
+        assert stats["decode-0"].transfer.num_failed == 0 and stats["prefill-0"].transfer.num_failed == 0
+        assert stats["decode-0"].transfer.num_ok == len(prompts)
+        handle.wait_until_quiet(timeout_s=60)
+        assert handle.check_leaks() == {"prefill-0": None, "decode-0": None}
+    finally:
+        handle.shutdown()
