@@ -130,11 +130,14 @@ class _Flight:
     req: GenerateRequest
     arrival: float
     deadline: float
-    events: asyncio.Queue[FlightEvent] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[tuple[int, FlightEvent]] = field(default_factory=asyncio.Queue)  # (attempt, event)
     attempt: int = 0
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
-    token_ids: list[int] = field(default_factory=list)  # streamed to the caller so far
+    # NOTE: counted when a delta arrives, not when the caller consumes it: every received token will reach
+    # the caller, so a migration continues after all of them (none twice, none lost).
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False  # its final delta arrived (it must not migrate any more)
     scheduled_time: float | None = None
     first_token_time: float | None = None
     transfer_s: float = 0.0
@@ -144,6 +147,13 @@ class _Flight:
     def wire_id(self) -> str:
         rid = self.req.request_id
         return rid if self.attempt == 0 else f"{rid}~{self.attempt}"
+
+    def put(self, event: FlightEvent) -> None:
+        """Queue an event of the current attempt for generate()."""
+        if isinstance(event, (Delta, Prefilled)):
+            self.token_ids += event.delta.token_ids
+            self.finished = self.finished or event.delta.finish_reason is not None
+        self.events.put_nowait((self.attempt, event))
 
     def depends_on(self, w: WorkerRef) -> bool:
         """Its progress needs ``w``: w decodes it, or w prefills it and no decode worker took over yet."""
@@ -291,7 +301,7 @@ class Router:
         try:
             self._dispatch(flight)
             while True:
-                event = await self._next_event(flight)
+                attempt, event = await self._next_event(flight)
                 if isinstance(event, RouterError):
                     raise event
                 if isinstance(event, Transferred):
@@ -302,8 +312,7 @@ class Router:
                 if flight.first_token_time is None:
                     flight.first_token_time = time.time()
                     flight.scheduled_time = delta.scheduled_time
-                flight.token_ids += delta.token_ids
-                if isinstance(event, Prefilled):
+                if isinstance(event, Prefilled) and attempt == flight.attempt:
                     self._hand_off(flight, event)
                 if delta.finish_reason is not None:
                     flight.done = True
@@ -373,7 +382,7 @@ class Router:
         )
         self._send(w, op)
 
-    async def _next_event(self, flight: _Flight) -> FlightEvent:
+    async def _next_event(self, flight: _Flight) -> tuple[int, FlightEvent]:
         left = flight.deadline - time.time()
         if left <= 0:
             raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
@@ -400,14 +409,11 @@ class Router:
 
     def _migrate(self, flight: _Flight, why: str) -> None:
         """Dispatch the flight again (a new attempt) or, past max_migrations, fail it."""
-        if flight.done:
+        if flight.done or flight.finished:
             return
         if flight.attempt >= self.config.max_migrations:
-            flight.events.put_nowait(
-                WorkerFailedError(
-                    f"{why}; request not migrated again (max_migrations {self.config.max_migrations})"
-                )
-            )
+            limit = self.config.max_migrations
+            flight.put(WorkerFailedError(f"{why}; request not migrated again (max_migrations {limit})"))
             return
         self._release(flight, abort=True)
         self._by_wire.pop(flight.wire_id, None)
@@ -416,7 +422,7 @@ class Router:
         try:
             self._dispatch(flight)
         except ClusterUnavailableError as e:
-            flight.events.put_nowait(ClusterUnavailableError(f"{why}; {e}"))
+            flight.put(ClusterUnavailableError(f"{why}; {e}"))
             return
         target = flight.prefill or flight.decode
         logger.warning(
@@ -435,7 +441,7 @@ class Router:
             for w in (flight.prefill, flight.decode):
                 if w is not None and w.state != WorkerState.DEAD:
                     self._send(w, Abort(flight.wire_id))
-            flight.events.put_nowait(RequestAbortedError("aborted"))
+            flight.put(RequestAbortedError("aborted"))
 
     def _timings(self, f: _Flight) -> RequestTimings:
         now = time.time()
@@ -581,7 +587,7 @@ class Router:
         flight = self._flight_of(w, wire_id)
         if flight is None:
             return False
-        flight.events.put_nowait(event)
+        flight.put(event)
         return True
 
     def _on_request_failed(self, w: WorkerRef, event: RequestFailed) -> None:
@@ -597,7 +603,7 @@ class Router:
             # NOTE: the KV's owner died mid-transfer: not the request's fault, so it moves on
             self._migrate(flight, f"KV source {prefill.worker_id} died mid-transfer")
             return
-        flight.events.put_nowait(router_error(event.code, event.message))
+        flight.put(router_error(event.code, event.message))
 
     def _on_heartbeat(self, event: Heartbeat) -> None:
         info, stats = event.info, event.stats
