@@ -242,6 +242,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--timeout", type=float, default=600.0, help="client read timeout, seconds")
+    p.add_argument(
+        "--pin-cpu-cores",
+        action="store_true",
+        help="pin each CPU worker to its own core in every config (a fair race: one core per device)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -304,9 +309,12 @@ def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any
     from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
+    from cluster.config import ClusterConfig
+
     label = Path(path).stem
     print(f"== {label}: starting {path}", flush=True)
-    handle = start_cluster(path)
+    cfg = ClusterConfig.from_yaml(path)
+    handle = start_cluster(replace(cfg, pin_cpu_cores=True) if args.pin_cpu_cores else cfg)
     try:
         with start_http(handle) as http:
             return bench_url(http.url, label, args)
