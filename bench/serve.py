@@ -306,10 +306,9 @@ def bench_url(url: str, label: str, args: argparse.Namespace) -> dict[str, dict[
 
 def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Start the cluster of ``path``, serve it on a free loopback port, bench it, shut it down."""
+    from cluster.config import ClusterConfig
     from deploy.http_host import start_http
     from deploy.launch import start_cluster
-
-    from cluster.config import ClusterConfig
 
     label = Path(path).stem
     print(f"== {label}: starting {path}", flush=True)
