@@ -58,6 +58,10 @@ class PendingOp(ABC):
     @abstractmethod
     def wait(self, timeout_s: float) -> None: ...
 
+    def is_done(self) -> bool:
+        """Whether the op completed (or failed), without waiting; channels that cannot tell say False."""
+        return False
+
 
 class OpLane:
     """The ops of one transfer: a channel that needs a helper thread to wait (gloo) waits them in posting
@@ -154,6 +158,9 @@ class _GlooOp(PendingOp):
         finally:
             self._done.set()
 
+    def is_done(self) -> bool:
+        return self._done.is_set()
+
     def wait(self, timeout_s: float) -> None:
         if not self._done.wait(max(timeout_s, 0.0)):
             raise TransferTimeoutError(f"{self._what} did not complete within {timeout_s:.3f}s")
@@ -168,6 +175,9 @@ class _PolledOp(PendingOp):
         self._work = work
         self._buf = buf  # NOTE: keeps the buffer alive while the collective may still write it
         self._what = what
+
+    def is_done(self) -> bool:
+        return bool(self._work.is_completed())
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 0.0)

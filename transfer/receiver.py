@@ -1,12 +1,14 @@
 """KVReceiver (decode side): fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
 
-Per transfer: REQUEST -> sender's HEADER (validated) -> post a recv for every chunk straight into staging
--> ACK -> verify and scatter chunk i while chunk i+1 arrives -> sync -> DONE. See transfer/protocol.py.
+Per transfer: REQUEST -> sender's HEADER (validated) -> post a recv into every slot of a staging ring ->
+ACK -> verify and scatter chunk i while the next chunks arrive, re-posting its slot -> sync the side's
+stream -> DONE. See transfer/protocol.py and transfer/ring.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -19,11 +21,10 @@ from typing import Any
 import torch
 import zmq
 
-from transfer.channel import Channel, OpLane
+from transfer.channel import Channel, OpLane, PendingOp
 from transfer.protocol import (
     KVHandoff,
     MessageKind,
-    TransferChecksumError,
     TransferError,
     TransferPeerLostError,
     TransferRequest,
@@ -34,10 +35,13 @@ from transfer.protocol import (
     encode_message,
     error_from_remote,
     header_from_dict,
+    tag_for_nonce,
     validate_header,
 )
-from transfer.side import POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
-from transfer.staging import ChunkPlan, block_index, chunk_checksum, chunk_view, read_trailer, scatter_chunk
+from transfer.side import NUM_SLOTS, POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
+from transfer.staging import ChunkPlan, block_index, chunk_view
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -211,6 +215,9 @@ class KVReceiver(Side):
         nonce = secrets.randbits(63)
         request = TransferRequest(handoff.request_id, nonce, self.rank, job.skip_first_n_blocks, len(dst_ids))
         is_sent = False
+        plan: ChunkPlan | None = None
+        self._num_posted = 0
+        self._is_acked = False  # NOTE: from the ack on, the sender posts every chunk: each needs a recv
         try:
             self._check_peer(src_rank)
             if time.monotonic() >= job.deadline:
@@ -231,34 +238,8 @@ class KVReceiver(Side):
             )
             result.nbytes = header.nbytes
             plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
-            staging = self._staging(plan.num_chunks * plan.stride)
-            lane = OpLane(f"recv-{src_rank}")
-            ops = [
-                self._channel.irecv(
-                    chunk_view(staging, plan, c, c * plan.stride), src_rank, chunk_tag(header.tag, c), lane
-                )
-                for c in range(plan.num_chunks)
-            ]
-            sock.send(encode_message(MessageKind.ACK, nonce), zmq.NOBLOCK)
-            t_wire = time.monotonic()
-            index = block_index(dst_ids, self._kv.device)
-
-            def check() -> None:
-                self._check_peer(src_rank)
-                self._poll(sock, nonce, 0)
-
-            for chunk, op in enumerate(ops):
-                self._wait_op(op, job.deadline, check)
-                wire = chunk_view(staging, plan, chunk, chunk * plan.stride)
-                checksum, expected = chunk_checksum(wire, plan, chunk), read_trailer(wire)
-                if checksum != expected:
-                    raise TransferChecksumError(
-                        f"checksum of chunk {chunk}/{plan.num_chunks} ({wire.numel()} B) of "
-                        f"{handoff.request_id!r} is {checksum}, the sender's is {expected}"
-                    )
-                scatter_chunk(self._rows, index, plan, chunk, wire)
-            result.wire_seconds = time.monotonic() - t_wire
-            self._sync()
+            with self._on_stream():
+                self._receive_chunks(sock, job, nonce, plan, result)
             sock.send(encode_message(MessageKind.DONE, nonce), zmq.NOBLOCK)
             result.ok = True
         except PeerAbort as e:
@@ -272,6 +253,61 @@ class KVReceiver(Side):
                     sock.send(abort_frame(nonce, error), zmq.NOBLOCK)
         if not result.ok:
             self._drop_staging()
+            if self._is_acked and plan is not None and not self.is_dropped(src_rank):
+                try:
+                    self._drain(plan, self._num_posted, src_rank, tag_for_nonce(nonce))
+                except Exception:  # NOTE: the result below must still be recorded
+                    logger.exception("KVReceiver rank %d: could not drain the sender's sends", self.rank)
         result.seconds = time.monotonic() - t0
         self._record(result)
         return result, error
+
+    def _receive_chunks(
+        self, sock: zmq.Socket[Any], job: _Job, nonce: int, plan: ChunkPlan, result: TransferResult
+    ) -> None:
+        """Post a recv into every ring slot, ack, then verify and scatter each chunk as it lands and post
+        the next recv into the slot it frees. Counts posted recvs in `_num_posted` (the rest are drained
+        if this raises) and the phases' seconds in `result`. Runs on the side's stream."""
+        src_rank = job.handoff.src_rank
+        num_slots = min(NUM_SLOTS, plan.num_chunks)
+        ring = self._ring(plan, nonce, num_slots)
+        index = block_index(job.dst_block_ids, self._kv.device)
+        tag = tag_for_nonce(nonce)
+        lane = OpLane(f"recv-{src_rank}")
+        ops: list[PendingOp] = []
+        what = f"{job.handoff.request_id!r} from rank {src_rank}"
+
+        def post(chunk: int) -> None:
+            ring.before_recv(chunk)
+            ops.append(self._channel.irecv(ring.wire(chunk), src_rank, chunk_tag(tag, chunk), lane))
+            self._num_posted = chunk + 1
+
+        def check() -> None:
+            self._check_peer(src_rank)
+            self._poll(sock, nonce, 0)
+
+        for chunk in range(num_slots):
+            post(chunk)
+        sock.send(encode_message(MessageKind.ACK, nonce), zmq.NOBLOCK)
+        self._is_acked = True
+        t_wire = time.monotonic()
+        try:
+            for chunk in range(plan.num_chunks):
+                result.blocked_seconds += self._wait_op(ops[chunk], job.deadline, check)
+                ring.drain(self._rows, index, chunk, what)
+                if chunk + num_slots < plan.num_chunks:
+                    post(chunk + num_slots)
+            ring.finish()
+        finally:
+            result.hash_seconds, result.scatter_seconds = ring.hash_seconds, ring.scatter_seconds
+        result.wire_seconds = time.monotonic() - t_wire
+
+    def _drain(self, plan: ChunkPlan, first_chunk: int, src_rank: int, tag: int) -> None:
+        """Receive chunks `first_chunk..` of a failed transfer into scratch, so that no send the sender
+        posted after our ack stays unmatched (gloo closes a pair whose op waits out the group timeout)."""
+        if first_chunk >= plan.num_chunks:
+            return
+        scratch = self._scratch(plan.stride)
+        lane = OpLane(f"drain-{src_rank}")
+        for chunk in range(first_chunk, plan.num_chunks):
+            self._channel.irecv(chunk_view(scratch, plan, chunk), src_rank, chunk_tag(tag, chunk), lane)

@@ -1,8 +1,9 @@
 """KVSender (prefill side): serves transfer requests for the requests it `offer`ed, one at a time.
 
-Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, checksum scheme) ->
-receiver's ACK (all its chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
-it with its checksum while chunk i-1 is on the wire -> receiver's DONE. See transfer/protocol.py.
+Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, digest scheme) ->
+receiver's ACK (its first chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
+it with its digest while the chunks before it are on the wire -> receiver's DONE. See transfer/protocol.py
+and transfer/ring.py.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transfer.protocol import (
 )
 from transfer.side import (
     DEFAULT_CHUNK_BYTES,
+    NUM_SLOTS,
     POLL_S,
     PeerAbort,
     Side,
@@ -47,15 +49,16 @@ from transfer.side import (
     as_transfer_error,
     fail,
 )
-from transfer.staging import ChunkPlan, block_index, chunk_view, gather_chunk, junk_chunk
+from transfer.staging import ChunkPlan, block_index, chunk_view, junk_chunk
 
 logger = logging.getLogger(__name__)
-_NUM_SLOTS = 3  # NOTE: gather slot, on-the-wire slot, and one of slack for a slow completion
 
 
 @dataclass
 class _Lease:
+    block_ids: tuple[int, ...]
     expiry: float  # time.monotonic()
+    ready: Any = None  # CUDA event recorded by `offer` on the caller's stream (None on CPU)
     in_flight: bool = False
 
 
@@ -68,10 +71,10 @@ class KVSender(Side):
     (keep the callback quick and thread-safe). A request withdrawn with `abort()` while not in flight gets
     no callback. A request asked for by a dropped peer is refused and stays offered (lease, abort).
 
-    `get_block_ids(request_id)` returns the request's block ids in order (None if the engine no longer
-    holds it); it is called in `offer` and then on the transfer thread, so the table must not change while
-    the request is offered. Bind `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`).
-    `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds 3 of them.
+    `offer` takes the request's block ids and keeps a frozen copy: the transfer thread never reads the
+    engine's tables, and the blocks' bytes must not change until `on_sent` (or a withdrawing `abort`). Bind
+    `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`). `chunk_bytes` is the pipelining unit
+    (rounded down to whole block rows); staging holds NUM_SLOTS of them whatever the transfer's size.
     """
 
     def __init__(
@@ -80,7 +83,6 @@ class KVSender(Side):
         *,
         rank: int,
         channel: Channel,
-        get_block_ids: Callable[[str], list[int] | None],
         on_sent: Callable[[str, bool], None],
         endpoint: str = "tcp://127.0.0.1:*",
         timeout_s: float = 30.0,
@@ -89,7 +91,6 @@ class KVSender(Side):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         super().__init__(kv, rank, channel, timeout_s, zmq_context)
-        self._get_block_ids = get_block_ids
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
@@ -107,26 +108,38 @@ class KVSender(Side):
     def offer(
         self,
         request_id: str,
+        block_ids: Sequence[int],
         num_tokens: int,
         block_hashes: Sequence[str | bytes] = (),
         lease_s: float | None = None,
     ) -> KVHandoff:
-        """Start holding `request_id` for a transfer; its blocks stay the caller's until `on_sent`."""
-        block_ids = self._get_block_ids(request_id)
-        if block_ids is None:
-            raise TransferRejectedError(f"cannot offer request {request_id!r}: no blocks for it")
+        """Start holding `request_id` for a transfer of the blocks `block_ids` (its block table, in order;
+        a frozen copy is kept). The blocks stay the caller's, unchanged, until `on_sent`.
+
+        Call it on the thread that wrote the KV (a CUDA cache: after the forward that wrote it was queued
+        on that thread's current stream; the transfer's copies are ordered after it without a host sync).
+        Raises ValueError on block ids outside the cache and TransferRejectedError if already offered.
+        """
+        ids = tuple(int(b) for b in block_ids)
+        num_blocks = int(self._kv.shape[1])
+        if any(not 0 <= b < num_blocks for b in ids):
+            raise ValueError(f"block_ids of {request_id!r} must be in [0, {num_blocks}), got {list(ids)}")
+        ready = None
+        if self._kv.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._kv.device))
         lease = self.lease_s if lease_s is None else lease_s
         with self._lock:
             if request_id in self._leases:
                 raise TransferRejectedError(f"request {request_id!r} is already offered")
-            self._leases[request_id] = _Lease(expiry=time.monotonic() + lease)
+            self._leases[request_id] = _Lease(ids, expiry=time.monotonic() + lease, ready=ready)
         return KVHandoff(
             request_id=request_id,
             src_rank=self.rank,
             src_endpoint=self.endpoint,
             layout=self.layout,
             num_tokens=num_tokens,
-            num_blocks=len(block_ids),
+            num_blocks=len(ids),
             lease_expiry=time.time() + lease,
             block_hashes=list(block_hashes),
         )
@@ -227,7 +240,7 @@ class KVSender(Side):
     def _feed_junk(self, plan: ChunkPlan, first_chunk: int, dst_rank: int, tag: int) -> None:
         if first_chunk >= plan.num_chunks:
             return
-        junk = torch.empty(plan.stride, dtype=torch.uint8, device=self._staging_device)
+        junk = self._scratch(plan.stride)
         junk_chunk(junk)
         lane = OpLane(f"junk-{dst_rank}")
         for chunk in range(first_chunk, plan.num_chunks):
@@ -279,7 +292,7 @@ class KVSender(Side):
                 raise TransferRejectedError(
                     f"rank {self.rank} does not hold request {req.request_id!r} (unknown, aborted or expired)"
                 )
-            header, plan, block_ids = self._prepare(req)
+            header, plan, block_ids = self._prepare(req, lease)
             result.num_blocks, result.nbytes = header.num_blocks, header.nbytes
             self._reply(ident, encode_message(MessageKind.HEADER, req.nonce, header=header))
             try:
@@ -292,7 +305,8 @@ class KVSender(Side):
                 raise
             is_acked = True
             t_wire = time.monotonic()
-            self._send_chunks(ident, req, plan, block_ids, header.tag, deadline)
+            with self._on_stream():
+                self._send_chunks(ident, req, plan, block_ids, lease.ready, deadline, result)
             result.wire_seconds = time.monotonic() - t_wire
             if not self._is_done_early:
                 self._await(ident, req, MessageKind.DONE, deadline)
@@ -321,15 +335,18 @@ class KVSender(Side):
         ident: bytes,
         req: TransferRequest,
         plan: ChunkPlan,
-        block_ids: list[int],
-        tag: int,
+        block_ids: Sequence[int],
+        ready: Any,
         deadline: float,
+        result: TransferResult,
     ) -> None:
-        """Gather, seal and post every chunk, ring-buffered; counts them in `_num_posted` (junk feeds the
-        rest if this raises)."""
-        num_slots = min(_NUM_SLOTS, plan.num_chunks)
-        ring = self._staging(num_slots * plan.stride)
+        """Gather, seal and post every chunk through the ring; counts them in `_num_posted` (junk feeds the
+        rest if this raises) and the phases' seconds in `result`. Runs on the side's stream."""
+        num_slots = min(NUM_SLOTS, plan.num_chunks)
+        ring = self._ring(plan, req.nonce, num_slots)
+        ring.start(ready)
         index = block_index(block_ids, self._kv.device)
+        tag = tag_for_nonce(req.nonce)
         lane = OpLane(f"send-{req.dst_rank}")
         ops: list[PendingOp] = []
 
@@ -341,23 +358,24 @@ class KVSender(Side):
                     raise TransferError(f"expected nothing or done from the receiver, got {reply[0].value}")
                 self._is_done_early = True
 
-        for chunk in range(plan.num_chunks):
-            slot = chunk % num_slots
-            if chunk >= num_slots:
-                self._wait_op(ops[chunk - num_slots], deadline, check)
-            wire = chunk_view(ring, plan, chunk, slot * plan.stride)
-            gather_chunk(self._rows, index, plan, chunk, wire)
-            ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
-            self._num_posted = chunk + 1
-            check()
-        for op in ops[-num_slots:] if num_slots else []:
-            self._wait_op(op, deadline, check)
+        try:
+            for chunk in range(plan.num_chunks):
+                if chunk >= num_slots:  # the slot is free once its last send completed
+                    result.blocked_seconds += self._wait_op(ops[chunk - num_slots], deadline, check)
+                wire = ring.fill(self._rows, index, chunk)
+                ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
+                self._num_posted = chunk + 1
+                check()
+            for op in ops[-num_slots:] if num_slots else []:
+                result.blocked_seconds += self._wait_op(op, deadline, check)
+        finally:
+            result.gather_seconds, result.hash_seconds = ring.gather_seconds, ring.hash_seconds
 
-    def _prepare(self, req: TransferRequest) -> tuple[TransferHeader, ChunkPlan, list[int]]:
+    def _prepare(
+        self, req: TransferRequest, lease: _Lease
+    ) -> tuple[TransferHeader, ChunkPlan, tuple[int, ...]]:
         """Check the request against the blocks we hold and describe the whole transfer."""
-        block_ids = self._get_block_ids(req.request_id)
-        if block_ids is None:
-            raise TransferRejectedError(f"rank {self.rank} no longer has blocks for {req.request_id!r}")
+        block_ids = lease.block_ids
         skip = req.skip_first_n_blocks
         if not 0 <= skip <= len(block_ids):
             raise TransferMismatchError(

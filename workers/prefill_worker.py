@@ -25,19 +25,12 @@ class PrefillWorker(EngineWorker):
             self.engine.runner.kv_cache,
             rank=rank,
             channel=TorchDistChannel(),
-            get_block_ids=self._held_block_ids,
             on_sent=lambda rid, ok: self._commands.put(("sent", (rid, ok))),
             endpoint=f"{host}:*",
             timeout_s=self.transfer_config.timeout_s,
             lease_s=self.transfer_config.lease_s,
         )
         self.sender.start()
-
-    def _held_block_ids(self, request_id: str) -> list[int] | None:
-        # NOTE: runs on the transfer thread; a held request's table does not change until it is freed,
-        # and it is freed only on the step thread after on_sent (or after a withdrawn offer).
-        ids = self.engine.held_block_ids(request_id)
-        return None if ids is None else list(ids)
 
     def _on_prefilled(self, delta: TokenDelta) -> None:
         rid = delta.request_id
@@ -46,7 +39,10 @@ class PrefillWorker(EngineWorker):
             self._send_error(rid, 500, "prefill worker has no KV sender (process group not initialised)")
             return
         prompt_len = len(self.engine.scheduler.requests[rid].prompt_token_ids)
-        handoff = self.sender.offer(rid, num_tokens=prompt_len)
+        block_ids = self.engine.held_block_ids(rid)
+        if block_ids is None:  # NOTE: cannot happen: the request was just prefilled and is held
+            raise RuntimeError(f"prefilled request {rid!r} holds no KV blocks")
+        handoff = self.sender.offer(rid, block_ids, num_tokens=prompt_len)
         self._send({"kind": "prefilled", "delta": to_dict(delta), "handoff": to_dict(handoff)})
 
     def _on_abort(self, rid: str) -> None:
