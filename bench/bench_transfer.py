@@ -1,13 +1,21 @@
 """KV-transfer benchmark: handoff latency and throughput vs a raw torch.distributed send/recv.
 
 Two processes (rank 0 = prefill with a KVSender, rank 1 = decode with a KVReceiver) on one machine.
-For each prompt length, the same number of bytes is first moved with a plain `dist.send`/`dist.recv`
-(the wire alone), then as a full handoff: ZMQ handshake, gather of non-contiguous blocks into staging,
-checksum, channel send, checksum, scatter into other block ids, final ack, pipelined in chunks of
-`--chunk-mib` ("wire ms" is the receiver's ACK -> last chunk in, which overlaps gather and scatter). Layout: Llama-3-8B
-(32 layers, 8 KV heads, head_dim 128, block_size 16, bf16 -> 128 KiB per token), random data.
+For each prompt length and each repetition, the same number of bytes is first moved with a plain
+`dist.send`/`dist.recv` of one contiguous buffer (the wire alone), then as a full handoff: ZMQ handshake,
+gather of non-contiguous blocks into the staging ring, digest, channel send, digest check, scatter into
+other block ids, final ack, pipelined in chunks of `--chunk-mib` through `--slots` slots per side.
+Layout: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16 -> 128 KiB per token),
+random data. Figures are medians over `--reps` repetitions (after one warm-up).
+
+Columns: `raw ms` / `handoff ms` (receiver's submit -> result), `handoff/raw` = raw ms / handoff ms (the
+efficiency; issue 11's target is >= 85% at >= 1k tokens), GB/s of each; then where the transfer threads
+spent the handoff: the sender's gather, digest, and time blocked on the channel (a free slot), the
+receiver's digest, scatter, and time blocked on the channel (the next chunk), and `wire ms` (receiver:
+ack -> last chunk scattered). On a shared box run it several times and compare medians.
 
     python bench/bench_transfer.py                       # gloo on CPU
+    python bench/bench_transfer.py --chunk-mib 2,4,8     # chunk-size sweep, one table each
     python bench/bench_transfer.py --backend nccl        # two GPUs (rank r on cuda:r)
 """
 
@@ -30,6 +38,9 @@ import torch
 
 from transfer.protocol import KVLayout
 
+_SENDER_PHASES = ("gather_seconds", "hash_seconds", "blocked_seconds")
+_RECEIVER_PHASES = ("hash_seconds", "scatter_seconds", "blocked_seconds", "wire_seconds")
+
 
 def _mem_available_bytes() -> int:
     with open("/proc/meminfo") as f:
@@ -44,15 +55,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]], reps: int, chunk_bytes: int,
-            handoffs: Any, out: Any) -> None:  # fmt: skip
+def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]], reps: int,
+            chunk_sizes: list[int], num_slots: int, handoffs: Any, out: Any) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from transfer.channel import TORCH_DTYPES, TorchDistChannel
     from transfer.connector import KVReceiver, KVSender
     from transfer.protocol import KVHandoff
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(1)
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=600),
@@ -62,57 +73,81 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
         torch.cuda.set_device(device)
     channel = TorchDistChannel()
     rng = random.Random(rank)
-    tables: dict[str, list[int]] = {}
-    rows = []
-    for num_tokens, layout in cases:
-        n = num_tokens // layout.block_size
-        num_blocks = n + n // 4 + 1  # room for a shuffled, non-contiguous set of block ids
-        shape = [layout.num_layers, num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim]
-        kv = torch.empty(shape, dtype=TORCH_DTYPES[layout.dtype], device=device)
-        kv.view(torch.uint8).random_()
-        if rank == 0:
-            side: Any = KVSender(kv, rank=0, channel=channel, get_block_ids=tables.get,
-                                 on_sent=lambda r, ok: None, timeout_s=120.0, chunk_bytes=chunk_bytes)  # fmt: skip
-        else:
-            side = KVReceiver(kv, rank=1, channel=channel, timeout_s=120.0)
-        side.start()
-        nbytes = n * layout.bytes_per_block
-        raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        raw.random_()
-        raw_times, kv_times, wire_times = [], [], []
-        for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, nccl setup)
-            dist.barrier()
-            t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for chunk_bytes in chunk_sizes:
+        for num_tokens, layout in cases:
+            n = num_tokens // layout.block_size
+            num_blocks = n + n // 4 + 1  # room for a shuffled, non-contiguous set of block ids
+            kv = torch.empty(
+                layout.staging_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype], device=device
+            )
+            kv.view(torch.uint8).random_()
             if rank == 0:
-                dist.send(raw, dst=1)
+                side: Any = KVSender(kv, rank=0, channel=channel, on_sent=lambda r, ok: None, timeout_s=120.0,
+                                     chunk_bytes=chunk_bytes, num_slots=num_slots)  # fmt: skip
             else:
-                dist.recv(raw, src=0)
-            _sync(device)
-            raw_t = time.perf_counter() - t0
-            dist.barrier()
-            request_id = f"r{num_tokens}-{rep}"
-            if rank == 0:
-                tables[request_id] = rng.sample(range(1, num_blocks), n)
-                handoffs.put(side.offer(request_id, num_tokens).to_bytes())
-            else:
-                handoff = KVHandoff.from_bytes(handoffs.get(timeout=300))
+                side = KVReceiver(kv, rank=1, channel=channel, timeout_s=120.0, num_slots=num_slots)
+            side.start()
+            nbytes = n * layout.bytes_per_block
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            raw.random_()
+            raw_times, kv_times, phases = [], [], []
+            for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, nccl setup)
+                dist.barrier()
                 t0 = time.perf_counter()
-                result = side.receive(handoff, rng.sample(range(1, num_blocks), n))
-                kv_t = time.perf_counter() - t0
-                if rep:
-                    raw_times.append(raw_t)
-                    kv_times.append(kv_t)
-                    wire_times.append(result.wire_seconds)
-            dist.barrier()
-        side.close()
-        del kv, raw, side
-        if rank == 1:
-            rows.append((num_tokens, layout.num_layers, nbytes, statistics.median(raw_times),
-                         statistics.median(kv_times), statistics.median(wire_times)))  # fmt: skip
+                if rank == 0:
+                    dist.send(raw, dst=1)
+                else:
+                    dist.recv(raw, src=0)
+                _sync(device)
+                raw_t = time.perf_counter() - t0
+                dist.barrier()
+                request_id = f"r{chunk_bytes}-{num_tokens}-{rep}"
+                if rank == 0:
+                    src_ids = rng.sample(range(1, num_blocks), n)
+                    handoffs.put(side.offer(request_id, src_ids, num_tokens).to_bytes())
+                else:
+                    handoff = KVHandoff.from_bytes(handoffs.get(timeout=300))
+                    t0 = time.perf_counter()
+                    result = side.receive(handoff, rng.sample(range(1, num_blocks), n))
+                    kv_t = time.perf_counter() - t0
+                    if rep:
+                        raw_times.append(raw_t)
+                        kv_times.append(kv_t)
+                        phases.append([getattr(result, p) for p in _RECEIVER_PHASES])
+                dist.barrier()
+            if rank == 0:  # NOTE: the sender records a result after the receiver's DONE: wait for the last
+                deadline = time.monotonic() + 60
+                while len(side.results()) < reps + 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                sent = [r for r in side.results() if r.ok][1:]
+                out.put([statistics.median(getattr(r, p) for r in sent) for p in _SENDER_PHASES])
+            side.close()
+            del kv, raw, side
+            if rank == 1:
+                rows.append({
+                    "chunk_mib": chunk_bytes / 2**20, "tokens": num_tokens, "layers": layout.num_layers,
+                    "nbytes": nbytes, "raw": statistics.median(raw_times), "handoff": statistics.median(kv_times),
+                    "receiver": [statistics.median(p[i] for p in phases) for i in range(len(_RECEIVER_PHASES))],
+                })  # fmt: skip
     if rank == 1:
         out.put(rows)
     dist.barrier()
     os._exit(0)
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    header = ("tokens", "layers", "MiB", "raw ms", "raw GB/s", "handoff ms", "handoff GB/s", "handoff/raw",
+              "S gather", "S hash", "S blocked", "R hash", "R scatter", "R blocked", "wire ms")  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" for _ in header) + "|")
+    for row in rows:
+        nbytes, raw_t, kv_t = row["nbytes"], row["raw"], row["handoff"]
+        phases = [f"{t * 1e3:.1f}" for t in (*row["sender"], *row["receiver"])]
+        cells = (row["tokens"], row["layers"], f"{nbytes / 2**20:.0f}", f"{raw_t * 1e3:.1f}",
+                 f"{nbytes / raw_t / 1e9:.2f}", f"{kv_t * 1e3:.1f}", f"{nbytes / kv_t / 1e9:.2f}",
+                 f"{raw_t / kv_t:.0%}", *phases)  # fmt: skip
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def main() -> None:
@@ -123,24 +158,30 @@ def main() -> None:
     parser.add_argument(
         "--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[128, 1024, 4096, 16384]
     )
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument(
-        "--chunk-mib", type=float, default=16.0, help="KVSender chunk_bytes (pipelining unit)"
-    )
+        "--chunk-mib", type=lambda s: [float(x) for x in s.split(",")], default=None,
+        help="KVSender chunk_bytes in MiB (the pipelining unit); a list sweeps (default: the library's)",
+    )  # fmt: skip
+    parser.add_argument("--slots", type=int, default=None, help="staging ring slots per side")
     parser.add_argument(
         "--mem-fraction", type=float, default=0.5, help="of MemAvailable the run may use (gloo)"
     )
     args = parser.parse_args()
+    from transfer.side import DEFAULT_CHUNK_BYTES, NUM_SLOTS
+
+    chunk_sizes = [int(c * 2**20) for c in args.chunk_mib] if args.chunk_mib else [DEFAULT_CHUNK_BYTES]
+    num_slots = args.slots or NUM_SLOTS
 
     cases, notes = [], []
     per_token_layer = 2 * 8 * 128 * 2  # K and V bytes of one token in one layer (bf16)
     budget = args.mem_fraction * _mem_available_bytes()
     for num_tokens in args.tokens:
         layers = args.layers
-        # both processes: KV (1.25x the prompt's blocks) + staging + raw buffer ~ 3.3x the bytes each
+        # both processes: KV (1.25x the prompt's blocks) + the raw buffer ~ 2.3x the bytes each
         while (
-            args.backend == "gloo" and layers > 1 and 2 * 3.3 * num_tokens * per_token_layer * layers > budget
+            args.backend == "gloo" and layers > 1 and 2 * 2.3 * num_tokens * per_token_layer * layers > budget
         ):
             layers //= 2
         if layers != args.layers:
@@ -152,45 +193,32 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    handoffs, out = ctx.Queue(), ctx.Queue()
+    handoffs, sender_out, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    common = (port, args.backend, cases, args.reps, chunk_sizes, num_slots, handoffs)
     procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, port, args.backend, cases, args.reps, int(args.chunk_mib * 2**20), handoffs, out),
-        )
-        for r in range(2)
+        ctx.Process(target=_worker, args=(0, *common, sender_out)),
+        ctx.Process(target=_worker, args=(1, *common, out)),
     ]
     for p in procs:
         p.start()
     try:
-        rows = out.get(timeout=1800)
+        rows = out.get(timeout=3600)
+        for row in rows:
+            row["sender"] = sender_out.get(timeout=60)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.terminate()
     print(f"backend={args.backend} torch={torch.__version__} cpus={os.cpu_count()} Llama-3-8B KV layout "
-          f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), chunks of {args.chunk_mib:g} MiB, "
-          f"median of {args.reps} after 1 warm-up")  # fmt: skip
+          f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), {num_slots} staging slots per "
+          f"side, median of {args.reps} after 1 warm-up, load average {os.getloadavg()[0]:.1f}; "
+          f"phase columns in ms (S = sender, R = receiver)")  # fmt: skip
     for note in notes:
         print(note)
-    header = (
-        "tokens",
-        "layers",
-        "MiB",
-        "raw ms",
-        "raw GB/s",
-        "handoff ms",
-        "wire ms",
-        "handoff GB/s",
-        "handoff/raw",
-    )
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---:" for _ in header) + "|")
-    for num_tokens, layers, nbytes, raw_t, kv_t, wire_t in rows:
-        cells = (num_tokens, layers, f"{nbytes / 2**20:.0f}", f"{raw_t * 1e3:.1f}", f"{nbytes / raw_t / 1e9:.2f}",
-                 f"{kv_t * 1e3:.1f}", f"{wire_t * 1e3:.1f}", f"{nbytes / kv_t / 1e9:.2f}", f"{kv_t / raw_t:.2f}x")  # fmt: skip
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+    for chunk_bytes in chunk_sizes:
+        print(f"\nchunks of {chunk_bytes / 2**20:g} MiB")
+        _print_table([r for r in rows if r["chunk_mib"] == chunk_bytes / 2**20])
 
 
 if __name__ == "__main__":

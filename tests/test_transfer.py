@@ -458,21 +458,26 @@ def test_unknown_aborted_and_expired_requests_are_rejected(pair: Pair) -> None:
 
 
 def _ipc_worker(rank: int, endpoints: dict[int, str], replies: Any) -> None:
+    """Rank 0 sends two halves of one buffer (tags 5, 6); rank 1 receives both, then times out on tag 7."""
     try:
         channel = CudaIpcChannel(rank, endpoints)
         expected = torch.arange(4096, dtype=torch.int32, device="cuda") * 7
         if rank == 0:
-            channel.send(expected.clone(), 1, tag=5, timeout_s=30.0)
-            replies.put(("ok", None))
+            staging = expected.clone()
+            channel.send(staging[:2048], 1, tag=5, timeout_s=30.0)
+            channel.send(staging[2048:], 1, tag=6, timeout_s=30.0)
+            replies.put(("ok", len(channel._exports)))
         else:
             buf = torch.zeros_like(expected)
-            channel.recv(buf, 0, tag=5, timeout_s=30.0)
+            channel.recv(buf[:2048], 0, tag=5, timeout_s=30.0)
+            channel.recv(buf[2048:], 0, tag=6, timeout_s=30.0)
             start = time.monotonic()
             try:
-                channel.recv(torch.zeros_like(expected), 0, tag=6, timeout_s=0.5)
+                channel.recv(torch.zeros_like(expected), 0, tag=7, timeout_s=0.5)
                 replies.put(("err", "recv without a sender returned"))
             except TimeoutError:
-                replies.put(("ok", (torch.equal(buf, expected), time.monotonic() - start)))
+                elapsed = time.monotonic() - start
+                replies.put(("ok", (torch.equal(buf, expected), len(channel._imports), elapsed)))
         channel.close()
     except Exception:  # noqa: BLE001 (the traceback goes to the test process)
         replies.put(("err", traceback.format_exc()))
@@ -489,9 +494,9 @@ def test_cuda_ipc_channel_moves_a_buffer_between_processes_on_one_gpu(tmp_path: 
         for p in procs:
             p.start()
         results = [q.get(timeout=60) for q in replies]
-        assert results[0] == ("ok", None), results[0]
-        status, (equal, elapsed) = results[1]
-        assert status == "ok" and equal and elapsed < 5.5
+        assert results[0] == ("ok", 1), results[0]  # one buffer, exported once for both sends
+        status, (equal, num_imports, elapsed) = results[1]
+        assert status == "ok" and equal and num_imports == 1 and elapsed < 5.5
     finally:
         for p in procs:
             p.join(10)

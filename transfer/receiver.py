@@ -54,7 +54,11 @@ class _Job:
 
 
 class KVReceiver(Side):
-    """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time."""
+    """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
+
+    Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; a recv is
+    posted in each, so the sender can run up to `num_slots` chunks ahead of the scatter.
+    """
 
     def __init__(
         self,
@@ -64,8 +68,9 @@ class KVReceiver(Side):
         channel: Channel,
         timeout_s: float = 30.0,
         zmq_context: zmq.Context[Any] | None = None,
+        num_slots: int = NUM_SLOTS,
     ) -> None:
-        super().__init__(kv, rank, channel, timeout_s, zmq_context)
+        super().__init__(kv, rank, channel, timeout_s, zmq_context, num_slots)
         self._jobs: deque[_Job] = deque()
         self._jobs_cond = threading.Condition(self._lock)
         self._dealers: dict[str, zmq.Socket[Any]] = {}
@@ -269,7 +274,7 @@ class KVReceiver(Side):
         the next recv into the slot it frees. Counts posted recvs in `_num_posted` (the rest are drained
         if this raises) and the phases' seconds in `result`. Runs on the side's stream."""
         src_rank = job.handoff.src_rank
-        num_slots = min(NUM_SLOTS, plan.num_chunks)
+        num_slots = min(self.num_slots, plan.num_chunks)
         ring = self._ring(plan, nonce, num_slots)
         index = block_index(job.dst_block_ids, self._kv.device)
         tag = tag_for_nonce(nonce)

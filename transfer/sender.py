@@ -74,7 +74,7 @@ class KVSender(Side):
     `offer` takes the request's block ids and keeps a frozen copy: the transfer thread never reads the
     engine's tables, and the blocks' bytes must not change until `on_sent` (or a withdrawing `abort`). Bind
     `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`). `chunk_bytes` is the pipelining unit
-    (rounded down to whole block rows); staging holds NUM_SLOTS of them whatever the transfer's size.
+    (rounded down to whole block rows); staging holds `num_slots` of them whatever the transfer's size.
     """
 
     def __init__(
@@ -89,8 +89,9 @@ class KVSender(Side):
         lease_s: float = 60.0,
         zmq_context: zmq.Context[Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_slots: int = NUM_SLOTS,
     ) -> None:
-        super().__init__(kv, rank, channel, timeout_s, zmq_context)
+        super().__init__(kv, rank, channel, timeout_s, zmq_context, num_slots)
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
@@ -342,7 +343,7 @@ class KVSender(Side):
     ) -> None:
         """Gather, seal and post every chunk through the ring; counts them in `_num_posted` (junk feeds the
         rest if this raises) and the phases' seconds in `result`. Runs on the side's stream."""
-        num_slots = min(NUM_SLOTS, plan.num_chunks)
+        num_slots = min(self.num_slots, plan.num_chunks)
         ring = self._ring(plan, req.nonce, num_slots)
         ring.start(ready)
         index = block_index(block_ids, self._kv.device)

@@ -45,8 +45,17 @@ class Side:
     dropped peers."""
 
     def __init__(
-        self, kv: torch.Tensor, rank: int, channel: Channel, timeout_s: float, ctx: zmq.Context[Any] | None
+        self,
+        kv: torch.Tensor,
+        rank: int,
+        channel: Channel,
+        timeout_s: float,
+        ctx: zmq.Context[Any] | None,
+        num_slots: int,
     ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
         self._kv = kv
         self.layout = layout_of(kv)
         self._rows = kv_rows(kv)
