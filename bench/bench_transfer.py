@@ -9,10 +9,12 @@ Layout: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16 -> 
 random data. Figures are medians over `--reps` repetitions (after one warm-up).
 
 Columns: `raw ms` / `handoff ms` (receiver's submit -> result), `handoff/raw` = raw ms / handoff ms (the
-efficiency; issue 11's target is >= 85% at >= 1k tokens), GB/s of each; then where the transfer threads
-spent the handoff: the sender's gather, digest, and time blocked on the channel (a free slot), the
-receiver's digest, scatter, and time blocked on the channel (the next chunk), and `wire ms` (receiver:
-ack -> last chunk scattered). On a shared box run it several times and compare medians.
+efficiency; issue 11's target is >= 85% at >= 1k tokens; also as the median of each repetition's ratio,
+which a load that drifts between repetitions disturbs less), GB/s of each. A second table says where the
+transfer threads spent the handoff: the sender's gather, digest, and time blocked (a free slot of its own
+or a credit for the receiver's), the receiver's digest, scatter, and time blocked on the channel (the next
+chunk), `wire` (receiver: ack -> last chunk scattered), and the CPU seconds each process (every thread)
+used for the raw send/recv and for the handoff. On a shared box run it several times; compare medians.
 
     python bench/bench_transfer.py                       # gloo on CPU
     python bench/bench_transfer.py --chunk-mib 2,4,8     # chunk-size sweep, one table each
@@ -91,17 +93,18 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
             nbytes = n * layout.bytes_per_block
             raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
             raw.random_()
-            raw_times, kv_times, phases = [], [], []
+            raw_times, kv_times, phases, cpu = [], [], [], []
             for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, nccl setup)
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 if rank == 0:
                     dist.send(raw, dst=1)
                 else:
                     dist.recv(raw, src=0)
                 _sync(device)
-                raw_t = time.perf_counter() - t0
+                raw_t, raw_cpu = time.perf_counter() - t0, time.process_time() - c0
                 dist.barrier()
+                c0 = time.process_time()
                 request_id = f"r{chunk_bytes}-{num_tokens}-{rep}"
                 if rank == 0:
                     src_ids = rng.sample(range(1, num_blocks), n)
@@ -116,19 +119,26 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
                         kv_times.append(kv_t)
                         phases.append([getattr(result, p) for p in _RECEIVER_PHASES])
                 dist.barrier()
+                if rep:  # NOTE: process CPU (every thread) from barrier to barrier
+                    cpu.append((raw_cpu, time.process_time() - c0))
+            cpu_medians = [statistics.median(c[i] for c in cpu) for i in range(2)]
             if rank == 0:  # NOTE: the sender records a result after the receiver's DONE: wait for the last
                 deadline = time.monotonic() + 60
                 while len(side.results()) < reps + 1 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 sent = [r for r in side.results() if r.ok][1:]
-                out.put([statistics.median(getattr(r, p) for r in sent) for p in _SENDER_PHASES])
+                out.put(
+                    ([statistics.median(getattr(r, p) for r in sent) for p in _SENDER_PHASES], cpu_medians)
+                )
             side.close()
             del kv, raw, side
             if rank == 1:
                 rows.append({
                     "chunk_mib": chunk_bytes / 2**20, "tokens": num_tokens, "layers": layout.num_layers,
                     "nbytes": nbytes, "raw": statistics.median(raw_times), "handoff": statistics.median(kv_times),
+                    "ratio": statistics.median(r / k for r, k in zip(raw_times, kv_times, strict=True)),
                     "receiver": [statistics.median(p[i] for p in phases) for i in range(len(_RECEIVER_PHASES))],
+                    "receiver_cpu": cpu_medians,
                 })  # fmt: skip
     if rank == 1:
         out.put(rows)
@@ -136,17 +146,26 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
     os._exit(0)
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
+def _print_tables(rows: list[dict[str, Any]]) -> None:
     header = ("tokens", "layers", "MiB", "raw ms", "raw GB/s", "handoff ms", "handoff GB/s", "handoff/raw",
-              "S gather", "S hash", "S blocked", "R hash", "R scatter", "R blocked", "wire ms")  # fmt: skip
+              "median per-rep raw/handoff")  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
     for row in rows:
         nbytes, raw_t, kv_t = row["nbytes"], row["raw"], row["handoff"]
-        phases = [f"{t * 1e3:.1f}" for t in (*row["sender"], *row["receiver"])]
         cells = (row["tokens"], row["layers"], f"{nbytes / 2**20:.0f}", f"{raw_t * 1e3:.1f}",
                  f"{nbytes / raw_t / 1e9:.2f}", f"{kv_t * 1e3:.1f}", f"{nbytes / kv_t / 1e9:.2f}",
-                 f"{raw_t / kv_t:.0%}", *phases)  # fmt: skip
+                 f"{raw_t / kv_t:.0%}", f"{row['ratio']:.0%}")  # fmt: skip
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    print("\nwhere the time went (ms; S = sender, R = receiver; CPU = the process, every thread)")
+    header = ("tokens", "S gather", "S hash", "S blocked", "R hash", "R scatter", "R blocked", "wire",
+              "S CPU raw", "R CPU raw", "S CPU handoff", "R CPU handoff")  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" for _ in header) + "|")
+    for row in rows:
+        times = (*row["sender"], *row["receiver"])
+        cpu = (row["sender_cpu"][0], row["receiver_cpu"][0], row["sender_cpu"][1], row["receiver_cpu"][1])
+        cells = (row["tokens"], *(f"{t * 1e3:.1f}" for t in (*times, *cpu)))
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
@@ -204,7 +223,7 @@ def main() -> None:
     try:
         rows = out.get(timeout=3600)
         for row in rows:
-            row["sender"] = sender_out.get(timeout=60)
+            row["sender"], row["sender_cpu"] = sender_out.get(timeout=60)
     finally:
         for p in procs:
             p.join(30)
@@ -218,7 +237,7 @@ def main() -> None:
         print(note)
     for chunk_bytes in chunk_sizes:
         print(f"\nchunks of {chunk_bytes / 2**20:g} MiB")
-        _print_table([r for r in rows if r["chunk_mib"] == chunk_bytes / 2**20])
+        _print_tables([r for r in rows if r["chunk_mib"] == chunk_bytes / 2**20])
 
 
 if __name__ == "__main__":

@@ -245,9 +245,9 @@ def test_staging_rings_wrap_around_and_a_bad_chunk_is_not_scattered() -> None:
     src_index, dst_index = block_index(src_ids, kv.device), block_index(dst_ids, kv.device)
     before = as_bytes(target).clone()
     for c in range(plan.num_chunks):
-        recv.before_recv(c)
         recv.wire(c).copy_(send.fill(kv_rows(kv), src_index, c))
         recv.drain(kv_rows(target), dst_index, c, "'r'")
+        recv.release(c)
     recv.finish()
     assert torch.equal(as_bytes(target)[:, dst_ids], as_bytes(kv)[:, src_ids])
     others = [b for b in range(NUM_BLOCKS) if b not in dst_ids]

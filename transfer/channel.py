@@ -65,31 +65,37 @@ class PendingOp(ABC):
 
 class OpLane:
     """The ops of one transfer: a channel that needs a helper thread to wait (gloo) waits them in posting
-    order on ONE thread, started when an op is added and ended when none is left.
+    order on ONE thread, started when an op is added and ended once none was left for `linger_s`.
 
     NOTE: a chunked transfer posts dozens of ops; one thread each would be as many threads per transfer,
     and, for an op towards a dead peer that never completes, as many left behind. Per lane at most one
     thread ever waits, so an abandoned transfer leaves at most one thread, which ends when gloo fails the
-    op (the peer's socket closed, or the process-group timeout).
+    op (the peer's socket closed, or the process-group timeout). The thread lingers between ops because a
+    transfer's ring often waits for one op before it adds the next: a thread per op costs more than the
+    op's bookkeeping.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, linger_s: float = 0.5) -> None:
         self.name = name
-        self._lock = threading.Lock()
+        self.linger_s = linger_s
+        self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_GlooOp] = deque()
         self._is_running = False
 
     def add(self, op: _GlooOp) -> None:
-        with self._lock:
+        with self._cond:
             self._queue.append(op)
             if self._is_running:
+                self._cond.notify()
                 return
             self._is_running = True
         threading.Thread(target=self._run, name=f"lane-{self.name}", daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            with self._lock:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(self.linger_s)
                 if not self._queue:
                     self._is_running = False
                     return
@@ -140,8 +146,11 @@ class _GlooOp(PendingOp):
     comes (a dead process) stays pending, and gloo closes the pair at the process-group timeout.
     """
 
-    def __init__(self, work: Any, what: str, lane: OpLane | None) -> None:
+    def __init__(
+        self, work: Any, what: str, lane: OpLane | None, post: Callable[[], Any] | None = None
+    ) -> None:
         self._work = work
+        self._post = post  # NOTE: if set, the waiting thread posts the op first (see TorchDistChannel.isend)
         self._what = what
         self._done = threading.Event()
         self._error: Exception | None = None
@@ -152,6 +161,10 @@ class _GlooOp(PendingOp):
 
     def run(self) -> None:
         try:
+            if self._post is not None:
+                self._work = self._post()
+                if self._work is None:
+                    raise TransferError("this rank is not in the channel's process group")
             self._work.wait()
         except Exception as e:  # noqa: BLE001 (re-raised as TransferError by wait())
             self._error = e
@@ -218,8 +231,16 @@ class TorchDistChannel(Channel):
 
     def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
+        what = f"send {flat.numel()} B to rank {dst_rank}"
+        if lane is not None and not self.is_nccl:
+            # NOTE: posting a gloo send writes what fits of it into the socket in the posting thread (after
+            # waiting for the pair's lock, held while the pair reads). Posted from the lane's thread, it
+            # leaves the caller free to prepare the next chunk meanwhile.
+            return _GlooOp(
+                None, what, lane, lambda: dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
+            )
         work = dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
-        return self._op(work, flat, f"send {buf.numel() * buf.element_size()} B to rank {dst_rank}", lane)
+        return self._op(work, flat, what, lane)
 
     def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)

@@ -8,16 +8,21 @@ Handshake for one request (decode side D asks prefill side P; see transfer/conne
 
     D -> P  request  {TransferRequest}       "send R into my blocks, skipping my first k"
     P -> D  header   {TransferHeader}        what P will send (layout, shape, bytes, chunking, checksum)
-    D -> P  ack                              header matches what D expects; D's first chunk recvs are posted
+    D -> P  ack      {num_slots}             header matches what D expects; all D's chunk recvs are posted
     P => D  <num_chunks chunks over the channel, chunk i on tag chunk_tag(tag, i)>
+    D -> P  credit   {chunk}                 chunks up to i verified and scattered: their slots may take
+                                             chunks up to i + num_slots (P sends a chunk only once the
+                                             chunk num_slots before it is credited; D credits every few)
     D -> P  done                             every chunk verified and scattered; P may free its blocks
     either  abort    {error_type, message}   the transfer failed on the sender of this frame
 
 Both sides stage through a small ring of chunk slots, so a transfer of any size needs a few chunks of
-memory and the bytes stay in cache between the channel and the copies. Once D has acked, each side posts
-all `num_chunks` of its channel ops whatever happens: P sends junk (it fails the digest) for chunks it
-cannot send, D receives the chunks it no longer wants into a scratch buffer. So no op either side posted
-is left without its match; only a dropped (dead) peer is exempt.
+memory and the bytes stay in cache between the channel and the copies. D posts the recv of every chunk
+into its slot before acking (chunk i into slot i % num_slots): posting a recv while the channel reads
+another chunk of the pair would wait for that read (gloo locks the pair), so D never calls into the
+channel mid-transfer; the credits keep P from overwriting a slot D still drains. Once D has acked, P posts
+all `num_chunks` sends whatever happens (junk that fails the digest when it cannot send the real bytes),
+so no recv D posted is left without its send; only a dropped (dead) peer is exempt.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class MessageKind(str, enum.Enum):
     REQUEST = "request"
     HEADER = "header"
     ACK = "ack"
+    CREDIT = "credit"
     DONE = "done"
     ABORT = "abort"
 

@@ -1,14 +1,13 @@
 """KVReceiver (decode side): fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
 
-Per transfer: REQUEST -> sender's HEADER (validated) -> post a recv into every slot of a staging ring ->
-ACK -> verify and scatter chunk i while the next chunks arrive, re-posting its slot -> sync the side's
-stream -> DONE. See transfer/protocol.py and transfer/ring.py.
+Per transfer: REQUEST -> sender's HEADER (validated) -> post the recv of every chunk into its slot of a
+staging ring -> ACK -> verify and scatter chunk i while the next chunks arrive, then CREDIT its slot ->
+sync the side's stream -> DONE. See transfer/protocol.py and transfer/ring.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import secrets
 import threading
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import zmq
 
-from transfer.channel import Channel, OpLane, PendingOp
+from transfer.channel import Channel, OpLane
 from transfer.protocol import (
     KVHandoff,
     MessageKind,
@@ -39,9 +38,7 @@ from transfer.protocol import (
     validate_header,
 )
 from transfer.side import NUM_SLOTS, POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
-from transfer.staging import ChunkPlan, block_index, chunk_view
-
-logger = logging.getLogger(__name__)
+from transfer.staging import ChunkPlan, block_index
 
 
 @dataclass
@@ -56,8 +53,8 @@ class _Job:
 class KVReceiver(Side):
     """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
 
-    Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; a recv is
-    posted in each, so the sender can run up to `num_slots` chunks ahead of the scatter.
+    Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; the
+    sender runs up to `num_slots` chunks ahead of the scatter.
     """
 
     def __init__(
@@ -220,9 +217,6 @@ class KVReceiver(Side):
         nonce = secrets.randbits(63)
         request = TransferRequest(handoff.request_id, nonce, self.rank, job.skip_first_n_blocks, len(dst_ids))
         is_sent = False
-        plan: ChunkPlan | None = None
-        self._num_posted = 0
-        self._is_acked = False  # NOTE: from the ack on, the sender posts every chunk: each needs a recv
         try:
             self._check_peer(src_rank)
             if time.monotonic() >= job.deadline:
@@ -258,11 +252,6 @@ class KVReceiver(Side):
                     sock.send(abort_frame(nonce, error), zmq.NOBLOCK)
         if not result.ok:
             self._drop_staging()
-            if self._is_acked and plan is not None and not self.is_dropped(src_rank):
-                try:
-                    self._drain(plan, self._num_posted, src_rank, tag_for_nonce(nonce))
-                except Exception:  # NOTE: the result below must still be recorded
-                    logger.exception("KVReceiver rank %d: could not drain the sender's sends", self.rank)
         result.seconds = time.monotonic() - t0
         self._record(result)
         return result, error
@@ -270,49 +259,38 @@ class KVReceiver(Side):
     def _receive_chunks(
         self, sock: zmq.Socket[Any], job: _Job, nonce: int, plan: ChunkPlan, result: TransferResult
     ) -> None:
-        """Post a recv into every ring slot, ack, then verify and scatter each chunk as it lands and post
-        the next recv into the slot it frees. Counts posted recvs in `_num_posted` (the rest are drained
-        if this raises) and the phases' seconds in `result`. Runs on the side's stream."""
+        """Post the recv of every chunk into its ring slot, ack, then verify and scatter each chunk as it
+        lands and credit the sender with its slot. Counts the phases' seconds in `result`. Runs on the
+        side's stream."""
         src_rank = job.handoff.src_rank
         num_slots = min(self.num_slots, plan.num_chunks)
         ring = self._ring(plan, nonce, num_slots)
         index = block_index(job.dst_block_ids, self._kv.device)
         tag = tag_for_nonce(nonce)
         lane = OpLane(f"recv-{src_rank}")
-        ops: list[PendingOp] = []
         what = f"{job.handoff.request_id!r} from rank {src_rank}"
-
-        def post(chunk: int) -> None:
-            ring.before_recv(chunk)
-            ops.append(self._channel.irecv(ring.wire(chunk), src_rank, chunk_tag(tag, chunk), lane))
-            self._num_posted = chunk + 1
+        ops = [
+            self._channel.irecv(ring.wire(c), src_rank, chunk_tag(tag, c), lane)
+            for c in range(plan.num_chunks)
+        ]
+        sock.send(encode_message(MessageKind.ACK, nonce, num_slots=self.num_slots), zmq.NOBLOCK)
+        t_wire = time.monotonic()
 
         def check() -> None:
             self._check_peer(src_rank)
             self._poll(sock, nonce, 0)
 
-        for chunk in range(num_slots):
-            post(chunk)
-        sock.send(encode_message(MessageKind.ACK, nonce), zmq.NOBLOCK)
-        self._is_acked = True
-        t_wire = time.monotonic()
+        # NOTE: a credit every few chunks (each names the last drained chunk): every frame costs a wakeup
+        # of both sides' ZMQ threads, and the sender still has `num_slots - credit_every` chunks in flight.
+        credit_every = max(1, num_slots // 2)
         try:
             for chunk in range(plan.num_chunks):
                 result.blocked_seconds += self._wait_op(ops[chunk], job.deadline, check)
                 ring.drain(self._rows, index, chunk, what)
-                if chunk + num_slots < plan.num_chunks:
-                    post(chunk + num_slots)
+                if (chunk + 1) % credit_every == 0 and chunk + num_slots < plan.num_chunks:
+                    ring.release(chunk)
+                    sock.send(encode_message(MessageKind.CREDIT, nonce, chunk=chunk), zmq.NOBLOCK)
             ring.finish()
         finally:
             result.hash_seconds, result.scatter_seconds = ring.hash_seconds, ring.scatter_seconds
         result.wire_seconds = time.monotonic() - t_wire
-
-    def _drain(self, plan: ChunkPlan, first_chunk: int, src_rank: int, tag: int) -> None:
-        """Receive chunks `first_chunk..` of a failed transfer into scratch, so that no send the sender
-        posted after our ack stays unmatched (gloo closes a pair whose op waits out the group timeout)."""
-        if first_chunk >= plan.num_chunks:
-            return
-        scratch = self._scratch(plan.stride)
-        lane = OpLane(f"drain-{src_rank}")
-        for chunk in range(first_chunk, plan.num_chunks):
-            self._channel.irecv(chunk_view(scratch, plan, chunk), src_rank, chunk_tag(tag, chunk), lane)

@@ -2,8 +2,8 @@
 cache, queued on the side's own CUDA stream.
 
 Chunk i lives in slot ``i % num_slots``. The sender fills a slot (gather + seal) while the chunks in the
-other slots are on the wire; the receiver keeps a recv posted in every slot and drains one (verify +
-scatter) while the others fill. A few slots of a few MiB stay in the CPU cache between the channel's copy
+other slots are on the wire; the receiver drains one slot (verify + scatter) while the others fill, and
+credits the sender with each slot it drained (transfer/protocol.py). A few slots of a few MiB stay in the CPU cache between the channel's copy
 and ours, which is what makes the gather, digest and scatter cheap (a transfer-sized buffer would be
 written to DRAM by one pass and read back by the next).
 
@@ -129,8 +129,8 @@ class StagingRing:
         self.hash_seconds += time.perf_counter() - t1
         return wire
 
-    def before_recv(self, chunk: int) -> None:
-        """Wait until `chunk`'s slot may be received into (no async copy still reads its last chunk)."""
+    def release(self, chunk: int) -> None:
+        """Wait until `chunk`'s slot may take its next chunk (no async copy still reads this one)."""
         slot = chunk % self.num_slots
         event, self._slot_events[slot] = self._slot_events[slot], None
         if event is not None:

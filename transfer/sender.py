@@ -1,9 +1,9 @@
 """KVSender (prefill side): serves transfer requests for the requests it `offer`ed, one at a time.
 
 Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, digest scheme) ->
-receiver's ACK (its first chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
-it with its digest while the chunks before it are on the wire -> receiver's DONE. See transfer/protocol.py
-and transfer/ring.py.
+receiver's ACK (all its chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
+it with its digest while the chunks before it are on the wire, send it once the receiver credited the
+slot it lands in -> receiver's DONE. See transfer/protocol.py and transfer/ring.py.
 """
 
 from __future__ import annotations
@@ -263,7 +263,9 @@ class KVSender(Side):
             raise PeerAbort(error_from_remote(body.get("error_type", ""), body.get("message", "")))
         return reply
 
-    def _await(self, ident: bytes, req: TransferRequest, want: MessageKind, deadline: float) -> None:
+    def _await(
+        self, ident: bytes, req: TransferRequest, want: MessageKind, deadline: float
+    ) -> dict[str, Any]:
         while True:
             self._check_peer(req.dst_rank)
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -274,7 +276,8 @@ class KVSender(Side):
                 continue
             if reply[0] is not want:
                 raise TransferError(f"expected {want.value} from the receiver, got {reply[0].value}")
-            return
+            body: dict[str, Any] = reply[1]
+            return body
 
     def _serve(self, ident: bytes, req: TransferRequest) -> None:
         t0 = time.monotonic()
@@ -297,7 +300,7 @@ class KVSender(Side):
             result.num_blocks, result.nbytes = header.num_blocks, header.nbytes
             self._reply(ident, encode_message(MessageKind.HEADER, req.nonce, header=header))
             try:
-                self._await(ident, req, MessageKind.ACK, deadline)
+                ack = self._await(ident, req, MessageKind.ACK, deadline)
             except TransferTimeoutError:
                 if plan.num_chunks:
                     if len(self._abandoned) >= 64:
@@ -305,9 +308,12 @@ class KVSender(Side):
                     self._abandoned[(ident, req.nonce)] = (req.dst_rank, header.tag, plan)
                 raise
             is_acked = True
+            recv_slots = ack.get("num_slots")
+            if not isinstance(recv_slots, int) or isinstance(recv_slots, bool) or recv_slots < 1:
+                raise TransferError(f"the receiver's ack has no valid num_slots: {recv_slots!r}")
             t_wire = time.monotonic()
             with self._on_stream():
-                self._send_chunks(ident, req, plan, block_ids, lease.ready, deadline, result)
+                self._send_chunks(ident, req, plan, block_ids, lease.ready, recv_slots, deadline, result)
             result.wire_seconds = time.monotonic() - t_wire
             if not self._is_done_early:
                 self._await(ident, req, MessageKind.DONE, deadline)
@@ -338,11 +344,14 @@ class KVSender(Side):
         plan: ChunkPlan,
         block_ids: Sequence[int],
         ready: Any,
+        recv_slots: int,
         deadline: float,
         result: TransferResult,
     ) -> None:
         """Gather, seal and post every chunk through the ring; counts them in `_num_posted` (junk feeds the
-        rest if this raises) and the phases' seconds in `result`. Runs on the side's stream."""
+        rest if this raises) and the phases' seconds in `result`. Chunk i waits for its own slot (the send
+        of chunk i - num_slots done) and for the receiver's (the credit of chunk i - recv_slots). Runs on
+        the side's stream."""
         num_slots = min(self.num_slots, plan.num_chunks)
         ring = self._ring(plan, req.nonce, num_slots)
         ring.start(ready)
@@ -350,20 +359,45 @@ class KVSender(Side):
         tag = tag_for_nonce(req.nonce)
         lane = OpLane(f"send-{req.dst_rank}")
         ops: list[PendingOp] = []
+        num_credited = 0  # chunks the receiver has drained
+
+        def take(timeout_ms: int) -> bool:
+            """Handle one frame of this transfer if one comes within `timeout_ms`; `abort` raises."""
+            nonlocal num_credited
+            reply = self._poll(ident, req.nonce, timeout_ms)
+            if reply is None:
+                return False
+            kind, body = reply
+            if kind is MessageKind.CREDIT and isinstance(body.get("chunk"), int):
+                num_credited = max(num_credited, body["chunk"] + 1)
+            elif kind is MessageKind.DONE:  # NOTE: may overtake our wait for the last sends' completion
+                self._is_done_early = True
+            else:
+                raise TransferError(f"expected credit or done from the receiver, got {kind.value} {body}")
+            return True
 
         def check() -> None:
             self._check_peer(req.dst_rank)
-            while (reply := self._poll(ident, req.nonce, 0)) is not None:
-                # NOTE: `done` may overtake our wait for the last sends' completion; `abort` raised
-                if reply[0] is not MessageKind.DONE:
-                    raise TransferError(f"expected nothing or done from the receiver, got {reply[0].value}")
-                self._is_done_early = True
+            while take(0):
+                pass
+
+        def await_credit(chunk: int) -> None:
+            t0 = time.perf_counter()
+            while num_credited < chunk + 1:
+                check()
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    raise TransferTimeoutError(f"no credit for chunk {chunk} within {self.timeout_s:.3f}s")
+                take(min(left_ms, int(POLL_S * 1000)))
+            result.blocked_seconds += time.perf_counter() - t0
 
         try:
             for chunk in range(plan.num_chunks):
-                if chunk >= num_slots:  # the slot is free once its last send completed
+                if chunk >= num_slots:  # our slot is free once its last send completed
                     result.blocked_seconds += self._wait_op(ops[chunk - num_slots], deadline, check)
                 wire = ring.fill(self._rows, index, chunk)
+                if chunk >= recv_slots:  # the receiver's slot is free once it drained its last chunk
+                    await_credit(chunk - recv_slots)
                 ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
                 self._num_posted = chunk + 1
                 check()
