@@ -30,6 +30,7 @@ from transfer.staging import TRAILER_BYTES
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 2, 32, 4, 2, 8
 SRC_SEED, DST_SEED = 1, 2
 REPLY_TIMEOUT_S = 30.0
+STARTUP_TIMEOUT_S = 180.0  # NOTE: far more than on a quiet box (~5 s); the CI box may be loaded
 ROW_BYTES_F32 = 2 * BLOCK_SIZE * NUM_HEADS * HEAD_DIM * 4
 
 
@@ -116,9 +117,9 @@ class FaultyChannel(Channel):
             self.ops.append(op)
         return op
 
-    def num_unfinished(self) -> int:
+    def num_unfinished(self, since: int) -> int:
         with self._lock:
-            return sum(not op.is_done() for op in self.ops)
+            return sum(not op.is_done() for op in self.ops[since:])
 
 
 class _NoOp(PendingOp):
@@ -148,6 +149,7 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
         timeout=datetime.timedelta(seconds=600),  # NOTE: far beyond the test; abandoned ops must not expire
     )
     channel = FaultyChannel(TorchDistChannel())
+    replies.put(("ok", "ready"))
     kvs: dict[str, torch.Tensor] = {}
     sides: dict[str, Any] = {}
     sent: dict[str, bool] = {}
@@ -169,8 +171,9 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
 
     def handle(cmd: str, *args: Any) -> Any:
         if cmd == "sender":
-            name, dtype, *rest = args
-            chunk_bytes, timeout_s = rest if rest else (DEFAULT_CHUNK_BYTES, 10.0)
+            name, dtype, *rest = args  # then chunk_bytes, timeout_s, num_slots, each optional
+            defaults = (DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS)
+            chunk_bytes, timeout_s, num_slots = (*rest, *defaults[len(rest) :])
             kvs[name] = make_kv(SRC_SEED, dtype)
             sides[name] = KVSender(
                 kvs[name],
@@ -179,13 +182,17 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
                 on_sent=on_sent,
                 timeout_s=timeout_s,
                 chunk_bytes=chunk_bytes,
+                num_slots=num_slots,
             )
             sides[name].start()
             return sides[name].endpoint
         if cmd == "receiver":
-            name, dtype, head_dim, timeout_s = args
+            name, dtype, head_dim, timeout_s, *slots = args
             kvs[name] = make_kv(DST_SEED, dtype, head_dim)
-            sides[name] = KVReceiver(kvs[name], rank=rank, channel=channel, timeout_s=timeout_s)
+            num_slots = slots[0] if slots else NUM_SLOTS
+            sides[name] = KVReceiver(
+                kvs[name], rank=rank, channel=channel, timeout_s=timeout_s, num_slots=num_slots
+            )
             sides[name].start()
             return None
         if cmd == "offer":  # the caller's list changes after the offer: the sender must not see it
@@ -207,8 +214,10 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
             return None
         if cmd == "fault_note":
             return channel.note
-        if cmd == "unfinished_ops":  # channel ops posted and not (yet) completed
-            return channel.num_unfinished()
+        if cmd == "num_ops":  # channel ops posted so far
+            return len(channel.ops)
+        if cmd == "unfinished_ops":  # of the channel ops posted since the `num_ops` given
+            return channel.num_unfinished(args[0])
         if cmd == "wait_fault":  # -> whether the fault was applied within the bound
             return channel.fired.wait(args[0])
         if cmd == "drop_peer":
@@ -264,6 +273,12 @@ class Pair:
         ]
         for p in self.procs:
             p.start()
+        for rank, (_, replies) in enumerate(self._queues):  # NOTE: spawn + import torch + gloo rendezvous
+            try:
+                assert replies.get(timeout=STARTUP_TIMEOUT_S) == ("ok", "ready")
+            except queue.Empty:
+                self.close()
+                raise AssertionError(f"rank {rank} did not start in {STARTUP_TIMEOUT_S}s") from None
 
     def call(self, rank: int, *cmd: Any) -> Any:
         commands, replies = self._queues[rank]
@@ -299,9 +314,11 @@ def pair() -> Iterator[Pair]:
     try:
         for dtype in ("float32", "bfloat16"):
             p.call(0, "sender", f"S-{dtype}", dtype)
-            p.call(1, "receiver", f"R-{dtype}", dtype, HEAD_DIM, 10.0)
+        p.call(1, "receiver", "R-bfloat16", "bfloat16", HEAD_DIM, 10.0)
+        # NOTE: 4 slots (a credit every 2 chunks) against S-chunked's 3: the sides' rings differ
+        p.call(1, "receiver", "R-float32", "float32", HEAD_DIM, 10.0, 4)
         # NOTE: 3 rows per chunk: a 4-block transfer of 2 layers is 3 chunks, one across the layer edge
-        p.call(0, "sender", "S-chunked", "float32", 3 * ROW_BYTES_F32, 10.0)
+        p.call(0, "sender", "S-chunked", "float32", 3 * ROW_BYTES_F32, 10.0, 3)
         yield p
     finally:
         p.close()
@@ -536,10 +553,10 @@ def test_a_transfer_in_several_chunks_arrives_byte_identical(pair: Pair) -> None
 
 
 def test_chunks_wrap_around_the_rings_and_a_bad_chunk_stops_the_scatter_there(pair: Pair) -> None:
-    """16 rows in chunks of 3 through rings of NUM_SLOTS slots. Chunk 1 corrupted: chunk 0 (verified) is
-    scattered, nothing after it; the receiver drains the chunks it had not posted and the sender feeds
-    junk to the recvs it had not sent, so the next transfer on the pair works."""
-    assert NUM_SLOTS < 6
+    """16 rows in chunks of 3 (6 chunks) through a 3-slot sender ring and a 4-slot receiver ring that
+    credits every 2 chunks. Chunk 1 corrupted: chunk 0 (verified) is scattered, nothing after it; the
+    sender feeds junk to the recvs it had not sent, so no op is left pending and the next transfer on the
+    pair works."""
     like = make_kv(DST_SEED, "float32")
     src_ids, dst_ids = [1, 2, 3, 4, 9, 10, 12, 13], [5, 6, 7, 8, 18, 19, 20, 21]
     before = read_kv(pair, 1, "R-float32", like)
@@ -553,6 +570,7 @@ def test_chunks_wrap_around_the_rings_and_a_bad_chunk_stops_the_scatter_there(pa
 
     rid2, dst2 = new_id("wrap-corrupt"), [22, 23, 24, 25, 26, 27, 28, 29]
     before2 = read_kv(pair, 1, "R-float32", like)
+    ops0, ops1 = pair.call(0, "num_ops"), pair.call(1, "num_ops")
     handoff2 = pair.call(0, "offer", "S-chunked", rid2, src_ids, None)
     pair.call(0, "fault", "corrupt", 1)
     [out2] = pair.call(1, "receive", "R-float32", [(handoff2, dst2, 0)])
@@ -567,8 +585,12 @@ def test_chunks_wrap_around_the_rings_and_a_bad_chunk_stops_the_scatter_there(pa
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst2]
     assert torch.equal(after2[:, untouched], before2[:, untouched])
 
-    # NOTE: every send met its recv (junk fed, the rest drained): no op is left pending on either side
-    wait_for(lambda: pair.call(0, "unfinished_ops") == pair.call(1, "unfinished_ops") == 0, 10.0, "ops done")
+    # NOTE: every op of that transfer met its match (the sender fed junk to the recvs it had not sent)
+    wait_for(
+        lambda: pair.call(0, "unfinished_ops", ops0) == pair.call(1, "unfinished_ops", ops1) == 0,
+        10.0,
+        "ops done",
+    )
 
     rid3 = new_id("wrap-after")
     handoff3 = pair.call(0, "offer", "S-chunked", rid3, src_ids, None)

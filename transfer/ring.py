@@ -130,7 +130,8 @@ class StagingRing:
         return wire
 
     def release(self, chunk: int) -> None:
-        """Wait until `chunk`'s slot may take its next chunk (no async copy still reads this one)."""
+        """Wait until `chunk`'s slot, and those of the chunks drained before it (one stream), may take
+        their next chunks: no queued copy still reads them."""
         slot = chunk % self.num_slots
         event, self._slot_events[slot] = self._slot_events[slot], None
         if event is not None:
@@ -151,9 +152,10 @@ class StagingRing:
         t1 = time.perf_counter()
         if mirror is None or wire.is_cuda:
             scatter_rows(rows, index, plan, chunk, payload_rows(wire, plan))
-        else:  # host staging: one copy up, scatter on the device; the slot is busy until the copy ran
+        else:  # host staging: one copy up, scatter on the device
             mirror[:-TRAILER_BYTES].copy_(wire[:-TRAILER_BYTES], non_blocking=True)
             scatter_rows(rows, index, plan, chunk, payload_rows(mirror, plan))
+        if self._stream is not None:  # NOTE: the slot is busy until the queued copies out of it ran
             event = torch.cuda.Event()
             event.record(self._stream)
             self._slot_events[chunk % self.num_slots] = event
