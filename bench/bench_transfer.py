@@ -1,30 +1,33 @@
 """KV-transfer benchmark: handoff latency and throughput vs a raw torch.distributed send/recv.
 
-Two processes (rank 0 = prefill with a KVSender, rank 1 = decode with a KVReceiver) on one machine.
-For each prompt length and each repetition, the same number of bytes is first moved with a plain
-`dist.send`/`dist.recv` of one contiguous buffer (the wire alone), then as a full handoff: ZMQ handshake,
-gather of non-contiguous blocks into the staging ring, digest, channel send, digest check, scatter into
-other block ids, final ack, pipelined in chunks of `--chunk-mib` through `--slots` slots per side.
-Layout: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size 16, bf16 -> 128 KiB per token),
-random data. Figures are medians over `--reps` repetitions (after one warm-up).
+Two processes (rank 0 = prefill with KVSenders, rank 1 = decode with KVReceivers) on one machine. For
+each prompt length and each repetition, the same number of bytes is first moved with a plain
+`dist.send`/`dist.recv` of one contiguous buffer (the wire alone), then as a full handoff by each
+configuration in turn: ZMQ handshake, gather of non-contiguous blocks into the staging ring, digest,
+channel send, digest check, scatter into other block ids, final ack, pipelined in chunks of `--chunk-mib`
+through `--slots` slots per side (lists sweep every combination, interleaved within each repetition so a
+load that drifts hits them alike). Layout: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size
+16, bf16 -> 128 KiB per token), random data. Figures are medians over `--reps` repetitions (after one
+warm-up).
 
 Columns: `raw ms` / `handoff ms` (receiver's submit -> result), `handoff/raw` = raw ms / handoff ms (the
-efficiency; issue 11's target is >= 85% at >= 1k tokens; also as the median of each repetition's ratio,
-which a load that drifts between repetitions disturbs less), GB/s of each. A second table says where the
-transfer threads spent the handoff: the sender's gather, digest, and time blocked (a free slot of its own
-or a credit for the receiver's), the receiver's digest, scatter, and time blocked on the channel (the next
-chunk), `wire` (receiver: ack -> last chunk scattered), and the CPU seconds each process (every thread)
-used for the raw send/recv and for the handoff. On a shared box run it several times; compare medians.
+efficiency; issue 11's target is >= 85% at >= 1k tokens; also as the median of each repetition's ratio),
+GB/s of each. A second table says where the transfer threads spent the handoff: the sender's gather,
+digest, and time blocked (a free slot of its own or a credit for the receiver's), the receiver's digest,
+scatter, and time blocked on the channel (the next chunk), `wire` (receiver: ack -> last chunk scattered),
+and the CPU milliseconds each process (every thread) used for the raw send/recv and for the handoff. On a
+shared box run it several times and compare medians; the header prints the load average.
 
-    python bench/bench_transfer.py                       # gloo on CPU
-    python bench/bench_transfer.py --chunk-mib 2,4,8     # chunk-size sweep, one table each
-    python bench/bench_transfer.py --backend nccl        # two GPUs (rank r on cuda:r)
+    python bench/bench_transfer.py                                  # gloo on CPU, the library's defaults
+    python bench/bench_transfer.py --tokens 1024 --chunk-mib 2,4,8 --slots 3,4    # sweep
+    python bench/bench_transfer.py --backend nccl                   # two GPUs (rank r on cuda:r)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import multiprocessing as mp
 import os
 import random
@@ -57,8 +60,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]], reps: int,
-            chunk_sizes: list[int], num_slots: int, handoffs: Any, out: Any) -> None:  # fmt: skip
+            configs: list[tuple[int, int]], handoffs: Any, out: Any) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from transfer.channel import TORCH_DTYPES, TorchDistChannel
@@ -76,36 +83,42 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
     channel = TorchDistChannel()
     rng = random.Random(rank)
     rows: list[dict[str, Any]] = []
-    for chunk_bytes in chunk_sizes:
-        for num_tokens, layout in cases:
-            n = num_tokens // layout.block_size
-            num_blocks = n + n // 4 + 1  # room for a shuffled, non-contiguous set of block ids
-            kv = torch.empty(
-                layout.staging_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype], device=device
-            )
-            kv.view(torch.uint8).random_()
+    for num_tokens, layout in cases:
+        n = num_tokens // layout.block_size
+        num_blocks = n + n // 4 + 1  # room for a shuffled, non-contiguous set of block ids
+        kv = torch.empty(layout.staging_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype], device=device)
+        kv.view(torch.uint8).random_()
+        sides: list[Any] = []
+        for chunk_bytes, num_slots in configs:
             if rank == 0:
-                side: Any = KVSender(kv, rank=0, channel=channel, on_sent=lambda r, ok: None, timeout_s=120.0,
-                                     chunk_bytes=chunk_bytes, num_slots=num_slots)  # fmt: skip
+                sides.append(KVSender(kv, rank=0, channel=channel, on_sent=lambda r, ok: None, timeout_s=120.0,
+                                      chunk_bytes=chunk_bytes, num_slots=num_slots))  # fmt: skip
             else:
-                side = KVReceiver(kv, rank=1, channel=channel, timeout_s=120.0, num_slots=num_slots)
-            side.start()
-            nbytes = n * layout.bytes_per_block
-            raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            raw.random_()
-            raw_times, kv_times, phases, cpu = [], [], [], []
-            for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, nccl setup)
-                dist.barrier()
-                c0, t0 = time.process_time(), time.perf_counter()
-                if rank == 0:
-                    dist.send(raw, dst=1)
-                else:
-                    dist.recv(raw, src=0)
-                _sync(device)
-                raw_t, raw_cpu = time.perf_counter() - t0, time.process_time() - c0
+                sides.append(KVReceiver(kv, rank=1, channel=channel, timeout_s=120.0, num_slots=num_slots))
+            sides[-1].start()
+        nbytes = n * layout.bytes_per_block
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        raw.random_()
+        raw_times: list[float] = []
+        raw_cpu: list[float] = []
+        kv_times: list[list[float]] = [[] for _ in configs]
+        kv_cpu: list[list[float]] = [[] for _ in configs]
+        phases: list[list[list[float]]] = [[] for _ in configs]
+        for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, nccl setup)
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            if rank == 0:
+                dist.send(raw, dst=1)
+            else:
+                dist.recv(raw, src=0)
+            _sync(device)
+            if rep:  # NOTE: process CPU (every thread) from barrier to barrier
+                raw_times.append(time.perf_counter() - t0)
+                raw_cpu.append(time.process_time() - c0)
+            for i, side in enumerate(sides):
                 dist.barrier()
                 c0 = time.process_time()
-                request_id = f"r{chunk_bytes}-{num_tokens}-{rep}"
+                request_id = f"r{num_tokens}-{i}-{rep}"
                 if rank == 0:
                     src_ids = rng.sample(range(1, num_blocks), n)
                     handoffs.put(side.offer(request_id, src_ids, num_tokens).to_bytes())
@@ -113,33 +126,30 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
                     handoff = KVHandoff.from_bytes(handoffs.get(timeout=300))
                     t0 = time.perf_counter()
                     result = side.receive(handoff, rng.sample(range(1, num_blocks), n))
-                    kv_t = time.perf_counter() - t0
                     if rep:
-                        raw_times.append(raw_t)
-                        kv_times.append(kv_t)
-                        phases.append([getattr(result, p) for p in _RECEIVER_PHASES])
+                        kv_times[i].append(time.perf_counter() - t0)
+                        phases[i].append([getattr(result, p) for p in _RECEIVER_PHASES])
                 dist.barrier()
-                if rep:  # NOTE: process CPU (every thread) from barrier to barrier
-                    cpu.append((raw_cpu, time.process_time() - c0))
-            cpu_medians = [statistics.median(c[i] for c in cpu) for i in range(2)]
+                if rep:
+                    kv_cpu[i].append(time.process_time() - c0)
+        for i, side in enumerate(sides):
             if rank == 0:  # NOTE: the sender records a result after the receiver's DONE: wait for the last
                 deadline = time.monotonic() + 60
                 while len(side.results()) < reps + 1 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 sent = [r for r in side.results() if r.ok][1:]
-                out.put(
-                    ([statistics.median(getattr(r, p) for r in sent) for p in _SENDER_PHASES], cpu_medians)
-                )
-            side.close()
-            del kv, raw, side
-            if rank == 1:
+                sender_phases = [_median([getattr(r, p) for r in sent]) for p in _SENDER_PHASES]
+                out.put((sender_phases, [_median(raw_cpu), _median(kv_cpu[i])]))
+            else:
                 rows.append({
-                    "chunk_mib": chunk_bytes / 2**20, "tokens": num_tokens, "layers": layout.num_layers,
-                    "nbytes": nbytes, "raw": statistics.median(raw_times), "handoff": statistics.median(kv_times),
-                    "ratio": statistics.median(r / k for r, k in zip(raw_times, kv_times, strict=True)),
-                    "receiver": [statistics.median(p[i] for p in phases) for i in range(len(_RECEIVER_PHASES))],
-                    "receiver_cpu": cpu_medians,
+                    "config": configs[i], "tokens": num_tokens, "layers": layout.num_layers, "nbytes": nbytes,
+                    "raw": _median(raw_times), "handoff": _median(kv_times[i]),
+                    "ratio": _median([r / k for r, k in zip(raw_times, kv_times[i], strict=True)]),
+                    "receiver": [_median([p[j] for p in phases[i]]) for j in range(len(_RECEIVER_PHASES))],
+                    "receiver_cpu": [_median(raw_cpu), _median(kv_cpu[i])],
                 })  # fmt: skip
+            side.close()
+        del kv, raw, sides
     if rank == 1:
         out.put(rows)
     dist.barrier()
@@ -169,6 +179,10 @@ def _print_tables(rows: list[dict[str, Any]]) -> None:
         print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -179,11 +193,8 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument(
-        "--chunk-mib", type=lambda s: [float(x) for x in s.split(",")], default=None,
-        help="KVSender chunk_bytes in MiB (the pipelining unit); a list sweeps (default: the library's)",
-    )  # fmt: skip
-    parser.add_argument("--slots", type=int, default=None, help="staging ring slots per side")
+    parser.add_argument("--chunk-mib", type=_floats, default=None, help="KVSender chunk_bytes in MiB (list)")
+    parser.add_argument("--slots", type=_floats, default=None, help="staging ring slots per side (list)")
     parser.add_argument(
         "--mem-fraction", type=float, default=0.5, help="of MemAvailable the run may use (gloo)"
     )
@@ -191,7 +202,8 @@ def main() -> None:
     from transfer.side import DEFAULT_CHUNK_BYTES, NUM_SLOTS
 
     chunk_sizes = [int(c * 2**20) for c in args.chunk_mib] if args.chunk_mib else [DEFAULT_CHUNK_BYTES]
-    num_slots = args.slots or NUM_SLOTS
+    slot_counts = [int(s) for s in args.slots] if args.slots else [NUM_SLOTS]
+    configs = list(itertools.product(chunk_sizes, slot_counts))
 
     cases, notes = [], []
     per_token_layer = 2 * 8 * 128 * 2  # K and V bytes of one token in one layer (bf16)
@@ -213,11 +225,12 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     handoffs, sender_out, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    common = (port, args.backend, cases, args.reps, chunk_sizes, num_slots, handoffs)
+    common = (port, args.backend, cases, args.reps, configs, handoffs)
     procs = [
         ctx.Process(target=_worker, args=(0, *common, sender_out)),
         ctx.Process(target=_worker, args=(1, *common, out)),
     ]
+    load_before = os.getloadavg()[0]
     for p in procs:
         p.start()
     try:
@@ -230,14 +243,13 @@ def main() -> None:
             if p.is_alive():
                 p.terminate()
     print(f"backend={args.backend} torch={torch.__version__} cpus={os.cpu_count()} Llama-3-8B KV layout "
-          f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), {num_slots} staging slots per "
-          f"side, median of {args.reps} after 1 warm-up, load average {os.getloadavg()[0]:.1f}; "
-          f"phase columns in ms (S = sender, R = receiver)")  # fmt: skip
+          f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), median of {args.reps} after 1 "
+          f"warm-up; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
     for note in notes:
         print(note)
-    for chunk_bytes in chunk_sizes:
-        print(f"\nchunks of {chunk_bytes / 2**20:g} MiB")
-        _print_tables([r for r in rows if r["chunk_mib"] == chunk_bytes / 2**20])
+    for chunk_bytes, num_slots in configs:
+        print(f"\nchunks of {chunk_bytes / 2**20:g} MiB, {num_slots} staging slots per side")
+        _print_tables([r for r in rows if r["config"] == (chunk_bytes, num_slots)])
 
 
 if __name__ == "__main__":

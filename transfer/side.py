@@ -28,8 +28,10 @@ from transfer.ring import StagingRing, on_stream
 from transfer.staging import ChunkPlan, kv_rows
 
 POLL_S = 0.05
-DEFAULT_CHUNK_BYTES = 16 << 20
-NUM_SLOTS = 3
+# NOTE: 4 slots of 4 MiB per side (16 MiB) stay in cache between the channel's copy and ours; a gloo op per
+# 1-2 MiB costs more CPU than the cache saves (bench/bench_transfer.py --chunk-mib 1,2,4,8 --slots 3,4).
+DEFAULT_CHUNK_BYTES = 4 << 20
+NUM_SLOTS = 4
 
 
 class PeerAbort(Exception):
