@@ -567,6 +567,14 @@ def test_chunks_wrap_around_the_rings_and_a_bad_chunk_stops_the_scatter_there(pa
     assert pair.call(0, "wait_sent", rid, 10.0) is True
     moved = dict(zip(dst_ids, src_ids, strict=True))
     check_blocks(before, read_kv(pair, 1, "R-float32", like), "float32", moved)
+    # 7 blocks: 14 rows, 5 chunks; the one credit the sender needs (chunk 0's slot) is off the every-2 beat
+    rid_odd, dst_odd = new_id("wrap-odd"), [10, 11, 12, 13, 14, 15, 16]
+    before_odd = read_kv(pair, 1, "R-float32", like)
+    handoff = pair.call(0, "offer", "S-chunked", rid_odd, src_ids[:7], None)
+    [out] = pair.call(1, "receive", "R-float32", [(handoff, dst_odd, 0)])
+    assert out["ok"] and out["nbytes"] == 7 * NUM_LAYERS * ROW_BYTES_F32
+    moved = dict(zip(dst_odd, src_ids[:7], strict=True))
+    check_blocks(before_odd, read_kv(pair, 1, "R-float32", like), "float32", moved)
 
     rid2, dst2 = new_id("wrap-corrupt"), [22, 23, 24, 25, 26, 27, 28, 29]
     before2 = read_kv(pair, 1, "R-float32", like)

@@ -280,14 +280,16 @@ class KVReceiver(Side):
             self._check_peer(src_rank)
             self._poll(sock, nonce, 0)
 
-        # NOTE: a credit every few chunks (each names the last drained chunk): every frame costs a wakeup
-        # of both sides' ZMQ threads, and the sender still has `num_slots - credit_every` chunks in flight.
+        # NOTE: a credit every few chunks (each covers every chunk drained so far): every frame costs a
+        # wakeup of both sides' ZMQ threads, and the sender still has `num_slots - credit_every` chunks in
+        # flight. The sender needs chunks 0..last_needed credited (chunk i's slot takes chunk i + num_slots).
         credit_every = max(1, num_slots // 2)
+        last_needed = plan.num_chunks - num_slots - 1
         try:
             for chunk in range(plan.num_chunks):
                 result.blocked_seconds += self._wait_op(ops[chunk], job.deadline, check)
                 ring.drain(self._rows, index, chunk, what)
-                if (chunk + 1) % credit_every == 0 and chunk + num_slots < plan.num_chunks:
+                if chunk <= last_needed and ((chunk + 1) % credit_every == 0 or chunk == last_needed):
                     ring.release(chunk)
                     sock.send(encode_message(MessageKind.CREDIT, nonce, chunk=chunk), zmq.NOBLOCK)
             ring.finish()
