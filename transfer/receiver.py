@@ -85,8 +85,9 @@ class KVReceiver(Side):
         of this call (or by `deadline`, time.time() seconds, if sooner; queueing behind other transfers
         counts), and at once (TransferPeerLostError) if the handoff's rank is or gets dropped. On success
         the blocks are written and visible (device synchronized); on failure they may hold partial data
-        (chunks verified before the failure) and stay the caller's to free or reuse. Raises ValueError on
-        bad block ids.
+        (chunks verified before the failure; a sender failing mid-transfer may also land junk in a slot
+        between its digest check and its scatter) and stay the caller's to free or reuse: never use
+        them. Raises ValueError on bad block ids.
         """
         if not self._thread.is_alive():
             raise TransferError("KVReceiver is not running: call start() (or it was closed)")
