@@ -152,6 +152,8 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
         del kv, raw, sides
     if rank == 1:
         out.put(rows)
+    out.close()
+    out.join_thread()  # NOTE: os._exit skips the queue's flush; without this a loaded box lost the results
     dist.barrier()
     os._exit(0)
 
