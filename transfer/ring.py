@@ -3,9 +3,9 @@ cache, queued on the side's own CUDA stream.
 
 Chunk i lives in slot ``i % num_slots``. The sender fills a slot (gather + seal) while the chunks in the
 other slots are on the wire; the receiver drains one slot (verify + scatter) while the others fill, and
-credits the sender with each slot it drained (transfer/protocol.py). A few slots of a few MiB stay in the CPU cache between the channel's copy
-and ours, which is what makes the gather, digest and scatter cheap (a transfer-sized buffer would be
-written to DRAM by one pass and read back by the next).
+credits the sender with each slot it drained (transfer/protocol.py). Staging is a few chunks whatever the
+transfer's size (a transfer-sized receive buffer doubled a long prompt's KV footprint on the decode side),
+small enough to stay in cache between the channel's copy and ours.
 
 One code path for three cases; with a CPU KV cache every stream operation below is a no-op:
 

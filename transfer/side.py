@@ -28,8 +28,9 @@ from transfer.ring import StagingRing, on_stream
 from transfer.staging import ChunkPlan, kv_rows
 
 POLL_S = 0.05
-# NOTE: 4 slots of 4 MiB per side (16 MiB) stay in cache between the channel's copy and ours; a gloo op per
-# 1-2 MiB costs more CPU than the cache saves (bench/bench_transfer.py --chunk-mib 1,2,4,8 --slots 3,4).
+# NOTE: 4 slots of 4 MiB bound staging to 16 MiB per side whatever the transfer's size. On the 2-core CPU box
+# a gloo send cut into 1 MiB pieces took ~1.5x the CPU of 4-16 MiB pieces, and 2-16 MiB chunks measured
+# alike within that shared box's noise (bench/bench_transfer.py --chunk-mib 2,4,8,16 --slots 3,4).
 DEFAULT_CHUNK_BYTES = 4 << 20
 NUM_SLOTS = 4
 
