@@ -21,39 +21,16 @@ from typing import Any
 import pytest
 import torch
 
+from tests.cluster_utils import wait_for
 from transfer.channel import TORCH_DTYPES, Channel, CudaIpcChannel, OpLane, PendingOp
-from transfer.protocol import (
-    CHECKSUM_SCHEME,
-    KVHandoff,
-    KVLayout,
-    MessageKind,
-    TransferError,
-    TransferHeader,
-    TransferMismatchError,
-    TransferTimeoutError,
-    decode_message,
-    encode_message,
-    handoff_from_dict,
-    tag_for_nonce,
-    to_dict,
-    validate_header,
-)
-from transfer.side import DEFAULT_CHUNK_BYTES
-from transfer.staging import (
-    ChunkPlan,
-    block_index,
-    chunk_checksum,
-    chunk_view,
-    gather_blocks,
-    gather_chunk,
-    kv_rows,
-    read_trailer,
-    scatter_chunk,
-)
+from transfer.protocol import KVLayout, TransferError, TransferTimeoutError, handoff_from_dict, to_dict
+from transfer.side import DEFAULT_CHUNK_BYTES, NUM_SLOTS
+from transfer.staging import TRAILER_BYTES
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 2, 32, 4, 2, 8
 SRC_SEED, DST_SEED = 1, 2
 REPLY_TIMEOUT_S = 30.0
+STARTUP_TIMEOUT_S = 180.0  # NOTE: far more than on a quiet box (~5 s); the CI box may be loaded
 ROW_BYTES_F32 = 2 * BLOCK_SIZE * NUM_HEADS * HEAD_DIM * 4
 
 
@@ -69,34 +46,80 @@ def as_bytes(kv: torch.Tensor) -> torch.Tensor:
 
 
 class FaultyChannel(Channel):
-    """Wraps the real channel; `fault` applies to the next send only: "stall" never sends the bytes,
-    "corrupt" flips one byte after the checksum was taken, "blackhole" never sends and never completes
-    (a peer that stopped draining). `fired` is set when a fault was applied."""
+    """Wraps the real channel; an armed fault applies to one send, the `after`-th from now (0: the next).
+    "stall" never sends the bytes; "blackhole" never sends and never completes (a peer that stopped
+    draining); "corrupt" flips one byte after the chunk was sealed; "swap" exchanges two byte ranges of
+    the payload (args: offset a, offset b, length); "record" keeps a copy of the bytes it sends; "replay"
+    sends the recorded bytes instead. `fired` is set when a fault was applied; `note` says what it did
+    ("swap": whether the ranges differed, "replay": whether the recorded payload equals the replaced one)."""
 
     def __init__(self, inner: Channel) -> None:
         self.inner = inner
-        self.fault: str | None = None
+        self.armed: tuple[str, int, tuple[Any, ...]] | None = None
         self.fired = threading.Event()
+        self.recorded: torch.Tensor | None = None
+        self.note: Any = None
+        self.ops: list[PendingOp] = []  # every op posted on the real channel
+        self._lock = threading.Lock()
+
+    def arm(self, fault: str, after: int, *args: Any) -> None:
+        with self._lock:
+            self.armed = (fault, after, args)
+            self.fired.clear()
 
     def staging_device(self, kv_device: torch.device) -> torch.device:
         return self.inner.staging_device(kv_device)
 
+    def _take(self) -> tuple[str, tuple[Any, ...]] | None:
+        with self._lock:
+            if self.armed is None:
+                return None
+            fault, after, args = self.armed
+            self.armed = (fault, after - 1, args) if after else None
+            return None if after else (fault, args)
+
     def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
-        fault, self.fault = self.fault, None
-        if fault is not None:
-            self.fired.set()
+        taken = self._take()
+        if taken is None:
+            return self._posted(self.inner.isend(buf, dst_rank, tag, lane))
+        fault, args = taken
         if fault == "stall":
+            self.fired.set()
             return _NoOp()
         if fault == "blackhole":
+            self.fired.set()
             return _NeverOp()
+        flat = buf.view(-1).view(torch.uint8)
         if fault == "corrupt":
-            buf = buf.clone()
-            flat = buf.view(-1).view(torch.uint8)
+            flat = flat.clone()
             flat[flat.numel() // 2] ^= 0x5A
-        return self.inner.isend(buf, dst_rank, tag, lane)
+        elif fault == "swap":
+            a, b, length = args
+            flat = flat.clone()
+            first, second = flat[a : a + length].clone(), flat[b : b + length].clone()
+            flat[a : a + length], flat[b : b + length] = second, first
+            self.note = not torch.equal(first, second)
+        elif fault == "record":
+            self.recorded = flat.clone()
+        elif fault == "replay":
+            recorded = self.recorded
+            assert recorded is not None and recorded.numel() == flat.numel()
+            self.note = torch.equal(recorded[:-TRAILER_BYTES], flat[:-TRAILER_BYTES])
+            flat = recorded
+        self.fired.set()
+        return self._posted(self.inner.isend(flat, dst_rank, tag, lane))
 
     def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
-        return self.inner.irecv(buf, src_rank, tag, lane)
+        return self._posted(self.inner.irecv(buf, src_rank, tag, lane))
+
+    def _posted(self, op: PendingOp) -> PendingOp:
+        with self._lock:
+            self.ops.append(op)
+        return op
+
+    def num_unfinished(self, since: int) -> int:
+        with self._lock:
+            return sum(not op.is_done() for op in self.ops[since:])
 
 
 class _NoOp(PendingOp):
@@ -126,9 +149,9 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
         timeout=datetime.timedelta(seconds=600),  # NOTE: far beyond the test; abandoned ops must not expire
     )
     channel = FaultyChannel(TorchDistChannel())
+    replies.put(("ok", "ready"))
     kvs: dict[str, torch.Tensor] = {}
     sides: dict[str, Any] = {}
-    tables: dict[str, list[int]] = {}
     sent: dict[str, bool] = {}
     sent_cond = threading.Condition()
     submitted: dict[str, tuple[Any, float]] = {}
@@ -148,38 +171,53 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
 
     def handle(cmd: str, *args: Any) -> Any:
         if cmd == "sender":
-            name, dtype, *rest = args
-            chunk_bytes, timeout_s = rest if rest else (DEFAULT_CHUNK_BYTES, 10.0)
+            name, dtype, *rest = args  # then chunk_bytes, timeout_s, num_slots, each optional
+            defaults = (DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS)
+            chunk_bytes, timeout_s, num_slots = (*rest, *defaults[len(rest) :])
             kvs[name] = make_kv(SRC_SEED, dtype)
             sides[name] = KVSender(
                 kvs[name],
                 rank=rank,
                 channel=channel,
-                get_block_ids=tables.get,
                 on_sent=on_sent,
                 timeout_s=timeout_s,
                 chunk_bytes=chunk_bytes,
+                num_slots=num_slots,
             )
             sides[name].start()
             return sides[name].endpoint
         if cmd == "receiver":
-            name, dtype, head_dim, timeout_s = args
+            name, dtype, head_dim, timeout_s, *slots = args
             kvs[name] = make_kv(DST_SEED, dtype, head_dim)
-            sides[name] = KVReceiver(kvs[name], rank=rank, channel=channel, timeout_s=timeout_s)
+            num_slots = slots[0] if slots else NUM_SLOTS
+            sides[name] = KVReceiver(
+                kvs[name], rank=rank, channel=channel, timeout_s=timeout_s, num_slots=num_slots
+            )
             sides[name].start()
             return None
-        if cmd == "offer":
+        if cmd == "offer":  # the caller's list changes after the offer: the sender must not see it
             name, request_id, block_ids, lease_s = args
-            tables[request_id] = block_ids
-            return to_dict(
-                sides[name].offer(request_id, len(block_ids) * BLOCK_SIZE, ["ab"], lease_s=lease_s)
-            )
+            handoff = sides[name].offer(request_id, block_ids, len(block_ids) * BLOCK_SIZE, ["ab"], lease_s)
+            block_ids[:] = [NUM_BLOCKS - 1] * len(block_ids)
+            return to_dict(handoff)
+        if cmd == "offer_error":  # -> the exception type name offer raised, or None
+            name, request_id, block_ids = args
+            try:
+                sides[name].offer(request_id, block_ids, 1)
+            except Exception as e:  # noqa: BLE001 (reported to the test)
+                return type(e).__name__
+            return None
         if cmd == "abort":
             return sides[args[0]].abort(args[1])
-        if cmd == "fault":
-            channel.fault = args[0]
-            channel.fired.clear()
+        if cmd == "fault":  # (name, after=0, *args): see FaultyChannel
+            channel.arm(args[0], *(args[1:] or (0,)))
             return None
+        if cmd == "fault_note":
+            return channel.note
+        if cmd == "num_ops":  # channel ops posted so far
+            return len(channel.ops)
+        if cmd == "unfinished_ops":  # of the channel ops posted since the `num_ops` given
+            return channel.num_unfinished(args[0])
         if cmd == "wait_fault":  # -> whether the fault was applied within the bound
             return channel.fired.wait(args[0])
         if cmd == "drop_peer":
@@ -235,6 +273,12 @@ class Pair:
         ]
         for p in self.procs:
             p.start()
+        for rank, (_, replies) in enumerate(self._queues):  # NOTE: spawn + import torch + gloo rendezvous
+            try:
+                assert replies.get(timeout=STARTUP_TIMEOUT_S) == ("ok", "ready")
+            except queue.Empty:
+                self.close()
+                raise AssertionError(f"rank {rank} did not start in {STARTUP_TIMEOUT_S}s") from None
 
     def call(self, rank: int, *cmd: Any) -> Any:
         commands, replies = self._queues[rank]
@@ -270,9 +314,11 @@ def pair() -> Iterator[Pair]:
     try:
         for dtype in ("float32", "bfloat16"):
             p.call(0, "sender", f"S-{dtype}", dtype)
-            p.call(1, "receiver", f"R-{dtype}", dtype, HEAD_DIM, 10.0)
+        p.call(1, "receiver", "R-bfloat16", "bfloat16", HEAD_DIM, 10.0)
+        # NOTE: 4 slots (a credit every 2 chunks) against S-chunked's 3: the sides' rings differ
+        p.call(1, "receiver", "R-float32", "float32", HEAD_DIM, 10.0, 4)
         # NOTE: 3 rows per chunk: a 4-block transfer of 2 layers is 3 chunks, one across the layer edge
-        p.call(0, "sender", "S-chunked", "float32", 3 * ROW_BYTES_F32, 10.0)
+        p.call(0, "sender", "S-chunked", "float32", 3 * ROW_BYTES_F32, 10.0, 3)
         yield p
     finally:
         p.close()
@@ -428,159 +474,27 @@ def test_unknown_aborted_and_expired_requests_are_rejected(pair: Pair) -> None:
     assert pair.call(0, "held", "S-float32") == 0
 
 
-def _header(layout: KVLayout, num_blocks: int = 3, nonce: int = 12345) -> TransferHeader:
-    return TransferHeader(
-        request_id="r",
-        nonce=nonce,
-        src_rank=0,
-        dst_rank=1,
-        layout=layout,
-        dtype=layout.dtype,
-        shape=layout.layer_shape(num_blocks),
-        num_blocks=num_blocks,
-        nbytes=layout.bytes_per_block * num_blocks,
-        num_chunks=num_blocks,
-        chunk_bytes=layout.bytes_per_block,
-        checksum=CHECKSUM_SCHEME,
-        tag=tag_for_nonce(nonce),
-    )
-
-
-def test_protocol_round_trips_through_msgpack_and_validates_every_field() -> None:
-    layout = KVLayout(NUM_LAYERS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, "bfloat16")
-    header = _header(layout)
-    assert TransferHeader.from_bytes(header.to_bytes()) == header
-    handoff = KVHandoff("r", 0, "tcp://127.0.0.1:5", layout, 11, 3, 123.5, ["aa", b"\x01"])
-    assert KVHandoff.from_bytes(handoff.to_bytes()) == handoff
-    kind, nonce, body = decode_message(encode_message(MessageKind.HEADER, 9, header=header))
-    assert (kind, nonce, body["header"]["layout"]) == (MessageKind.HEADER, 9, to_dict(layout))
-
-    expect = dict(request_id="r", nonce=12345, src_rank=0, dst_rank=1, layout=layout, num_blocks=3)
-    validate_header(header, **expect)  # type: ignore[arg-type]
-    wrong: list[tuple[str, Any]] = [
-        ("request_id", "q"),
-        ("nonce", 1),
-        ("src_rank", 2),
-        ("dst_rank", 0),
-        ("layout", KVLayout(NUM_LAYERS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, "float16")),
-        ("num_blocks", 4),
-    ]
-    for field_name, value in wrong:
-        with pytest.raises(TransferMismatchError, match=field_name):
-            validate_header(header, **{**expect, field_name: value})  # type: ignore[arg-type]
-    bad_fields: list[tuple[str, Any]] = [
-        ("dtype", "float32"),
-        ("shape", [3, 2, 4, 2, 4]),
-        ("nbytes", 1),
-        ("tag", 3),
-        ("checksum", "none"),
-        ("num_chunks", 2),
-        ("chunk_bytes", layout.bytes_per_block + 1),
-        ("chunk_bytes", 0),
-    ]
-    for field_name, value in bad_fields:
-        bad = TransferHeader.from_bytes(header.to_bytes())
-        setattr(bad, field_name, value)
-        with pytest.raises(TransferMismatchError, match=field_name):
-            validate_header(bad, **expect)  # type: ignore[arg-type]
-    with pytest.raises(TransferError, match="malformed"):
-        decode_message(b"\x93\x01\x02\x03")
-    with pytest.raises(ValueError, match="dtype"):
-        KVLayout(1, 1, 1, 1, "int7")
-
-
-def _seal(kv: torch.Tensor, block_ids: list[int], chunk_bytes: int) -> tuple[ChunkPlan, torch.Tensor]:
-    """All chunks of `kv[:, block_ids]` gathered and sealed into one buffer (chunk c at c * stride)."""
-    row_bytes = kv[0, 0].numel() * kv.element_size()
-    plan = ChunkPlan.create(kv.shape[0], len(block_ids), row_bytes, chunk_bytes)
-    buf = torch.empty(plan.num_chunks * plan.stride, dtype=torch.uint8)
-    for c in range(plan.num_chunks):
-        gather_chunk(
-            kv_rows(kv), block_index(block_ids, kv.device), plan, c, chunk_view(buf, plan, c, c * plan.stride)
-        )
-    return plan, buf
-
-
-def _chunks_ok(plan: ChunkPlan, buf: torch.Tensor) -> list[bool]:
-    views = [chunk_view(buf, plan, c, c * plan.stride) for c in range(plan.num_chunks)]
-    return [chunk_checksum(w, plan, c) == read_trailer(w) for c, w in enumerate(views)]
-
-
-def test_chunks_round_trip_and_checksum_catches_a_flipped_byte_and_swapped_blocks() -> None:
-    for dtype in ("float32", "bfloat16"):
-        kv = make_kv(SRC_SEED, dtype)
-        row_bytes = kv[0, 0].numel() * kv.element_size()
-        src_ids, dst_ids = [3, 9, 4, 17, 30], [1, 2, 7, 8, 20]
-        plan, buf = _seal(kv, src_ids, 4 * row_bytes)  # 10 rows -> chunks of 4, 4, 2; one spans layers
-        assert (plan.num_chunks, [plan.wire_bytes(c) for c in range(3)]) == (
-            3,
-            [4 * row_bytes + 8] * 2 + [2 * row_bytes + 8],
-        )
-        assert _chunks_ok(plan, buf) == [True, True, True]
-        _, swapped = _seal(kv, [3, 9, 17, 4, 30], 4 * row_bytes)
-        assert _chunks_ok(plan, torch.cat([swapped[: plan.stride], buf[plan.stride :]])) == [True, True, True]
-        assert not torch.equal(swapped, buf)
-        spliced = torch.cat([buf[: plan.stride], swapped[plan.stride :]])
-        spliced[plan.stride + plan.wire_bytes(1) - 8 : plan.stride + plan.wire_bytes(1)] = buf[
-            plan.stride + plan.wire_bytes(1) - 8 : plan.stride + plan.wire_bytes(1)
-        ]  # chunk 1 holds blocks 4 and 17 swapped (layer 0) but the right trailer
-        assert _chunks_ok(plan, spliced)[1] is False
-        flipped = buf.clone()
-        flipped[plan.stride + 5] ^= 1
-        assert _chunks_ok(plan, flipped) == [True, False, True]
-        target = make_kv(DST_SEED, dtype)
-        before = as_bytes(target).clone()
-        for c in range(plan.num_chunks):
-            scatter_chunk(
-                kv_rows(target),
-                block_index(dst_ids, target.device),
-                plan,
-                c,
-                chunk_view(buf, plan, c, c * plan.stride),
-            )
-        assert torch.equal(as_bytes(target)[:, dst_ids], as_bytes(kv)[:, src_ids])
-        others = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
-        assert torch.equal(as_bytes(target)[:, others], before[:, others])
-        assert torch.equal(gather_blocks(kv, src_ids), kv[:, src_ids])
-
-
-def test_chunks_on_rows_that_are_not_word_multiples() -> None:
-    g = torch.Generator().manual_seed(3)
-    kv = torch.randint(0, 256, (2, 6, 2, 1, 1, 3), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    plan, buf = _seal(kv, [5, 2], 6 * 3)  # 6-byte rows, 3 per chunk: 4 rows -> 2 chunks
-    assert plan.num_chunks == 2 and _chunks_ok(plan, buf) == [True, True]
-    flipped = buf.clone()
-    flipped[plan.stride + 2] ^= 4
-    assert _chunks_ok(plan, flipped) == [True, False]
-    target = torch.zeros_like(kv)
-    for c in range(2):
-        scatter_chunk(
-            kv_rows(target),
-            block_index([1, 4], target.device),
-            plan,
-            c,
-            chunk_view(buf, plan, c, c * plan.stride),
-        )
-    assert torch.equal(target.view(torch.uint8)[:, [1, 4]], kv.view(torch.uint8)[:, [5, 2]])
-    assert not target.view(torch.uint8)[:, [0, 2, 3, 5]].any()
-
-
 def _ipc_worker(rank: int, endpoints: dict[int, str], replies: Any) -> None:
+    """Rank 0 sends two halves of one buffer (tags 5, 6); rank 1 receives both, then times out on tag 7."""
     try:
         channel = CudaIpcChannel(rank, endpoints)
         expected = torch.arange(4096, dtype=torch.int32, device="cuda") * 7
         if rank == 0:
-            channel.send(expected.clone(), 1, tag=5, timeout_s=30.0)
-            replies.put(("ok", None))
+            staging = expected.clone()
+            channel.send(staging[:2048], 1, tag=5, timeout_s=30.0)
+            channel.send(staging[2048:], 1, tag=6, timeout_s=30.0)
+            replies.put(("ok", len(channel._exports)))
         else:
             buf = torch.zeros_like(expected)
-            channel.recv(buf, 0, tag=5, timeout_s=30.0)
+            channel.recv(buf[:2048], 0, tag=5, timeout_s=30.0)
+            channel.recv(buf[2048:], 0, tag=6, timeout_s=30.0)
             start = time.monotonic()
             try:
-                channel.recv(torch.zeros_like(expected), 0, tag=6, timeout_s=0.5)
+                channel.recv(torch.zeros_like(expected), 0, tag=7, timeout_s=0.5)
                 replies.put(("err", "recv without a sender returned"))
             except TimeoutError:
-                replies.put(("ok", (torch.equal(buf, expected), time.monotonic() - start)))
+                elapsed = time.monotonic() - start
+                replies.put(("ok", (torch.equal(buf, expected), len(channel._imports), elapsed)))
         channel.close()
     except Exception:  # noqa: BLE001 (the traceback goes to the test process)
         replies.put(("err", traceback.format_exc()))
@@ -597,9 +511,9 @@ def test_cuda_ipc_channel_moves_a_buffer_between_processes_on_one_gpu(tmp_path: 
         for p in procs:
             p.start()
         results = [q.get(timeout=60) for q in replies]
-        assert results[0] == ("ok", None), results[0]
-        status, (equal, elapsed) = results[1]
-        assert status == "ok" and equal and elapsed < 5.5
+        assert results[0] == ("ok", 1), results[0]  # one buffer, exported once for both sends
+        status, (equal, num_imports, elapsed) = results[1]
+        assert status == "ok" and equal and num_imports == 1 and elapsed < 5.5
     finally:
         for p in procs:
             p.join(10)
@@ -636,6 +550,111 @@ def test_a_transfer_in_several_chunks_arrives_byte_identical(pair: Pair) -> None
     [out3] = pair.call(1, "receive", "R-float32", [(handoff3, [5, 6, 7, 8], 0)])
     assert out3["ok"]
     check_blocks(before2, read_kv(pair, 1, "R-float32", like), "float32", {5: 1, 6: 2, 7: 3, 8: 4})
+
+
+def test_chunks_wrap_around_the_rings_and_a_bad_chunk_stops_the_scatter_there(pair: Pair) -> None:
+    """16 rows in chunks of 3 (6 chunks) through a 3-slot sender ring and a 4-slot receiver ring that
+    credits every 2 chunks. Chunk 1 corrupted: chunk 0 (verified) is scattered, nothing after it; the
+    sender feeds junk to the recvs it had not sent, so no op is left pending and the next transfer on the
+    pair works."""
+    like = make_kv(DST_SEED, "float32")
+    src_ids, dst_ids = [1, 2, 3, 4, 9, 10, 12, 13], [5, 6, 7, 8, 18, 19, 20, 21]
+    before = read_kv(pair, 1, "R-float32", like)
+    rid = new_id("wrap")
+    handoff = pair.call(0, "offer", "S-chunked", rid, src_ids, None)
+    [out] = pair.call(1, "receive", "R-float32", [(handoff, dst_ids, 0)])
+    assert out["ok"] and out["nbytes"] == 8 * NUM_LAYERS * ROW_BYTES_F32
+    assert pair.call(0, "wait_sent", rid, 10.0) is True
+    moved = dict(zip(dst_ids, src_ids, strict=True))
+    check_blocks(before, read_kv(pair, 1, "R-float32", like), "float32", moved)
+    # 7 blocks: 14 rows, 5 chunks; the one credit the sender needs (chunk 0's slot) is off the every-2 beat
+    rid_odd, dst_odd = new_id("wrap-odd"), [10, 11, 12, 13, 14, 15, 16]
+    before_odd = read_kv(pair, 1, "R-float32", like)
+    handoff = pair.call(0, "offer", "S-chunked", rid_odd, src_ids[:7], None)
+    [out] = pair.call(1, "receive", "R-float32", [(handoff, dst_odd, 0)])
+    assert out["ok"] and out["nbytes"] == 7 * NUM_LAYERS * ROW_BYTES_F32
+    moved = dict(zip(dst_odd, src_ids[:7], strict=True))
+    check_blocks(before_odd, read_kv(pair, 1, "R-float32", like), "float32", moved)
+
+    rid2, dst2 = new_id("wrap-corrupt"), [22, 23, 24, 25, 26, 27, 28, 29]
+    before2 = read_kv(pair, 1, "R-float32", like)
+    ops0, ops1 = pair.call(0, "num_ops"), pair.call(1, "num_ops")
+    handoff2 = pair.call(0, "offer", "S-chunked", rid2, src_ids, None)
+    pair.call(0, "fault", "corrupt", 1)
+    [out2] = pair.call(1, "receive", "R-float32", [(handoff2, dst2, 0)])
+    assert (out2["ok"], out2["error_type"]) == (False, "TransferChecksumError")
+    assert "chunk 1/6" in out2["error"]
+    assert pair.call(0, "wait_sent", rid2, 10.0) is False
+    after2 = read_kv(pair, 1, "R-float32", like)
+    src = as_bytes(make_kv(SRC_SEED, "float32"))
+    assert torch.equal(after2[0, dst2[:3]], src[0, src_ids[:3]])  # chunk 0: rows 0-2 = layer 0, blocks 0-2
+    assert torch.equal(after2[0, dst2[3:]], before2[0, dst2[3:]])
+    assert torch.equal(after2[1], before2[1])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst2]
+    assert torch.equal(after2[:, untouched], before2[:, untouched])
+
+    # NOTE: every op of that transfer met its match (the sender fed junk to the recvs it had not sent)
+    wait_for(
+        lambda: pair.call(0, "unfinished_ops", ops0) == pair.call(1, "unfinished_ops", ops1) == 0,
+        10.0,
+        "ops done",
+    )
+
+    rid3 = new_id("wrap-after")
+    handoff3 = pair.call(0, "offer", "S-chunked", rid3, src_ids, None)
+    [out3] = pair.call(1, "receive", "R-float32", [(handoff3, dst2, 0)])
+    assert out3["ok"]
+    moved3 = dict(zip(dst2, src_ids, strict=True))
+    check_blocks(before2, read_kv(pair, 1, "R-float32", like), "float32", moved3)
+
+
+@pytest.mark.parametrize("swapped", ["k_and_v", "two_tokens"])
+def test_swapped_k_and_v_or_tokens_inside_a_block_fail_the_digest(pair: Pair, swapped: str) -> None:
+    like = make_kv(DST_SEED, "float32")
+    before = read_kv(pair, 1, "R-float32", like)
+    rid = new_id(swapped)
+    handoff = pair.call(0, "offer", "S-float32", rid, [8, 9], None)
+    half, token = ROW_BYTES_F32 // 2, NUM_HEADS * HEAD_DIM * 4  # row 0 = block 8 of layer 0: K then V
+    ranges = (0, half, half) if swapped == "k_and_v" else (token, 3 * token, token)
+    pair.call(0, "fault", "swap", 0, *ranges)
+    [out] = pair.call(1, "receive", "R-float32", [(handoff, [23, 24], 0)])
+    assert pair.call(0, "fault_note") is True  # the swapped bytes differed
+    assert (out["ok"], out["error_type"]) == (False, "TransferChecksumError") and "chunk 0/1" in out["error"]
+    assert torch.equal(read_kv(pair, 1, "R-float32", like), before)
+    assert pair.call(0, "wait_sent", rid, 10.0) is False
+    [sender_side] = [r for r in pair.call(0, "results", "S-float32") if r["request_id"] == rid]
+    assert sender_side["error_type"] == "TransferChecksumError"  # the receiver's abort names it
+
+
+def test_a_chunk_replayed_from_another_transfer_fails_the_digest(pair: Pair) -> None:
+    """Transfer 1's sealed chunk is sent again for transfer 2 of the very same blocks: the payload bytes
+    are equal, only the nonce the digest is keyed with differs."""
+    like = make_kv(DST_SEED, "float32")
+    first, replayed = new_id("record"), new_id("replay")
+    pair.call(0, "fault", "record")
+    handoff1 = pair.call(0, "offer", "S-float32", first, [10, 11], None)
+    [out1] = pair.call(1, "receive", "R-float32", [(handoff1, [12, 13], 0)])
+    assert out1["ok"]
+    before = read_kv(pair, 1, "R-float32", like)
+    handoff = pair.call(0, "offer", "S-float32", replayed, [10, 11], None)
+    pair.call(0, "fault", "replay")
+    [out2] = pair.call(1, "receive", "R-float32", [(handoff, [14, 15], 0)])
+    assert pair.call(0, "fault_note") is True  # same payload bytes as the chunk it replaced
+    assert (out2["ok"], out2["error_type"]) == (False, "TransferChecksumError")
+    assert torch.equal(read_kv(pair, 1, "R-float32", like), before)
+    assert pair.call(0, "wait_sent", replayed, 10.0) is False
+
+
+def test_offer_freezes_the_block_ids_and_checks_them(pair: Pair) -> None:
+    # NOTE: the "offer" command overwrites the caller's list right after offering; every transfer test
+    # still moves the offered blocks, so the sender works from its own frozen copy.
+    assert pair.call(0, "offer_error", "S-float32", new_id("range"), [1, NUM_BLOCKS]) == "ValueError"
+    assert pair.call(0, "offer_error", "S-float32", new_id("range"), [-1]) == "ValueError"
+    rid = new_id("twice")
+    pair.call(0, "offer", "S-float32", rid, [3], None)
+    assert pair.call(0, "offer_error", "S-float32", rid, [3]) == "TransferRejectedError"
+    assert pair.call(0, "abort", "S-float32", rid) is True
+    assert pair.call(0, "held", "S-float32") == 0
 
 
 def test_drop_peer_fails_its_transfer_at_once_and_others_go_on() -> None:

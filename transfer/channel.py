@@ -58,34 +58,44 @@ class PendingOp(ABC):
     @abstractmethod
     def wait(self, timeout_s: float) -> None: ...
 
+    def is_done(self) -> bool:
+        """Whether the op completed (or failed), without waiting; channels that cannot tell say False."""
+        return False
+
 
 class OpLane:
     """The ops of one transfer: a channel that needs a helper thread to wait (gloo) waits them in posting
-    order on ONE thread, started when an op is added and ended when none is left.
+    order on ONE thread, started when an op is added and ended once none was left for `linger_s`.
 
     NOTE: a chunked transfer posts dozens of ops; one thread each would be as many threads per transfer,
     and, for an op towards a dead peer that never completes, as many left behind. Per lane at most one
     thread ever waits, so an abandoned transfer leaves at most one thread, which ends when gloo fails the
-    op (the peer's socket closed, or the process-group timeout).
+    op (the peer's socket closed, or the process-group timeout). The thread lingers `linger_s` between ops
+    because a transfer's ring often waits for one op before it adds the next (starting a thread per op was
+    ~8% of the sender thread's py-spy samples), but not much longer: every transfer has its own lanes.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, linger_s: float = 0.05) -> None:
         self.name = name
-        self._lock = threading.Lock()
+        self.linger_s = linger_s
+        self._cond = threading.Condition(threading.Lock())
         self._queue: deque[_GlooOp] = deque()
         self._is_running = False
 
     def add(self, op: _GlooOp) -> None:
-        with self._lock:
+        with self._cond:
             self._queue.append(op)
             if self._is_running:
+                self._cond.notify()
                 return
             self._is_running = True
         threading.Thread(target=self._run, name=f"lane-{self.name}", daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            with self._lock:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(self.linger_s)
                 if not self._queue:
                     self._is_running = False
                     return
@@ -136,8 +146,11 @@ class _GlooOp(PendingOp):
     comes (a dead process) stays pending, and gloo closes the pair at the process-group timeout.
     """
 
-    def __init__(self, work: Any, what: str, lane: OpLane | None) -> None:
+    def __init__(
+        self, work: Any, what: str, lane: OpLane | None, post: Callable[[], Any] | None = None
+    ) -> None:
         self._work = work
+        self._post = post  # NOTE: if set, the waiting thread posts the op first (see TorchDistChannel.isend)
         self._what = what
         self._done = threading.Event()
         self._error: Exception | None = None
@@ -148,11 +161,18 @@ class _GlooOp(PendingOp):
 
     def run(self) -> None:
         try:
+            if self._post is not None:
+                self._work = self._post()
+                if self._work is None:
+                    raise TransferError("this rank is not in the channel's process group")
             self._work.wait()
         except Exception as e:  # noqa: BLE001 (re-raised as TransferError by wait())
             self._error = e
         finally:
             self._done.set()
+
+    def is_done(self) -> bool:
+        return self._done.is_set()
 
     def wait(self, timeout_s: float) -> None:
         if not self._done.wait(max(timeout_s, 0.0)):
@@ -168,6 +188,9 @@ class _PolledOp(PendingOp):
         self._work = work
         self._buf = buf  # NOTE: keeps the buffer alive while the collective may still write it
         self._what = what
+
+    def is_done(self) -> bool:
+        return bool(self._work.is_completed())
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + max(timeout_s, 0.0)
@@ -208,8 +231,16 @@ class TorchDistChannel(Channel):
 
     def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
+        what = f"send {flat.numel()} B to rank {dst_rank}"
+        if lane is not None and not self.is_nccl:
+            # NOTE: posting a gloo send writes what fits of it into the socket in the posting thread (after
+            # waiting for the pair's lock, held while the pair reads). Posted from the lane's thread, it
+            # leaves the caller free to prepare the next chunk meanwhile.
+            return _GlooOp(
+                None, what, lane, lambda: dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
+            )
         work = dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
-        return self._op(work, flat, f"send {buf.numel() * buf.element_size()} B to rank {dst_rank}", lane)
+        return self._op(work, flat, what, lane)
 
     def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
@@ -225,12 +256,18 @@ class TorchDistChannel(Channel):
 class CudaIpcChannel(Channel):
     """Same-GPU channel: the staging buffer travels as a CUDA IPC handle over ZMQ (PUSH/PULL, msgpack).
 
-    Each rank binds a PULL socket at `endpoints[rank]` and pushes to `endpoints[peer]`. `send` exports
-    the buffer and returns once the receiver said it has copied it out (so the caller may reuse or free
-    it); `recv` waits for the handle, copies into `buf`, synchronizes, and answers.
+    Each rank binds a PULL socket at `endpoints[rank]` and pushes to `endpoints[peer]`. `send` names the
+    bytes (an exported buffer, an offset, a length) and returns once the receiver said it has copied them
+    out (so the caller may reuse or free them); `recv` waits for that, copies into `buf` on the caller's
+    current stream, synchronizes that stream, and answers.
+
+    NOTE: a buffer is exported once (`reduce_tensor` makes a shared-memory record per call, freed only
+    with the buffer) and opened once by the peer (opening an IPC handle costs milliseconds); both sides
+    keep the last `_MAX_EXPORTS` buffers per peer, which keeps each alive until it falls out.
     """
 
     _MAX_STASH = 64
+    _MAX_EXPORTS = 4
 
     def __init__(
         self, rank: int, endpoints: Mapping[int, str], zmq_context: zmq.Context[Any] | None = None
@@ -243,24 +280,27 @@ class CudaIpcChannel(Channel):
         self._pull.bind(self._endpoints[rank])
         self._push: dict[int, zmq.Socket[Any]] = {}
         self._stash: dict[tuple[str, int, int], dict[str, Any]] = {}
+        self._exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}  # by storage address
+        self._imports: dict[tuple[int, bytes, int], torch.Tensor] = {}  # by (src, handle, offset)
 
     def staging_device(self, kv_device: torch.device) -> torch.device:
         if kv_device.type != "cuda":
             raise TransferError("CudaIpcChannel needs the KV cache on a CUDA device")
         return kv_device
 
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
+    def _export(self, flat: torch.Tensor) -> dict[str, Any]:
+        """The IPC handle of the whole storage under `flat`, made on its first send only."""
+        storage = flat.untyped_storage()
+        cached = self._exports.get(storage.data_ptr())
+        if cached is not None and cached[0].nbytes() == storage.nbytes():
+            return cached[1]
         from torch.multiprocessing.reductions import reduce_tensor
 
-        flat = _as_bytes(buf)
-        if flat.numel() == 0:
-            return _CallbackOp(lambda timeout_s: None)
-        torch.cuda.current_stream(flat.device).synchronize()
-        _, args = reduce_tensor(flat)
+        whole = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(storage)
+        _, args = reduce_tensor(whole)
         # NOTE: only plain fields go on the wire; the classes and dtype are fixed (uint8 UntypedStorage).
         handle = {
             "numel": int(args[1][0]),
-            "tensor_offset": int(args[3]),
             "device": int(args[6]),
             "handle": bytes(args[7]),
             "storage_size": int(args[8]),
@@ -270,7 +310,36 @@ class CudaIpcChannel(Channel):
             "event_handle": bytes(args[13]) if args[13] is not None else None,
             "event_sync_required": bool(args[14]),
         }
-        self._push_to(dst_rank, {"kind": "handle", "src": self.rank, "tag": tag, "ipc": handle})
+        if len(self._exports) >= self._MAX_EXPORTS:
+            self._exports.pop(next(iter(self._exports)))
+        self._exports[storage.data_ptr()] = (storage, handle)
+        return handle
+
+    def _import(self, src_rank: int, h: dict[str, Any]) -> torch.Tensor:
+        """The peer's exported storage as a uint8 tensor, opened on first use."""
+        key = (src_rank, bytes(h["handle"]), int(h["storage_offset"]))
+        shared = self._imports.get(key)
+        if shared is None:
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            shared = rebuild_cuda_tensor(
+                torch.Tensor, (h["numel"],), (1,), 0, torch.UntypedStorage, torch.uint8,
+                h["device"], h["handle"], h["storage_size"], h["storage_offset"], False,
+                h["ref_counter_handle"], h["ref_counter_offset"], h["event_handle"], h["event_sync_required"],
+            )  # fmt: skip
+            if len(self._imports) >= self._MAX_EXPORTS:
+                self._imports.pop(next(iter(self._imports)))
+            self._imports[key] = shared
+        return shared
+
+    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
+        flat = _as_bytes(buf)
+        if flat.numel() == 0:
+            return _CallbackOp(lambda timeout_s: None)
+        # NOTE: the caller's current stream (the side's own) holds the writes of these bytes
+        torch.cuda.current_stream(flat.device).synchronize()
+        msg = {"kind": "handle", "src": self.rank, "tag": tag, "ipc": self._export(flat)}
+        self._push_to(dst_rank, {**msg, "offset": flat.storage_offset(), "nbytes": flat.numel()})
         what = f"ipc send {flat.numel()} B to rank {dst_rank}"
         return _CallbackOp(lambda timeout_s: self._await(("copied", dst_rank, tag), timeout_s, what, flat))
 
@@ -281,20 +350,13 @@ class CudaIpcChannel(Channel):
         what = f"ipc recv {flat.numel()} B from rank {src_rank}"
 
         def finish(timeout_s: float) -> None:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
             msg = self._await(("handle", src_rank, tag), timeout_s, what, flat)
-            h = msg["ipc"]
-            if h["numel"] != flat.numel():
-                raise TransferError(f"{what}: peer exported {h['numel']} B")
-            shared = rebuild_cuda_tensor(
-                torch.Tensor, (h["numel"],), (1,), h["tensor_offset"], torch.UntypedStorage, torch.uint8,
-                h["device"], h["handle"], h["storage_size"], h["storage_offset"], False,
-                h["ref_counter_handle"], h["ref_counter_offset"], h["event_handle"], h["event_sync_required"],
-            )  # fmt: skip
-            flat.copy_(shared)
+            offset, nbytes = int(msg["offset"]), int(msg["nbytes"])
+            shared = self._import(src_rank, msg["ipc"])
+            if nbytes != flat.numel() or not 0 <= offset <= shared.numel() - nbytes:
+                raise TransferError(f"{what}: peer sent {nbytes} B at offset {offset} of {shared.numel()}")
+            flat.copy_(shared[offset : offset + nbytes])
             torch.cuda.current_stream(flat.device).synchronize()
-            del shared
             self._push_to(src_rank, {"kind": "copied", "src": self.rank, "tag": tag})
 
         return _CallbackOp(finish)
@@ -328,6 +390,8 @@ class CudaIpcChannel(Channel):
         for sock in (*self._push.values(), self._pull):
             sock.close(linger=0)
         self._push.clear()
+        self._exports.clear()
+        self._imports.clear()
 
 
 class _CallbackOp(PendingOp):

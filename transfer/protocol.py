@@ -8,14 +8,21 @@ Handshake for one request (decode side D asks prefill side P; see transfer/conne
 
     D -> P  request  {TransferRequest}       "send R into my blocks, skipping my first k"
     P -> D  header   {TransferHeader}        what P will send (layout, shape, bytes, chunking, checksum)
-    D -> P  ack                              header matches what D expects; all D's chunk recvs are posted
+    D -> P  ack      {num_slots}             header matches what D expects; all D's chunk recvs are posted
     P => D  <num_chunks chunks over the channel, chunk i on tag chunk_tag(tag, i)>
+    D -> P  credit   {chunk}                 chunks up to i verified and scattered: their slots may take
+                                             chunks up to i + num_slots (P sends a chunk only once the
+                                             chunk num_slots before it is credited; D credits every few)
     D -> P  done                             every chunk verified and scattered; P may free its blocks
     either  abort    {error_type, message}   the transfer failed on the sender of this frame
 
-Once D has acked, P posts all `num_chunks` sends whatever happens (junk that fails the checksum when it
-cannot send the real bytes), so no recv D posted is left without its send; only a dropped (dead) peer
-is exempt.
+Both sides stage through a small ring of chunk slots, so a transfer of any size needs a few chunks of
+memory and the bytes stay in cache between the channel and the copies. D posts the recv of every chunk
+into its slot before acking (chunk i into slot i % num_slots): posting a recv while the channel reads
+another chunk of the pair would wait for that read (gloo locks the pair), so D never calls into the
+channel mid-transfer; the credits keep P from overwriting a slot D still drains. Once D has acked, P posts
+all `num_chunks` sends whatever happens (junk that fails the digest when it cannot send the real bytes),
+so no recv D posted is left without its send; only a dropped (dead) peer is exempt.
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ DTYPE_ITEMSIZE = {
     "uint8": 1,
 }
 MAX_TAG = (1 << 31) - 1
-# NOTE: each chunk carries its own checksum in an 8-byte trailer, computed while the previous chunk is on
-# the wire (a whole-transfer checksum in the header would have to be computed before any byte moves).
-CHECKSUM_SCHEME = "rowsum-trailer-v1"
+# NOTE: each chunk carries its own digest in an 8-byte trailer, computed while the previous chunk is on
+# the wire (a whole-transfer digest in the header would have to be computed before any byte moves). The
+# digest is XXH3-64 seeded with the transfer's nonce over (chunk index, payload); see transfer/staging.py.
+CHECKSUM_SCHEME = "xxh3_64-nonce-v2"
 MAX_CHUNK_BYTES = 1 << 30
 
 
@@ -55,7 +63,8 @@ class TransferTimeoutError(TransferError, TimeoutError):
 
 
 class TransferChecksumError(TransferError):
-    """The received bytes do not match the checksum the sender put in the header."""
+    """A received chunk does not match the digest the sender sealed it with (corrupt, reordered, or a
+    chunk of another transfer: the digest is keyed by the transfer's nonce)."""
 
 
 class TransferRejectedError(TransferError):
@@ -88,6 +97,7 @@ class MessageKind(str, enum.Enum):
     REQUEST = "request"
     HEADER = "header"
     ACK = "ack"
+    CREDIT = "credit"
     DONE = "done"
     ABORT = "abort"
 
@@ -206,6 +216,12 @@ class TransferResult:
     nbytes: int = 0
     seconds: float = 0.0  # handshake start to final frame
     wire_seconds: float = 0.0  # first chunk posted (sender) / ack (receiver) to the last chunk through
+    # NOTE: where the transfer thread spent `wire_seconds`: copying blocks into staging (sender), hashing
+    # chunks (both), copying staging into blocks (receiver), and blocked on the channel (both).
+    gather_seconds: float = 0.0
+    hash_seconds: float = 0.0
+    scatter_seconds: float = 0.0
+    blocked_seconds: float = 0.0
     error: str | None = None
     error_type: str | None = None
 

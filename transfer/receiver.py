@@ -1,7 +1,8 @@
 """KVReceiver (decode side): fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
 
-Per transfer: REQUEST -> sender's HEADER (validated) -> post a recv for every chunk straight into staging
--> ACK -> verify and scatter chunk i while chunk i+1 arrives -> sync -> DONE. See transfer/protocol.py.
+Per transfer: REQUEST -> sender's HEADER (validated) -> post the recv of every chunk into its slot of a
+staging ring -> ACK -> verify and scatter chunk i while the next chunks arrive, then CREDIT its slot ->
+sync the side's stream -> DONE. See transfer/protocol.py and transfer/ring.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from transfer.channel import Channel, OpLane
 from transfer.protocol import (
     KVHandoff,
     MessageKind,
-    TransferChecksumError,
     TransferError,
     TransferPeerLostError,
     TransferRequest,
@@ -34,10 +34,11 @@ from transfer.protocol import (
     encode_message,
     error_from_remote,
     header_from_dict,
+    tag_for_nonce,
     validate_header,
 )
-from transfer.side import POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
-from transfer.staging import ChunkPlan, block_index, chunk_checksum, chunk_view, read_trailer, scatter_chunk
+from transfer.side import NUM_SLOTS, POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
+from transfer.staging import ChunkPlan, block_index
 
 
 @dataclass
@@ -50,7 +51,11 @@ class _Job:
 
 
 class KVReceiver(Side):
-    """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time."""
+    """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
+
+    Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; the
+    sender runs up to `num_slots` chunks ahead of the scatter.
+    """
 
     def __init__(
         self,
@@ -60,8 +65,9 @@ class KVReceiver(Side):
         channel: Channel,
         timeout_s: float = 30.0,
         zmq_context: zmq.Context[Any] | None = None,
+        num_slots: int = NUM_SLOTS,
     ) -> None:
-        super().__init__(kv, rank, channel, timeout_s, zmq_context)
+        super().__init__(kv, rank, channel, timeout_s, zmq_context, num_slots)
         self._jobs: deque[_Job] = deque()
         self._jobs_cond = threading.Condition(self._lock)
         self._dealers: dict[str, zmq.Socket[Any]] = {}
@@ -79,8 +85,9 @@ class KVReceiver(Side):
         of this call (or by `deadline`, time.time() seconds, if sooner; queueing behind other transfers
         counts), and at once (TransferPeerLostError) if the handoff's rank is or gets dropped. On success
         the blocks are written and visible (device synchronized); on failure they may hold partial data
-        (chunks verified before the failure) and stay the caller's to free or reuse. Raises ValueError on
-        bad block ids.
+        (chunks verified before the failure; a sender failing mid-transfer may also land junk in a slot
+        between its digest check and its scatter) and stay the caller's to free or reuse: never use
+        them. Raises ValueError on bad block ids.
         """
         if not self._thread.is_alive():
             raise TransferError("KVReceiver is not running: call start() (or it was closed)")
@@ -231,34 +238,8 @@ class KVReceiver(Side):
             )
             result.nbytes = header.nbytes
             plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
-            staging = self._staging(plan.num_chunks * plan.stride)
-            lane = OpLane(f"recv-{src_rank}")
-            ops = [
-                self._channel.irecv(
-                    chunk_view(staging, plan, c, c * plan.stride), src_rank, chunk_tag(header.tag, c), lane
-                )
-                for c in range(plan.num_chunks)
-            ]
-            sock.send(encode_message(MessageKind.ACK, nonce), zmq.NOBLOCK)
-            t_wire = time.monotonic()
-            index = block_index(dst_ids, self._kv.device)
-
-            def check() -> None:
-                self._check_peer(src_rank)
-                self._poll(sock, nonce, 0)
-
-            for chunk, op in enumerate(ops):
-                self._wait_op(op, job.deadline, check)
-                wire = chunk_view(staging, plan, chunk, chunk * plan.stride)
-                checksum, expected = chunk_checksum(wire, plan, chunk), read_trailer(wire)
-                if checksum != expected:
-                    raise TransferChecksumError(
-                        f"checksum of chunk {chunk}/{plan.num_chunks} ({wire.numel()} B) of "
-                        f"{handoff.request_id!r} is {checksum}, the sender's is {expected}"
-                    )
-                scatter_chunk(self._rows, index, plan, chunk, wire)
-            result.wire_seconds = time.monotonic() - t_wire
-            self._sync()
+            with self._on_stream():
+                self._receive_chunks(sock, job, nonce, plan, result)
             sock.send(encode_message(MessageKind.DONE, nonce), zmq.NOBLOCK)
             result.ok = True
         except PeerAbort as e:
@@ -275,3 +256,44 @@ class KVReceiver(Side):
         result.seconds = time.monotonic() - t0
         self._record(result)
         return result, error
+
+    def _receive_chunks(
+        self, sock: zmq.Socket[Any], job: _Job, nonce: int, plan: ChunkPlan, result: TransferResult
+    ) -> None:
+        """Post the recv of every chunk into its ring slot, ack, then verify and scatter each chunk as it
+        lands and credit the sender with its slot. Counts the phases' seconds in `result`. Runs on the
+        side's stream."""
+        src_rank = job.handoff.src_rank
+        num_slots = min(self.num_slots, plan.num_chunks)
+        ring = self._ring(plan, nonce, num_slots)
+        index = block_index(job.dst_block_ids, self._kv.device)
+        tag = tag_for_nonce(nonce)
+        lane = OpLane(f"recv-{src_rank}")
+        what = f"{job.handoff.request_id!r} from rank {src_rank}"
+        ops = [
+            self._channel.irecv(ring.wire(c), src_rank, chunk_tag(tag, c), lane)
+            for c in range(plan.num_chunks)
+        ]
+        sock.send(encode_message(MessageKind.ACK, nonce, num_slots=self.num_slots), zmq.NOBLOCK)
+        t_wire = time.monotonic()
+
+        def check() -> None:
+            self._check_peer(src_rank)
+            self._poll(sock, nonce, 0)
+
+        # NOTE: a credit every few chunks (each covers every chunk drained so far): every frame costs a
+        # wakeup of both sides' ZMQ threads, and the sender still has `num_slots - credit_every` chunks in
+        # flight. The sender needs chunks 0..last_needed credited (chunk i's slot takes chunk i + num_slots).
+        credit_every = max(1, num_slots // 2)
+        last_needed = plan.num_chunks - num_slots - 1
+        try:
+            for chunk in range(plan.num_chunks):
+                result.blocked_seconds += self._wait_op(ops[chunk], job.deadline, check)
+                ring.drain(self._rows, index, chunk, what)
+                if chunk <= last_needed and ((chunk + 1) % credit_every == 0 or chunk == last_needed):
+                    ring.release(chunk)
+                    sock.send(encode_message(MessageKind.CREDIT, nonce, chunk=chunk), zmq.NOBLOCK)
+            ring.finish()
+        finally:
+            result.hash_seconds, result.scatter_seconds = ring.hash_seconds, ring.scatter_seconds
+        result.wire_seconds = time.monotonic() - t_wire

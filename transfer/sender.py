@@ -1,8 +1,9 @@
 """KVSender (prefill side): serves transfer requests for the requests it `offer`ed, one at a time.
 
-Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, checksum scheme) ->
+Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, digest scheme) ->
 receiver's ACK (all its chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
-it with its checksum while chunk i-1 is on the wire -> receiver's DONE. See transfer/protocol.py.
+it with its digest while the chunks before it are on the wire, send it once the receiver credited the
+slot it lands in -> receiver's DONE. See transfer/protocol.py and transfer/ring.py.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transfer.protocol import (
 )
 from transfer.side import (
     DEFAULT_CHUNK_BYTES,
+    NUM_SLOTS,
     POLL_S,
     PeerAbort,
     Side,
@@ -47,15 +49,16 @@ from transfer.side import (
     as_transfer_error,
     fail,
 )
-from transfer.staging import ChunkPlan, block_index, chunk_view, gather_chunk, junk_chunk
+from transfer.staging import ChunkPlan, block_index, chunk_view, junk_chunk
 
 logger = logging.getLogger(__name__)
-_NUM_SLOTS = 3  # NOTE: gather slot, on-the-wire slot, and one of slack for a slow completion
 
 
 @dataclass
 class _Lease:
+    block_ids: tuple[int, ...]
     expiry: float  # time.monotonic()
+    ready: Any = None  # CUDA event recorded by `offer` on the caller's stream (None on CPU)
     in_flight: bool = False
 
 
@@ -68,10 +71,10 @@ class KVSender(Side):
     (keep the callback quick and thread-safe). A request withdrawn with `abort()` while not in flight gets
     no callback. A request asked for by a dropped peer is refused and stays offered (lease, abort).
 
-    `get_block_ids(request_id)` returns the request's block ids in order (None if the engine no longer
-    holds it); it is called in `offer` and then on the transfer thread, so the table must not change while
-    the request is offered. Bind `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`).
-    `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds 3 of them.
+    `offer` takes the request's block ids and keeps a frozen copy: the transfer thread never reads the
+    engine's tables, and the blocks' bytes must not change until `on_sent` (or a withdrawing `abort`). Bind
+    `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`). `chunk_bytes` is the pipelining unit
+    (rounded down to whole block rows); staging holds `num_slots` of them whatever the transfer's size.
     """
 
     def __init__(
@@ -80,16 +83,15 @@ class KVSender(Side):
         *,
         rank: int,
         channel: Channel,
-        get_block_ids: Callable[[str], list[int] | None],
         on_sent: Callable[[str, bool], None],
         endpoint: str = "tcp://127.0.0.1:*",
         timeout_s: float = 30.0,
         lease_s: float = 60.0,
         zmq_context: zmq.Context[Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        num_slots: int = NUM_SLOTS,
     ) -> None:
-        super().__init__(kv, rank, channel, timeout_s, zmq_context)
-        self._get_block_ids = get_block_ids
+        super().__init__(kv, rank, channel, timeout_s, zmq_context, num_slots)
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
@@ -107,26 +109,38 @@ class KVSender(Side):
     def offer(
         self,
         request_id: str,
+        block_ids: Sequence[int],
         num_tokens: int,
         block_hashes: Sequence[str | bytes] = (),
         lease_s: float | None = None,
     ) -> KVHandoff:
-        """Start holding `request_id` for a transfer; its blocks stay the caller's until `on_sent`."""
-        block_ids = self._get_block_ids(request_id)
-        if block_ids is None:
-            raise TransferRejectedError(f"cannot offer request {request_id!r}: no blocks for it")
+        """Start holding `request_id` for a transfer of the blocks `block_ids` (its block table, in order;
+        a frozen copy is kept). The blocks stay the caller's, unchanged, until `on_sent`.
+
+        Call it on the thread that wrote the KV (a CUDA cache: after the forward that wrote it was queued
+        on that thread's current stream; the transfer's copies are ordered after it without a host sync).
+        Raises ValueError on block ids outside the cache and TransferRejectedError if already offered.
+        """
+        ids = tuple(int(b) for b in block_ids)
+        num_blocks = int(self._kv.shape[1])
+        if any(not 0 <= b < num_blocks for b in ids):
+            raise ValueError(f"block_ids of {request_id!r} must be in [0, {num_blocks}), got {list(ids)}")
+        ready = None
+        if self._kv.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._kv.device))
         lease = self.lease_s if lease_s is None else lease_s
         with self._lock:
             if request_id in self._leases:
                 raise TransferRejectedError(f"request {request_id!r} is already offered")
-            self._leases[request_id] = _Lease(expiry=time.monotonic() + lease)
+            self._leases[request_id] = _Lease(ids, expiry=time.monotonic() + lease, ready=ready)
         return KVHandoff(
             request_id=request_id,
             src_rank=self.rank,
             src_endpoint=self.endpoint,
             layout=self.layout,
             num_tokens=num_tokens,
-            num_blocks=len(block_ids),
+            num_blocks=len(ids),
             lease_expiry=time.time() + lease,
             block_hashes=list(block_hashes),
         )
@@ -237,7 +251,7 @@ class KVSender(Side):
     def _feed_junk(self, plan: ChunkPlan, first_chunk: int, dst_rank: int, tag: int) -> None:
         if first_chunk >= plan.num_chunks:
             return
-        junk = torch.empty(plan.stride, dtype=torch.uint8, device=self._staging_device)
+        junk = self._scratch(plan.stride)
         junk_chunk(junk)
         lane = OpLane(f"junk-{dst_rank}")
         for chunk in range(first_chunk, plan.num_chunks):
@@ -259,7 +273,9 @@ class KVSender(Side):
             raise PeerAbort(error_from_remote(body.get("error_type", ""), body.get("message", "")))
         return reply
 
-    def _await(self, ident: bytes, req: TransferRequest, want: MessageKind, deadline: float) -> None:
+    def _await(
+        self, ident: bytes, req: TransferRequest, want: MessageKind, deadline: float
+    ) -> dict[str, Any]:
         while True:
             self._check_peer(req.dst_rank)
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -270,7 +286,8 @@ class KVSender(Side):
                 continue
             if reply[0] is not want:
                 raise TransferError(f"expected {want.value} from the receiver, got {reply[0].value}")
-            return
+            body: dict[str, Any] = reply[1]
+            return body
 
     def _serve(self, ident: bytes, req: TransferRequest) -> None:
         t0 = time.monotonic()
@@ -289,11 +306,11 @@ class KVSender(Side):
                 raise TransferRejectedError(
                     f"rank {self.rank} does not hold request {req.request_id!r} (unknown, aborted or expired)"
                 )
-            header, plan, block_ids = self._prepare(req)
+            header, plan, block_ids = self._prepare(req, lease)
             result.num_blocks, result.nbytes = header.num_blocks, header.nbytes
             self._reply(ident, encode_message(MessageKind.HEADER, req.nonce, header=header))
             try:
-                self._await(ident, req, MessageKind.ACK, deadline)
+                ack = self._await(ident, req, MessageKind.ACK, deadline)
             except TransferTimeoutError:
                 if plan.num_chunks:
                     if len(self._abandoned) >= 64:
@@ -301,8 +318,12 @@ class KVSender(Side):
                     self._abandoned[(ident, req.nonce)] = (req.dst_rank, header.tag, plan)
                 raise
             is_acked = True
+            recv_slots = ack.get("num_slots")
+            if not isinstance(recv_slots, int) or isinstance(recv_slots, bool) or recv_slots < 1:
+                raise TransferError(f"the receiver's ack has no valid num_slots: {recv_slots!r}")
             t_wire = time.monotonic()
-            self._send_chunks(ident, req, plan, block_ids, header.tag, deadline)
+            with self._on_stream():
+                self._send_chunks(ident, req, plan, block_ids, lease.ready, recv_slots, deadline, result)
             result.wire_seconds = time.monotonic() - t_wire
             if not self._is_done_early:
                 self._await(ident, req, MessageKind.DONE, deadline)
@@ -331,43 +352,75 @@ class KVSender(Side):
         ident: bytes,
         req: TransferRequest,
         plan: ChunkPlan,
-        block_ids: list[int],
-        tag: int,
+        block_ids: Sequence[int],
+        ready: Any,
+        recv_slots: int,
         deadline: float,
+        result: TransferResult,
     ) -> None:
-        """Gather, seal and post every chunk, ring-buffered; counts them in `_num_posted` (junk feeds the
-        rest if this raises)."""
-        num_slots = min(_NUM_SLOTS, plan.num_chunks)
-        ring = self._staging(num_slots * plan.stride)
+        """Gather, seal and post every chunk through the ring; counts them in `_num_posted` (junk feeds the
+        rest if this raises) and the phases' seconds in `result`. Chunk i waits for its own slot (the send
+        of chunk i - num_slots done) and for the receiver's (the credit of chunk i - recv_slots). Runs on
+        the side's stream."""
+        num_slots = min(self.num_slots, plan.num_chunks)
+        ring = self._ring(plan, req.nonce, num_slots)
+        ring.start(ready)
         index = block_index(block_ids, self._kv.device)
+        tag = tag_for_nonce(req.nonce)
         lane = OpLane(f"send-{req.dst_rank}")
         ops: list[PendingOp] = []
+        num_credited = 0  # chunks the receiver has drained
+
+        def take(timeout_ms: int) -> bool:
+            """Handle one frame of this transfer if one comes within `timeout_ms`; `abort` raises."""
+            nonlocal num_credited
+            reply = self._poll(ident, req.nonce, timeout_ms)
+            if reply is None:
+                return False
+            kind, body = reply
+            if kind is MessageKind.CREDIT and isinstance(body.get("chunk"), int):
+                num_credited = max(num_credited, body["chunk"] + 1)
+            elif kind is MessageKind.DONE:  # NOTE: may overtake our wait for the last sends' completion
+                self._is_done_early = True
+            else:
+                raise TransferError(f"expected credit or done from the receiver, got {kind.value} {body}")
+            return True
 
         def check() -> None:
             self._check_peer(req.dst_rank)
-            while (reply := self._poll(ident, req.nonce, 0)) is not None:
-                # NOTE: `done` may overtake our wait for the last sends' completion; `abort` raised
-                if reply[0] is not MessageKind.DONE:
-                    raise TransferError(f"expected nothing or done from the receiver, got {reply[0].value}")
-                self._is_done_early = True
+            while take(0):
+                pass
 
-        for chunk in range(plan.num_chunks):
-            slot = chunk % num_slots
-            if chunk >= num_slots:
-                self._wait_op(ops[chunk - num_slots], deadline, check)
-            wire = chunk_view(ring, plan, chunk, slot * plan.stride)
-            gather_chunk(self._rows, index, plan, chunk, wire)
-            ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
-            self._num_posted = chunk + 1
-            check()
-        for op in ops[-num_slots:] if num_slots else []:
-            self._wait_op(op, deadline, check)
+        def await_credit(chunk: int) -> None:
+            t0 = time.perf_counter()
+            while num_credited < chunk + 1:
+                check()
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0:
+                    raise TransferTimeoutError(f"no credit for chunk {chunk} within {self.timeout_s:.3f}s")
+                take(min(left_ms, int(POLL_S * 1000)))
+            result.blocked_seconds += time.perf_counter() - t0
 
-    def _prepare(self, req: TransferRequest) -> tuple[TransferHeader, ChunkPlan, list[int]]:
+        try:
+            for chunk in range(plan.num_chunks):
+                if chunk >= num_slots:  # our slot is free once its last send completed
+                    result.blocked_seconds += self._wait_op(ops[chunk - num_slots], deadline, check)
+                wire = ring.fill(self._rows, index, chunk)
+                if chunk >= recv_slots:  # the receiver's slot is free once it drained its last chunk
+                    await_credit(chunk - recv_slots)
+                ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
+                self._num_posted = chunk + 1
+                check()
+            for op in ops[-num_slots:] if num_slots else []:
+                result.blocked_seconds += self._wait_op(op, deadline, check)
+        finally:
+            result.gather_seconds, result.hash_seconds = ring.gather_seconds, ring.hash_seconds
+
+    def _prepare(
+        self, req: TransferRequest, lease: _Lease
+    ) -> tuple[TransferHeader, ChunkPlan, tuple[int, ...]]:
         """Check the request against the blocks we hold and describe the whole transfer."""
-        block_ids = self._get_block_ids(req.request_id)
-        if block_ids is None:
-            raise TransferRejectedError(f"rank {self.rank} no longer has blocks for {req.request_id!r}")
+        block_ids = lease.block_ids
         skip = req.skip_first_n_blocks
         if not 0 <= skip <= len(block_ids):
             raise TransferMismatchError(

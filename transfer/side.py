@@ -24,10 +24,15 @@ from transfer.protocol import (
     encode_message,
     row_bytes_of,
 )
-from transfer.staging import kv_rows
+from transfer.ring import StagingRing, on_stream
+from transfer.staging import ChunkPlan, kv_rows
 
 POLL_S = 0.05
-DEFAULT_CHUNK_BYTES = 16 << 20
+# NOTE: 4 slots of 4 MiB bound staging to 16 MiB per side whatever the transfer's size. On the 2-core CPU box
+# a gloo send cut into 1 MiB pieces took ~1.5x the CPU of 4-16 MiB pieces, and 2-16 MiB chunks measured
+# alike within that shared box's noise (bench/bench_transfer.py --chunk-mib 2,4,8,16 --slots 3,4).
+DEFAULT_CHUNK_BYTES = 4 << 20
+NUM_SLOTS = 4
 
 
 class PeerAbort(Exception):
@@ -39,11 +44,21 @@ class PeerAbort(Exception):
 
 
 class Side:
-    """Base of KVSender / KVReceiver: one transfer thread, one reused staging buffer, dropped peers."""
+    """Base of KVSender / KVReceiver: one transfer thread, reused staging buffers, its own CUDA stream,
+    dropped peers."""
 
     def __init__(
-        self, kv: torch.Tensor, rank: int, channel: Channel, timeout_s: float, ctx: zmq.Context[Any] | None
+        self,
+        kv: torch.Tensor,
+        rank: int,
+        channel: Channel,
+        timeout_s: float,
+        ctx: zmq.Context[Any] | None,
+        num_slots: int,
     ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
         self._kv = kv
         self.layout = layout_of(kv)
         self._rows = kv_rows(kv)
@@ -51,7 +66,10 @@ class Side:
         self.rank = rank
         self._channel = channel
         self._staging_device = channel.staging_device(kv.device)
-        self._staging_buf: torch.Tensor | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        # NOTE: the side's own stream: its copies never wait behind the engine's forward, and the host
+        # waits on it alone (transfer/ring.py). None on CPU, where every stream operation is a no-op.
+        self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
         self.timeout_s = timeout_s
         self._ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -88,26 +106,45 @@ class Side:
         if self.is_dropped(rank):
             raise TransferPeerLostError(f"peer rank {rank} was dropped (marked dead) by rank {self.rank}")
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        """A uint8 staging view of `nbytes`, carved from one reused buffer.
+    def _ring(self, plan: ChunkPlan, nonce: int, num_slots: int) -> StagingRing:
+        """A staging ring for one transfer, carved from buffers reused across transfers.
 
-        NOTE: on CPU a fresh multi-GB buffer costs more in page faults than the copy itself, so the
-        largest buffer is kept; after a failed transfer it is dropped (`_drop_staging`), because an
-        abandoned channel op may still read or write it.
+        NOTE: on CPU a fresh buffer costs more in page faults than the copy itself, so the largest buffers
+        are kept; after a failed transfer they are dropped (`_drop_staging`), because an abandoned channel
+        op may still read or write them.
         """
-        if self._staging_buf is None or self._staging_buf.numel() < nbytes:
-            self._staging_buf = None
-            pin = self._kv.is_cuda and self._staging_device.type == "cpu"
-            self._staging_buf = torch.empty(
-                nbytes, dtype=torch.uint8, device=self._staging_device, pin_memory=pin
-            )
-        return self._staging_buf[:nbytes]
+        nbytes = StagingRing.nbytes(plan, num_slots)
+        wire = self._buffer("wire", nbytes, self._staging_device)
+        mirror = None
+        if self._kv.is_cuda:
+            on_host = self._staging_device.type == "cuda"
+            mirror = self._buffer("mirror", nbytes, torch.device("cpu") if on_host else self._kv.device)
+        return StagingRing(plan, nonce, num_slots, wire, mirror, self._stream)
+
+    def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop(name, None)  # NOTE: free the old one before allocating its successor
+            pin = self._kv.is_cuda and device.type == "cpu"
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            self._buffers[name] = buf
+        return buf[:nbytes]
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A fresh staging-device buffer for junk sends / unwanted recvs (never reused: ops may linger)."""
+        pin = self._kv.is_cuda and self._staging_device.type == "cpu"
+        return torch.empty(nbytes, dtype=torch.uint8, device=self._staging_device, pin_memory=pin)
 
     def _drop_staging(self) -> None:
-        self._staging_buf = None
+        self._buffers.clear()
 
-    def _wait_op(self, op: PendingOp, deadline: float, check: Callable[[], None]) -> None:
-        """Wait for `op` until `deadline`, calling `check` (raises to give up) every POLL_S at most."""
+    def _on_stream(self) -> contextlib.AbstractContextManager[None]:
+        return on_stream(self._stream)
+
+    def _wait_op(self, op: PendingOp, deadline: float, check: Callable[[], None]) -> float:
+        """Wait for `op` until `deadline`, calling `check` (raises to give up) every POLL_S at most;
+        returns the seconds waited."""
+        t0 = time.perf_counter()
         while True:
             check()
             left = deadline - time.monotonic()
@@ -115,7 +152,7 @@ class Side:
                 raise TransferTimeoutError(f"channel op did not complete within {self.timeout_s:.3f}s")
             with contextlib.suppress(TransferTimeoutError):
                 op.wait(min(left, POLL_S))
-                return
+                return time.perf_counter() - t0
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the transfer thread (after its current transfer) and close its sockets."""
@@ -147,10 +184,6 @@ class Side:
 
     def _close_sockets(self) -> None:
         raise NotImplementedError
-
-    def _sync(self) -> None:
-        if self._kv.is_cuda:
-            torch.cuda.current_stream(self._kv.device).synchronize()
 
 
 def as_transfer_error(e: Exception) -> TransferError:

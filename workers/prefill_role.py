@@ -37,7 +37,6 @@ class PrefillRole:
             engine.runner.kv_cache,
             rank=rank,
             channel=TorchDistChannel(),
-            get_block_ids=engine.held_block_ids,
             on_sent=lambda rid, ok: self.ctx.post(_Sent(rid, ok)),
             endpoint=f"tcp://{self.ctx.bind_host}:*",
             timeout_s=cfg.timeout_s,
@@ -58,8 +57,12 @@ class PrefillRole:
                 )
             )
             return
+        block_ids = engine.held_block_ids(rid)
+        if block_ids is None:
+            raise RuntimeError(f"held request {rid!r} holds no blocks")
         prompt_len = len(engine.scheduler.requests[rid].prompt_token_ids)
-        handoff = self.sender.offer(rid, num_tokens=prompt_len)
+        # NOTE: the sender keeps its own frozen copy of the ids; it never reads the engine's tables
+        handoff = self.sender.offer(rid, block_ids, num_tokens=prompt_len)
         self.ctx.send(Prefilled(self.ctx.worker_id, delta, handoff.to_bytes()))
 
     def on_decode(self, op: DecodeHandoff) -> None:
