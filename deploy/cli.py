@@ -178,6 +178,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["plan"]:
+        # NOTE: bench/plan.py's own parser owns every option after the word (argparse's REMAINDER
+        # would not take leading options such as `pdserve plan --workers 4`).
+        from bench.plan import main as plan_main
+
+        return plan_main(words[1:])
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -209,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("bench", choices=["offline", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+
+    sub.add_parser(
+        "plan", help="simulate prefill:decode splits for a workload and SLO; plan calibrate / validate"
+    )
 
     args = parser.parse_args(argv)
     result: int = args.func(args)
