@@ -37,6 +37,7 @@ from workers.request import RequestStatus
 
 # event kinds
 _SEND, _ROUTE, _DELIVER, _STEP_END, _PREFILLED, _SETTLE, _CLIENT_DONE = range(7)
+_RUNNING = RequestStatus.RUNNING
 # worker commands
 GENERATE, GENERATE_HELD, HANDOFF, KV_DONE, KV_SENT = range(5)
 
@@ -109,7 +110,7 @@ class Simulation:
         }
         self.workers = [w for ws in self.pools.values() for w in ws]
         self.records = [RequestRecord(r.prompt_len, r.output_len) for r in workload.requests]
-        self.flights: dict[int, Flight] = {}
+        self.flights: dict[str, Flight] = {}  # by request id
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = count()
         self._num_busy = 0
@@ -172,15 +173,6 @@ class Simulation:
         if self._backlog:
             self._on_send(t, self._backlog.popleft())
 
-    def _token(self, flight: Flight, t: float) -> None:
-        rec = self.records[flight.index]
-        if rec.last_token_s is None:
-            rec.first_token_s = t
-        else:
-            rec.gaps_s.append(t - rec.last_token_s)
-        rec.last_token_s = t
-        rec.num_tokens += 1
-
     # ---- router ---------------------------------------------------------------------------------------
     def _on_route(self, t: float, index: int) -> None:
         router = self.config.router
@@ -197,7 +189,7 @@ class Simulation:
             return
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
         flight = Flight(index, str(index), prompt, params)
-        self.flights[index] = flight
+        self.flights[flight.request_id] = flight
         mode = self.config.mode
         if mode == "colocated":
             w = pick_least_loaded(self.pools["colocated"], "colocated")
@@ -225,7 +217,7 @@ class Simulation:
             if w is not None:
                 w.num_assigned -= 1
         self.records[flight.index].transfer_s = flight.transfer_s
-        del self.flights[flight.index]
+        del self.flights[flight.request_id]
 
     def _client_done(self, index: int, t: float) -> None:
         self.records[index].finish_s = t
@@ -288,15 +280,26 @@ class Simulation:
         return True
 
     def _on_step_end(self, t: float, w: SimWorker) -> None:
-        arrive = t + self.profile.hop_s + self.profile.http_s
+        hop = self.profile.hop_s
+        arrive = t + hop + self.profile.http_s
+        flights, records = self.flights, self.records
         for request in w.end_step():
-            flight = self.flights[int(request.request_id)]
-            self._token(flight, arrive)
+            # NOTE: the hot path of a big simulation (once per generated token): kept inline.
+            flight = flights[request.request_id]
+            rec = records[flight.index]
+            if rec.last_token_s is None:
+                rec.first_token_s = arrive
+            else:
+                rec.gaps_s.append(arrive - rec.last_token_s)
+            rec.last_token_s = arrive
+            rec.num_tokens += 1
             status = request.status
+            if status is _RUNNING:
+                continue
             if status is RequestStatus.SENDING_KV:
-                self._at(t + self.profile.hop_s, _PREFILLED, flight)
+                self._at(t + hop, _PREFILLED, flight)
             elif status.is_finished:
-                self._at(t + self.profile.hop_s, _SETTLE, flight)
+                self._at(t + hop, _SETTLE, flight)
                 self._client_done(flight.index, arrive)
         self._num_busy -= 1
         self._turn(w, t)
