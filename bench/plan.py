@@ -199,7 +199,7 @@ def plan_main(argv: Sequence[str] | None) -> int:
 
 
 def calibrate_main(argv: Sequence[str] | None) -> int:
-    from bench.plan_validate import calibrate_command
+    from bench.plan_calibrate import calibrate_command
 
     return calibrate_command(argv)
 

@@ -152,7 +152,9 @@ class CostProfile:
     (a step slows down while more workers than that are busy); None when each worker has its own device.
     ``step_scale`` multiplies every step: what a step costs inside a running cluster (the worker's loop,
     the router and HTTP edge sharing the host) over what the engine sweep measured alone; the cluster
-    probe of ``pdserve plan calibrate --probe`` measures it, 1.0 otherwise.
+    probe of ``pdserve plan calibrate --probe`` measures it, 1.0 otherwise. ``frontend_cpu_per_token_s``:
+    CPU the router and HTTP edge (and an in-process benchmark client) spend per streamed token on the
+    host the CPU workers share (adds to that host's demand in the simulation).
     """
 
     name: str
@@ -164,6 +166,7 @@ class CostProfile:
     http_s: float = 0.0
     host_cpus: float | None = None
     step_scale: float = 1.0
+    frontend_cpu_per_token_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:
         return self.step.step_s(shape) * self.step_scale

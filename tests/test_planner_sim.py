@@ -176,3 +176,12 @@ def test_queue_full_is_a_rejection() -> None:
     cfg = replace(cfg, router=replace(cfg.router, max_pending_requests=1))
     result, _ = run(cfg, profile(), workload((0.0, 4, 2), (0.0, 4, 2)))
     assert [r.rejected for r in result.records] == [None, "queue_full"]
+
+
+def test_cpu_workers_sharing_a_host_stretch_their_steps() -> None:
+    # two colocated CPU workers on one core: the second starts its step while the first is busy, so
+    # its step takes twice as long (the stretch is fixed when a step starts)
+    shared = replace(profile(), host_cpus=1.0)
+    result, steps = run(config(num_colocated=2), shared, workload((0.0, 4, 1), (0.0, 4, 1)))
+    assert [(w, t, d) for w, t, _, d in steps] == [("colocated-0", 0, 10000), ("colocated-1", 0, 20000)]
+    assert [us(r)[0] for r in result.records] == [10000, 20000]

@@ -91,15 +91,23 @@ class Sweep:
     def budget(self) -> int:
         return self.engine.config.max_num_batched_tokens
 
-    def _add(self, n: int, max_tokens: int) -> str:
+    def _tokens(self, n: int) -> list[int]:
+        hi = max(11, self.engine.vocab_size // 4)
+        return [int(t) for t in self.rng.integers(10, hi, size=n)]
+
+    def _add(self, n: int, max_tokens: int, prefix: list[int] | None = None) -> str:
         self._ids += 1
         rid = f"cal-{self._ids}"
-        hi = max(11, self.engine.vocab_size // 4)
-        prompt = self.rng.integers(10, hi, size=n).tolist()
-        self.engine.add_request(
-            rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        )
+        head = prefix or []
+        prompt = head + self._tokens(n - len(head))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(rid, prompt, params)
         return rid
+
+    def _settle_prefills(self) -> None:
+        s = self.engine.scheduler
+        while s.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running):
+            self._turn()
 
     def _turn(self) -> tuple[StepShape, float]:
         t0 = time.perf_counter()
@@ -131,12 +139,15 @@ class Sweep:
     def decode(self, batch: int, context: int, extra_prompt: int = 0) -> None:
         """``batch`` sequences decoding at about ``context`` tokens; with ``extra_prompt``, each timed
         step also carries a new prompt of that many tokens (a mixed step)."""
-        rids = [self._add(context, 4 * self.reps + 8) for _ in range(batch)]
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.engine.scheduler.running) or (
-            self.engine.scheduler.waiting
-        ):
-            self._turn()
-        self._turn()  # the first decode step after the prefills
+        # NOTE: the sequences share all but their last block, so building the batch's context costs one
+        # prompt (the rest are prefix-cache hits) while every decode still reads its whole context.
+        max_tokens = 4 * self.reps + 8
+        shared = self._tokens(max(0, context - self.engine.config.block_size))
+        rids = [self._add(context, max_tokens, shared)]
+        self._settle_prefills()
+        rids += [self._add(context, max_tokens, shared) for _ in range(batch - 1)]
+        self._settle_prefills()
+        self._turn()  # the first step where every sequence decodes
         runs = []
         for _ in range(self.reps):
             if extra_prompt:
@@ -152,11 +163,11 @@ def default_plan(engine_config: EngineConfig, max_model_len: int) -> list[tuple[
     budget, seats = engine_config.max_num_batched_tokens, engine_config.max_num_seqs
     prompts = sorted({n for n in (16, 64, 256, budget // 2, budget, 2 * budget) if 0 < n < max_model_len})
     batches = sorted({b for b in (1, 4, 16, seats // 2, seats) if 0 < b <= seats})
-    contexts = [c for c in (32, 256, 768) if c < max_model_len // 2]
+    contexts = [c for c in (32, 256, 1024) if c <= max_model_len // 2]
     plan: list[tuple[str, tuple[int, ...]]] = [("prefill", (n,)) for n in prompts]
     plan += [("decode", (b, c)) for b in batches for c in contexts]
     mixed_prompt = min(budget // 2, 256)
-    plan += [("decode", (b, 128, mixed_prompt)) for b in batches if b >= 4 and b + mixed_prompt <= budget]
+    plan += [("decode", (b, 128, mixed_prompt)) for b in batches if 4 <= b < seats and b + mixed_prompt <= budget]
     return plan
 
 
@@ -172,7 +183,7 @@ def calibrate(
     the cluster probe measures them. Returns the profile and the measured samples."""
     cfg = replace(engine_config, device="cpu" if engine_config.device == "auto" else engine_config.device)
     # NOTE: the largest decode batch at the longest context must fit in the KV pool
-    need = cfg.max_num_seqs * (768 + 4 * reps + 16) // cfg.block_size + 64
+    need = cfg.max_num_seqs * (1024 + 4 * reps + 16) // cfg.block_size + 64
     cfg = replace(cfg, num_kv_blocks=max(cfg.num_kv_blocks or 0, need))
     sweep = Sweep(cfg, reps=reps, seed=seed)
     plan = default_plan(cfg, sweep.engine.max_model_len)

@@ -38,6 +38,7 @@ from workers.request import RequestStatus
 # event kinds
 _SEND, _ROUTE, _DELIVER, _STEP_END, _PREFILLED, _SETTLE, _CLIENT_DONE = range(7)
 _RUNNING = RequestStatus.RUNNING
+_RATE_WINDOW_S = 0.25  # time constant of the streamed-token rate
 # worker commands
 GENERATE, GENERATE_HELD, HANDOFF, KV_DONE, KV_SENT = range(5)
 
@@ -113,7 +114,9 @@ class Simulation:
         self.flights: dict[str, Flight] = {}  # by request id
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = count()
-        self._num_busy = 0
+        self._num_busy = 0  # workers in a step or polling for work they cannot schedule yet
+        self._token_rate = 0.0  # tokens/s streamed through the front end (exponential moving average)
+        self._token_rate_t = 0.0
         self._slots = workload.max_concurrency or 0
         self._backlog: deque[int] = deque()
         self.now = 0.0
@@ -254,15 +257,23 @@ class Simulation:
         w.spinning = shape is None and w.has_work
         if shape is None:
             return
-        step_s = self.profile.step_s(shape) * self._slowdown()
+        step_s = self.profile.step_s(shape) * self._slowdown(t)
         w.busy_s += step_s
         if self.on_step is not None:
             self.on_step(w, t, shape, step_s)
         self._at(t + step_s, _STEP_END, w)
 
-    def _slowdown(self) -> float:
+    def _slowdown(self, t: float) -> float:
+        """CPU workers sharing ``host_cpus`` cores (with the front end's CPU per streamed token): a step
+        stretches by demand / cores while the demand exceeds the cores."""
         cpus = self.profile.host_cpus
-        return max(1.0, self._num_busy / cpus) if cpus else 1.0
+        if not cpus:
+            return 1.0
+        demand = float(self._num_busy)
+        if self.profile.frontend_cpu_per_token_s:
+            rate = self._token_rate * math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
+            demand += min(1.0, rate * self.profile.frontend_cpu_per_token_s)
+        return max(1.0, demand / cpus)
 
     def _start_transfer(self, w: SimWorker, flight: Flight, t: float) -> bool:
         num_tokens = w.reserve(flight, 0)
@@ -283,7 +294,12 @@ class Simulation:
         hop = self.profile.hop_s
         arrive = t + hop + self.profile.http_s
         flights, records = self.flights, self.records
-        for request in w.end_step():
+        updated = w.end_step()
+        if updated:
+            decay = math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
+            self._token_rate = self._token_rate * decay + len(updated) / _RATE_WINDOW_S
+            self._token_rate_t = t
+        for request in updated:
             # NOTE: the hot path of a big simulation (once per generated token): kept inline.
             flight = flights[request.request_id]
             rec = records[flight.index]

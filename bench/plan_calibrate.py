@@ -1,0 +1,199 @@
+"""``pdserve plan calibrate``: fit this machine's cost profile.
+
+The engine sweep (deploy/planner/calibrate.py) fits the step model. With ``--probe`` the sweep runs in a
+Ray worker process (scheduled by the OS like the cluster's own workers, which on a shared host is not
+like the driver) and the cluster of ``--config`` is started to measure what surrounds a step there:
+
+* one control hop: the router's queue time of a request sent to an idle cluster;
+* the HTTP edge: client TTFT minus the router's TTFT, halved (in and out);
+* the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
+* the step scale: client-side gaps of steady decode batches, and idle prefills, over what the sweep
+  predicts for the same shapes (the worker's loop and the host around it);
+* the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
+  simulation adds it to the host's CPU demand when it shares cores with CPU workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.plan import DEFAULT_CONFIG, default_profile_path, load_cluster_config
+from bench.serve import Record, Scenario
+from bench.serve import run as run_scenario
+from cluster.config import ClusterConfig, EngineConfig
+from cluster.cost_model import CostProfile, StepShape, TransferCost, shape_of
+from deploy.planner.calibrate import Sample
+
+
+def client_args(seed: int) -> argparse.Namespace:
+    """What ``bench.serve.run`` reads of its command line."""
+    return argparse.Namespace(
+        api_key=None, timeout=600.0, model=None, temperature=0.0, ignore_eos=True, quiet=True, seed=seed
+    )
+
+
+@contextlib.contextmanager
+def running_cluster(cfg: ClusterConfig) -> Iterator[str]:
+    """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL."""
+    from deploy.http_host import start_http
+    from deploy.launch import start_cluster
+
+    handle = start_cluster(cfg)
+    try:
+        with start_http(handle) as http:
+            yield http.url
+    finally:
+        handle.shutdown()
+
+
+def _calibration_task(
+    engine_config: EngineConfig, reps: int, seed: int, threads: int
+) -> tuple[dict[str, Any], list[Sample]]:
+    import torch
+
+    from deploy.planner.calibrate import calibrate
+
+    torch.set_num_threads(threads)
+    profile, samples = calibrate(engine_config, reps=reps, seed=seed)
+    return profile.to_dict(), samples
+
+
+def calibrate_profile(
+    cfg: ClusterConfig, *, reps: int, seed: int, in_ray: bool, verbose: bool = True
+) -> CostProfile:
+    """The engine sweep with one worker's thread count: here, or (``in_ray``) in a Ray worker process;
+    Ray must be up for that (a running cluster)."""
+    from deploy.planner.calibrate import fit_table
+
+    pool = cfg.colocated if cfg.router.mode == "colocated" else cfg.decode
+    if in_ray:
+        import ray
+
+        task = ray.remote(num_cpus=max(pool.num_cpus, 0.001))(_calibration_task)
+        ref = task.remote(cfg.engine_config(), reps, seed, pool.torch_threads)
+        data, samples = ray.get(ref, timeout=3600)
+    else:
+        data, samples = _calibration_task(cfg.engine_config(), reps, seed, pool.torch_threads)
+    profile = CostProfile.from_dict(data)
+    if verbose:
+        print(fit_table(profile, samples), flush=True)
+    return profile
+
+
+def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
+    return [shape_of([(s, min(budget, n - s), False)]) for s in range(0, n, budget)]
+
+
+async def probe(
+    url: str, profile: CostProfile, cfg: ClusterConfig, seed: int
+) -> tuple[CostProfile, dict[str, Any]]:
+    """Measure the terms of the module docstring on the running cluster at ``url``."""
+    engine = cfg.engine_config()
+    args = client_args(seed)
+    idle: list[Record] = []
+    for n in (16, 256, 1024, 1792):
+        scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
+        recs, _ = await run_scenario(url, f"probe-{n}", args, scenario)
+        idle += [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
+    if not idle:
+        raise RuntimeError("cluster probe: every probe request failed")
+    server = [r.server or {} for r in idle]
+    hop = statistics.median(t["queue_s"] for t in server)
+    http = max(
+        0.0,
+        statistics.median(((r.ttft_s or 0.0) - t["ttft_s"]) / 2 for r, t in zip(idle, server, strict=True)),
+    )
+    prefill_ratios = []
+    for r, t in zip(idle, server, strict=True):
+        model = sum(
+            profile.step.step_s(c) for c in _prefill_chunks(r.prompt_len, engine.max_num_batched_tokens)
+        )
+        prefill_ratios.append(max(1e-4, t["prefill_s"] - hop) / model)
+    moved = [
+        -(-r.prompt_len // engine.block_size) * engine.block_size * profile.kv_bytes_per_token for r in idle
+    ]
+    seconds = np.array([t["transfer_s"] for t in server])
+    if len(set(moved)) > 1:
+        slope, latency = (float(v) for v in np.polyfit(np.array(moved, dtype=np.float64), seconds, 1))
+    else:
+        slope, latency = 0.0, float(seconds.mean())
+    transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
+    decode_ratios, cpu_per_token = [], []
+    for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
+        cpu0 = time.process_time()
+        scenario = Scenario(batch, (32, 32), (96, 96), max_concurrency=batch)
+        recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, scenario)
+        cpu_per_token.append((time.process_time() - cpu0) / max(1, sum(r.output_tokens for r in recs)))
+        gaps = [g for r in recs for g in r.tbt_s[16:80]]
+        if gaps:
+            # NOTE: in the steady middle every sequence decodes, at about prompt + 48 tokens of context
+            shape = StepShape(num_decode_seqs=batch, num_context_tokens=batch * (32 + 48))
+            decode_ratios.append(statistics.median(gaps) / profile.step.step_s(shape))
+    ratios = [statistics.median(prefill_ratios), *decode_ratios]
+    scale = math.exp(statistics.fmean(math.log(x) for x in ratios))
+    frontend = statistics.median(cpu_per_token)
+    measured = replace(
+        profile,
+        hop_s=hop,
+        http_s=http,
+        transfer=transfer,
+        step_scale=scale,
+        frontend_cpu_per_token_s=frontend,
+    )
+    report = {
+        "hop_ms": hop * 1e3,
+        "http_ms": http * 1e3,
+        "transfer_latency_ms": transfer.latency_s * 1e3,
+        "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
+        "prefill_scale": ratios[0],
+        "decode_scales": decode_ratios,
+        "step_scale": scale,
+        "frontend_cpu_per_token_us": frontend * 1e6,
+    }
+    return measured, report
+
+
+def calibrate_and_probe(cfg: ClusterConfig, url: str, *, reps: int, seed: int) -> CostProfile:
+    """On a running cluster (Ray up): the sweep in a Ray worker, then the probe."""
+    profile = calibrate_profile(cfg, reps=reps, seed=seed, in_ray=True)
+    profile, report = asyncio.run(probe(url, profile, cfg, seed))
+    print("cluster probe: " + json.dumps({k: _round(v) for k, v in report.items()}), flush=True)
+    return profile
+
+
+def _round(v: Any) -> Any:
+    return [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
+
+
+def calibrate_command(argv: Sequence[str] | None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve plan calibrate", description="fit this machine's cost profile")
+    p.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="the engine settings (and, with --probe, cluster)"
+    )
+    p.add_argument("--out", type=Path, default=default_profile_path())
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each step shape")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe", action="store_true", help="start the cluster: sweep in Ray, measure around it")
+    args = p.parse_args(argv)
+    cfg = load_cluster_config(args.config)
+    if args.probe:
+        with running_cluster(cfg) as url:
+            profile = calibrate_and_probe(cfg, url, reps=args.reps, seed=args.seed)
+    else:
+        profile = calibrate_profile(cfg, reps=args.reps, seed=args.seed, in_ray=False)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(args.out)
+    print(f"profile written to {args.out}: {profile.source}")
+    return 0
