@@ -7,10 +7,10 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * one control hop: the router's queue time of a request sent to an idle cluster;
 * the HTTP edge: client TTFT minus the router's TTFT, halved (in and out);
 * the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
-* the step scale: client-side gaps of steady decode batches, and idle prefills, over what the sweep
-  predicts for the same shapes (the worker's loop and the host around it);
+* the step scale: the engines' own step time (from their stats) in idle prefills and steady decode
+  batches over what the sweep predicts for the same shapes (geometric mean of the two);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
-  simulation adds it to the host's CPU demand when it shares cores with CPU workers.
+  simulation serves tokens through it one at a time and counts it in the host's CPU demand.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from cluster.config import ClusterConfig, EngineConfig
 from cluster.cost_model import CostProfile, StepShape, TransferCost, shape_of
 from deploy.planner.calibrate import Sample
 
+if TYPE_CHECKING:
+    from deploy.launch import ClusterHandle
+
 
 def client_args(seed: int) -> argparse.Namespace:
     """What ``bench.serve.run`` reads of its command line."""
@@ -45,17 +48,44 @@ def client_args(seed: int) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def running_cluster(cfg: ClusterConfig) -> Iterator[str]:
-    """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL."""
+def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
+    """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL and handle."""
     from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
     handle = start_cluster(cfg)
     try:
         with start_http(handle) as http:
-            yield http.url
+            yield http.url, handle
     finally:
         handle.shutdown()
+
+
+@dataclass(frozen=True)
+class _EngineTotals:
+    num_steps: int
+    seconds: float  # schedule + prepare + forward + detokenize
+    num_generated: int
+
+    @classmethod
+    def of(cls, handle: ClusterHandle, pool: str) -> _EngineTotals:
+        """Fresh totals of every worker of ``pool`` (asked of the actors, not the last heartbeat)."""
+        import ray
+
+        ids = [w.worker_id for w in handle.router.workers if w.pool == pool]
+        stats = ray.get([handle.actors[i].stats.remote() for i in ids], timeout=60)
+        engines = [st.engine for st in stats]
+        seconds = sum(
+            e.schedule_time_s + e.prepare_time_s + e.forward_time_s + e.detokenize_time_s for e in engines
+        )
+        return cls(sum(e.num_steps for e in engines), seconds, sum(e.num_generation_tokens for e in engines))
+
+    def __sub__(self, other: _EngineTotals) -> _EngineTotals:
+        return _EngineTotals(
+            self.num_steps - other.num_steps,
+            self.seconds - other.seconds,
+            self.num_generated - other.num_generated,
+        )
 
 
 def _calibration_task(
@@ -97,53 +127,62 @@ def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
 
 
 async def probe(
-    url: str, profile: CostProfile, cfg: ClusterConfig, seed: int
+    url: str, handle: ClusterHandle, profile: CostProfile, seed: int
 ) -> tuple[CostProfile, dict[str, Any]]:
-    """Measure the terms of the module docstring on the running cluster at ``url``."""
+    """Measure the terms of the module docstring on the running cluster (``url`` serves ``handle``)."""
+    cfg = handle.config
     engine = cfg.engine_config()
+    colocated = cfg.router.mode == "colocated"
+    prefill_pool, decode_pool = ("colocated", "colocated") if colocated else ("prefill", "decode")
     args = client_args(seed)
     idle: list[Record] = []
+    before = _EngineTotals.of(handle, prefill_pool)
     for n in (16, 256, 1024, 1792):
         scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
         recs, _ = await run_scenario(url, f"probe-{n}", args, scenario)
         idle += [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
+    prefill = _EngineTotals.of(handle, prefill_pool) - before
     if not idle:
         raise RuntimeError("cluster probe: every probe request failed")
-    server = [r.server or {} for r in idle]
-    hop = statistics.median(t["queue_s"] for t in server)
-    http = max(
-        0.0,
-        statistics.median(((r.ttft_s or 0.0) - t["ttft_s"]) / 2 for r, t in zip(idle, server, strict=True)),
-    )
-    prefill_ratios = []
-    for r, t in zip(idle, server, strict=True):
-        model = sum(
+    model_s = 0.0
+    for r in idle:
+        model_s += sum(
             profile.step.step_s(c) for c in _prefill_chunks(r.prompt_len, engine.max_num_batched_tokens)
         )
-        prefill_ratios.append(max(1e-4, t["prefill_s"] - hop) / model)
+        if colocated:  # the second token is decoded there too
+            model_s += profile.step.step_s(StepShape(num_decode_seqs=1, num_context_tokens=r.prompt_len))
+    prefill_scale = prefill.seconds / model_s
+
+    cpu0 = time.process_time()
+    before = _EngineTotals.of(handle, decode_pool)
+    num_tokens = 0
+    for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
+        scenario = Scenario(batch, (32, 32), (96, 96), max_concurrency=batch)
+        recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, scenario)
+        num_tokens += sum(r.output_tokens for r in recs)
+    decode = _EngineTotals.of(handle, decode_pool) - before
+    frontend = (time.process_time() - cpu0) / max(1, num_tokens)
+    # NOTE: nearly every step decodes the whole batch, at about prompt + 48 tokens of context
+    mean_batch = decode.num_generated / max(1, decode.num_steps)
+    shape = StepShape(num_decode_seqs=round(mean_batch), num_context_tokens=round(mean_batch * (32 + 48)))
+    decode_scale = decode.seconds / max(1, decode.num_steps) / profile.step.step_s(shape)
+
+    server = [r.server or {} for r in idle]
+    hop = statistics.median(t["queue_s"] for t in server)
+    edge = statistics.median((r.ttft_s or 0.0) - t["ttft_s"] for r, t in zip(idle, server, strict=True))
+    http = max(0.0, (edge - frontend) / 2)
     moved = [
         -(-r.prompt_len // engine.block_size) * engine.block_size * profile.kv_bytes_per_token for r in idle
     ]
     seconds = np.array([t["transfer_s"] for t in server])
-    if len(set(moved)) > 1:
+    if colocated:
+        transfer = profile.transfer
+    elif len(set(moved)) > 1:
         slope, latency = (float(v) for v in np.polyfit(np.array(moved, dtype=np.float64), seconds, 1))
+        transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
     else:
-        slope, latency = 0.0, float(seconds.mean())
-    transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
-    decode_ratios, cpu_per_token = [], []
-    for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
-        cpu0 = time.process_time()
-        scenario = Scenario(batch, (32, 32), (96, 96), max_concurrency=batch)
-        recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, scenario)
-        cpu_per_token.append((time.process_time() - cpu0) / max(1, sum(r.output_tokens for r in recs)))
-        gaps = [g for r in recs for g in r.tbt_s[16:80]]
-        if gaps:
-            # NOTE: in the steady middle every sequence decodes, at about prompt + 48 tokens of context
-            shape = StepShape(num_decode_seqs=batch, num_context_tokens=batch * (32 + 48))
-            decode_ratios.append(statistics.median(gaps) / profile.step.step_s(shape))
-    ratios = [statistics.median(prefill_ratios), *decode_ratios]
-    scale = math.exp(statistics.fmean(math.log(x) for x in ratios))
-    frontend = statistics.median(cpu_per_token)
+        transfer = TransferCost(float(seconds.mean()), profile.transfer.bytes_per_s)
+    scale = math.sqrt(prefill_scale * decode_scale)
     measured = replace(
         profile,
         hop_s=hop,
@@ -157,18 +196,18 @@ async def probe(
         "http_ms": http * 1e3,
         "transfer_latency_ms": transfer.latency_s * 1e3,
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
-        "prefill_scale": ratios[0],
-        "decode_scales": decode_ratios,
+        "prefill_scale": prefill_scale,
+        "decode_scale": decode_scale,
         "step_scale": scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
     }
     return measured, report
 
 
-def calibrate_and_probe(cfg: ClusterConfig, url: str, *, reps: int, seed: int) -> CostProfile:
-    """On a running cluster (Ray up): the sweep in a Ray worker, then the probe."""
-    profile = calibrate_profile(cfg, reps=reps, seed=seed, in_ray=True)
-    profile, report = asyncio.run(probe(url, profile, cfg, seed))
+def calibrate_and_probe(url: str, handle: ClusterHandle, *, reps: int, seed: int) -> CostProfile:
+    """On a running cluster: the sweep in a Ray worker, then the probe."""
+    profile = calibrate_profile(handle.config, reps=reps, seed=seed, in_ray=True)
+    profile, report = asyncio.run(probe(url, handle, profile, seed))
     print("cluster probe: " + json.dumps({k: _round(v) for k, v in report.items()}), flush=True)
     return profile
 
@@ -189,8 +228,8 @@ def calibrate_command(argv: Sequence[str] | None) -> int:
     args = p.parse_args(argv)
     cfg = load_cluster_config(args.config)
     if args.probe:
-        with running_cluster(cfg) as url:
-            profile = calibrate_and_probe(cfg, url, reps=args.reps, seed=args.seed)
+        with running_cluster(cfg) as (url, handle):
+            profile = calibrate_and_probe(url, handle, reps=args.reps, seed=args.seed)
     else:
         profile = calibrate_profile(cfg, reps=args.reps, seed=args.seed, in_ray=False)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,11 +104,11 @@ def validate_command(argv: Sequence[str] | None) -> int:
     cfg = load_cluster_config(args.config)
     slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
     real: dict[str, Summary] = {}
-    with running_cluster(cfg) as url:
+    with running_cluster(cfg) as (url, handle):
         if args.profile:
             profile = CostProfile.load(args.profile)
         else:
-            profile = calibrate_and_probe(cfg, url, reps=args.reps, seed=args.seed)
+            profile = calibrate_and_probe(url, handle, reps=args.reps, seed=args.seed)
         card_vocab, card_len = _card(url)
         for name in args.workloads:
             s = WORKLOADS[name]

@@ -13,8 +13,10 @@ import cluster.router
 import workers.engine
 import workers.scheduler
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
+from cluster.traffic import TrafficLog
 from deploy.cli import main as cli_main
 from deploy.planner import sim, twin
+from deploy.planner.advice import advise, traffic_workload
 from deploy.planner.report import Percentiles, Slo, Summary, summarize
 from deploy.planner.search import PlanRow, recommend, search, splits
 from deploy.planner.sim import RequestRecord
@@ -162,3 +164,33 @@ def test_pdserve_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert result["recommended"] in labels
     assert any(line.startswith(f"recommended: {result['recommended']} -- ") for line in printed)
     assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_traffic_log_window_and_bound() -> None:
+    log = TrafficLog(window_s=10.0, max_entries=3)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        log.record(t, 100, 10)
+    assert [e.arrival_s for e in log.snapshot(now=5.0)] == [2.0, 3.0, 4.0]  # bounded to the last 3
+    assert [e.arrival_s for e in log.snapshot(now=13.5)] == [4.0]  # older than 10 s dropped
+    assert len(log) == 1
+
+
+def test_live_advice_replays_recent_traffic() -> None:
+    log = TrafficLog(window_s=60.0)
+    wl = poisson(10.0, 50, (32, 256), (8, 32), seed=3)
+    for r in wl.requests:
+        log.record(1000.0 + r.arrival_s, r.prompt_len, r.output_len)
+    entries = log.snapshot(now=1000.0 + wl.duration_hint_s)
+    current = SimConfig("disaggregated", num_prefill=1, num_decode=1, num_kv_blocks=512, max_model_len=1024)
+    advice = advise(entries, current, PROFILE, Slo(500.0, 50.0), vocab_size=1000)
+    assert (advice.num_requests, advice.current) == (50, "1P:1D")
+    assert advice.window_s == pytest.approx(wl.requests[-1].arrival_s - wl.requests[0].arrival_s)
+    assert advice.recommended in {"colocated x2", "1P:1D"}
+    replay = traffic_workload(entries, 1000, 1024)
+    assert [(r.prompt_len, r.output_len) for r in replay.requests] == [
+        (r.prompt_len, r.output_len) for r in wl.requests
+    ]
+    rows = search(current, [2], PROFILE, replay, Slo(500.0, 50.0))
+    by_label = {r.config.label: r.summary for r in rows}
+    assert advice.current_slo_attainment == by_label["1P:1D"].slo_attainment
+    assert advice.recommended_goodput_rps == by_label[advice.recommended].goodput_rps

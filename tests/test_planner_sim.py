@@ -185,3 +185,13 @@ def test_cpu_workers_sharing_a_host_stretch_their_steps() -> None:
     result, steps = run(config(num_colocated=2), shared, workload((0.0, 4, 1), (0.0, 4, 1)))
     assert [(w, t, d) for w, t, _, d in steps] == [("colocated-0", 0, 10000), ("colocated-1", 0, 20000)]
     assert [us(r)[0] for r in result.records] == [10000, 20000]
+
+
+def test_front_end_handles_one_token_at_a_time() -> None:
+    # 1 ms of front-end CPU per token: the three tokens of the second step reach their clients 1 ms apart
+    serial = replace(profile(), frontend_cpu_per_token_s=0.001)
+    result, steps = run(config(num_colocated=1), serial, workload((0.0, 4, 3), (0.0, 4, 1), (0.0, 4, 1)))
+    assert [t for _, t, _, _ in steps] == [0, 10000, 20000]
+    a, b, c = result.records
+    assert us(a) == (11000, [10000, 10000], 31000)
+    assert (us(b)[0], us(c)[0]) == (22000, 23000)

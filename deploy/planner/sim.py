@@ -117,6 +117,7 @@ class Simulation:
         self._num_busy = 0  # workers in a step or polling for work they cannot schedule yet
         self._token_rate = 0.0  # tokens/s streamed through the front end (exponential moving average)
         self._token_rate_t = 0.0
+        self._frontend_free = 0.0  # the front end is busy with earlier tokens until then
         self._slots = workload.max_concurrency or 0
         self._backlog: deque[int] = deque()
         self.now = 0.0
@@ -291,8 +292,11 @@ class Simulation:
         return True
 
     def _on_step_end(self, t: float, w: SimWorker) -> None:
-        hop = self.profile.hop_s
-        arrive = t + hop + self.profile.http_s
+        """Tokens go to the router (hop); the front end (router, HTTP edge, client) handles one token at
+        a time, ``frontend_cpu_per_token_s`` each, first come first served; then HTTP to the client."""
+        at_router = t + self.profile.hop_s
+        http, cost = self.profile.http_s, self.profile.frontend_cpu_per_token_s
+        free = self._frontend_free
         flights, records = self.flights, self.records
         updated = w.end_step()
         if updated:
@@ -301,8 +305,14 @@ class Simulation:
             self._token_rate_t = t
         for request in updated:
             # NOTE: the hot path of a big simulation (once per generated token): kept inline.
+            if cost:
+                free = (at_router if at_router > free else free) + cost
+                done = free
+            else:
+                done = at_router
             flight = flights[request.request_id]
             rec = records[flight.index]
+            arrive = done + http
             if rec.last_token_s is None:
                 rec.first_token_s = arrive
             else:
@@ -313,9 +323,10 @@ class Simulation:
             if status is _RUNNING:
                 continue
             if status is RequestStatus.SENDING_KV:
-                self._at(t + hop, _PREFILLED, flight)
+                self._at(done, _PREFILLED, flight)
             elif status.is_finished:
-                self._at(t + hop, _SETTLE, flight)
+                self._at(done, _SETTLE, flight)
                 self._client_done(flight.index, arrive)
+        self._frontend_free = free
         self._num_busy -= 1
         self._turn(w, t)
