@@ -150,7 +150,7 @@ async def probe(
             profile.step.step_s(c) for c in _prefill_chunks(r.prompt_len, engine.max_num_batched_tokens)
         )
         if colocated:  # the second token is decoded there too
-            model_s += profile.step.step_s(StepShape(num_decode_seqs=1, num_context_tokens=r.prompt_len))
+            model_s += profile.step.step_s(shape_of([(r.prompt_len, 1, True)]))
     prefill_scale = prefill.seconds / model_s
 
     cpu0 = time.process_time()
@@ -164,7 +164,7 @@ async def probe(
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     # NOTE: nearly every step decodes the whole batch, at about prompt + 48 tokens of context
     mean_batch = decode.num_generated / max(1, decode.num_steps)
-    shape = StepShape(num_decode_seqs=round(mean_batch), num_context_tokens=round(mean_batch * (32 + 48)))
+    shape = shape_of([(32 + 48, 1, True)] * round(mean_batch))
     decode_scale = decode.seconds / max(1, decode.num_steps) / profile.step.step_s(shape)
 
     server = [r.server or {} for r in idle]

@@ -25,14 +25,17 @@ class StepShape:
     """What one engine step computes.
 
     ``num_context_tokens``: KV positions the decode sequences read (their positions before the new
-    token); ``num_attention_pairs``: query x key pairs of the prompt chunks (a chunk of n tokens starting
-    at position s attends to n * s + n (n + 1) / 2 pairs), the quadratic part of prefill."""
+    token); ``num_padded_context_tokens``: the decode sequences times the longest of those contexts
+    (what a kernel that pads the batch to its longest sequence reads, as the torch backend's batched
+    gather does); ``num_attention_pairs``: query x key pairs of the prompt chunks (a chunk of n tokens
+    starting at position s attends to n * s + n (n + 1) / 2 pairs), the quadratic part of prefill."""
 
     num_prefill_tokens: int = 0
     num_prefill_seqs: int = 0
     num_decode_seqs: int = 0
     num_context_tokens: int = 0
     num_attention_pairs: int = 0
+    num_padded_context_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -45,22 +48,24 @@ class StepShape:
 
 def shape_of(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
     """Shape of a step from its (start position, number of tokens, is decode) per sequence."""
-    prefill_tokens = prefill_seqs = decode_seqs = context = pairs = 0
+    prefill_tokens = prefill_seqs = decode_seqs = context = pairs = longest = 0
     for start, n, is_decode in chunks:
         if is_decode:
             decode_seqs += 1
             context += start
+            longest = start if start > longest else longest
         else:
             prefill_seqs += 1
             prefill_tokens += n
             pairs += n * start + n * (n + 1) // 2
-    return StepShape(prefill_tokens, prefill_seqs, decode_seqs, context, pairs)
+    return StepShape(prefill_tokens, prefill_seqs, decode_seqs, context, pairs, decode_seqs * longest)
 
 
 @dataclass(frozen=True)
 class LinearStepCost:
     """step_s = base + per prefill token + per prefill sequence + per decode sequence + per context token
-    read by decodes + per prefill attention pair. Fitted (non-negative) by ``pdserve plan calibrate``."""
+    read by decodes + per prefill attention pair + per padded decode context position. Fitted
+    (non-negative) by ``pdserve plan calibrate``."""
 
     base_s: float
     prefill_token_s: float
@@ -68,10 +73,18 @@ class LinearStepCost:
     decode_seq_s: float
     context_token_s: float
     attention_pair_s: float
+    padded_context_token_s: float = 0.0
 
     kind = "linear"
-    FEATURES = ("base_s", "prefill_token_s", "prefill_seq_s", "decode_seq_s", "context_token_s",
-                "attention_pair_s")  # fmt: skip
+    FEATURES = (
+        "base_s",
+        "prefill_token_s",
+        "prefill_seq_s",
+        "decode_seq_s",
+        "context_token_s",
+        "attention_pair_s",
+        "padded_context_token_s",
+    )
 
     @staticmethod
     def features(shape: StepShape) -> tuple[float, ...]:
@@ -83,6 +96,7 @@ class LinearStepCost:
             float(shape.num_decode_seqs),
             float(shape.num_context_tokens),
             float(shape.num_attention_pairs),
+            float(shape.num_padded_context_tokens),
         )
 
     def step_s(self, shape: StepShape) -> float:
@@ -95,6 +109,7 @@ class LinearStepCost:
             + self.decode_seq_s * shape.num_decode_seqs
             + self.context_token_s * shape.num_context_tokens
             + self.attention_pair_s * shape.num_attention_pairs
+            + self.padded_context_token_s * shape.num_padded_context_tokens
         )
 
 

@@ -90,6 +90,7 @@ def prefill_time_s(
             num_decode_seqs=queue.num_running,
             num_context_tokens=context,
             num_attention_pairs=int(chunk * (mean_len + 1) / 2),
+            num_padded_context_tokens=context,  # NOTE: contexts taken as equal (only their sum is known)
         )
         total += profile.step_s(shape)
         context += queue.num_running
@@ -107,7 +108,12 @@ def predict_ttft_s(
 
 def decode_step_s(profile: CostProfile, num_running: int, num_context_tokens: int) -> float:
     """One decode-only step of ``num_running`` sequences (the TBT they see while nothing else runs)."""
-    return profile.step_s(StepShape(num_decode_seqs=num_running, num_context_tokens=num_context_tokens))
+    shape = StepShape(
+        num_decode_seqs=num_running,
+        num_context_tokens=num_context_tokens,
+        num_padded_context_tokens=num_context_tokens,
+    )
+    return profile.step_s(shape)
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,7 @@ def estimate_routes(
             num_decode_seqs=decode.num_running,
             num_context_tokens=decode.num_context_tokens,
             num_attention_pairs=chunk * (prompt_tokens - own) + chunk * (chunk + 1) // 2,
+            num_padded_context_tokens=decode.num_context_tokens,
         )
     )
     local = RouteEstimate(

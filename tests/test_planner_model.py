@@ -31,7 +31,7 @@ from deploy.planner.sim import Simulation
 from deploy.planner.twin import SimConfig
 from deploy.planner.workload import SimRequest, Workload
 
-LINEAR = LinearStepCost(0.002, 1e-4, 5e-4, 2e-4, 1e-6, 1e-8)
+LINEAR = LinearStepCost(0.002, 1e-4, 5e-4, 2e-4, 1e-6, 1e-8, 3e-7)
 
 
 def make_profile(step: LinearStepCost = LINEAR, **kw: float) -> CostProfile:
@@ -41,14 +41,14 @@ def make_profile(step: LinearStepCost = LINEAR, **kw: float) -> CostProfile:
 def test_shape_of_a_mixed_step() -> None:
     # two decodes at positions 10 and 20, a fresh 4-token prompt, a 3-token chunk from position 8
     shape = shape_of([(10, 1, True), (20, 1, True), (0, 4, False), (8, 3, False)])
-    assert shape == StepShape(7, 2, 2, 30, (0 + 10) + (3 * 8 + 6))
+    assert shape == StepShape(7, 2, 2, 30, (0 + 10) + (3 * 8 + 6), 2 * 20)
     assert shape.num_tokens == 9
     assert shape_of([]).is_empty
 
 
 def test_linear_step_cost() -> None:
-    shape = StepShape(100, 2, 8, 4000, 5000)
-    expected = 0.002 + 100 * 1e-4 + 2 * 5e-4 + 8 * 2e-4 + 4000 * 1e-6 + 5000 * 1e-8
+    shape = StepShape(100, 2, 8, 4000, 5000, 6000)
+    expected = 0.002 + 100 * 1e-4 + 2 * 5e-4 + 8 * 2e-4 + 4000 * 1e-6 + 5000 * 1e-8 + 6000 * 3e-7
     assert LINEAR.step_s(shape) == pytest.approx(expected, rel=1e-12)
     assert make_profile(step_scale=1.5).step_s(shape) == pytest.approx(1.5 * expected, rel=1e-12)
     assert LINEAR.step_s(StepShape()) == 0.0
@@ -96,11 +96,12 @@ def test_roofline_llama3_8b_on_h100() -> None:
 
 
 def test_fit_recovers_known_coefficients() -> None:
-    truth = LinearStepCost(0.003, 6e-5, 4e-4, 1.5e-4, 1e-6, 1.3e-7)
+    truth = LinearStepCost(0.003, 6e-5, 4e-4, 1.5e-4, 1e-6, 1.3e-7, 5e-7)
     shapes = (
         [shape_of([(0, n, False)]) for n in (16, 64, 256, 1024)]
         + [shape_of([(c, 1, True)] * b) for b in (1, 8, 32) for c in (32, 512)]
         + [shape_of([(128, 1, True)] * 8 + [(512, 256, False)]), shape_of([(0, 100, False), (0, 50, False)])]
+        + [shape_of([(32, 1, True), (1024, 1, True)] * b) for b in (2, 8)]  # padded to the longest
     )
     fitted = fit_linear([Sample("s", s, truth.step_s(s)) for s in shapes])
     for name in LinearStepCost.FEATURES:
@@ -134,8 +135,8 @@ def test_prefill_prediction_counts_running_decodes_and_cache_hits() -> None:
     # budget 12 - 4 decodes = 8 prompt tokens per step; a 20-token prompt with 4 cached: 16 -> 2 steps
     t = prefill_time_s(prof, 12, queue, 20, cached_tokens=4)
     pairs = int(8 * 21 / 2)
-    first = prof.step_s(StepShape(8, 1, 4, 400, pairs))
-    second = prof.step_s(StepShape(8, 1, 4, 404, pairs))
+    first = prof.step_s(StepShape(8, 1, 4, 400, pairs, 400))
+    second = prof.step_s(StepShape(8, 1, 4, 404, pairs, 404))
     assert t == pytest.approx(first + second, rel=1e-12)
     assert predict_ttft_s(prof, 12, queue, 20, 4) == pytest.approx(t + 0.006, rel=1e-12)
     # a full hit still computes one token

@@ -66,6 +66,11 @@ def us(record: RequestRecord) -> tuple[int | None, list[int], int | None]:
     )
 
 
+def decodes(*starts: int) -> StepShape:
+    """Decode-only step of sequences at these positions (padded to the longest)."""
+    return StepShape(0, 0, len(starts), sum(starts), 0, len(starts) * max(starts))
+
+
 def prefill(n: int, start: int = 0) -> StepShape:
     """One prompt chunk of n tokens from position ``start``, alone in its step."""
     return StepShape(n, 1, 0, 0, n * start + n * (n + 1) // 2)
@@ -81,8 +86,8 @@ def test_three_requests_colocated() -> None:
     w = "colocated-0"
     assert steps == [
         (w, 3000, prefill(6), 10000),  # A arrives at 3 ms (2 ms HTTP + 1 ms hop)
-        (w, 13000, StepShape(3, 1, 1, 6, 6), 10000),  # B (queued at 8 ms) joins A's first decode
-        (w, 23000, StepShape(0, 0, 2, 7 + 3, 0), 10000),
+        (w, 13000, StepShape(3, 1, 1, 6, 6, 6), 10000),  # B (queued at 8 ms) joins A's first decode
+        (w, 23000, decodes(7, 3), 10000),
         (w, 34000, prefill(5), 10000),  # the worker idled from 33 ms until C came
     ]
     a, b, c = result.records
@@ -102,8 +107,8 @@ def test_chunked_prefill_under_the_token_budget() -> None:
         (w, 0, prefill(8), 9000),
         (w, 9000, prefill(8, 8), 9000),
         (w, 18000, StepShape(7, 2, 0, 0, (4 * 16 + 10) + 6), 8000),  # A's last 4 tokens + B's 3
-        (w, 26000, StepShape(0, 0, 2, 20 + 3, 0), 2000),
-        (w, 28000, StepShape(0, 0, 1, 4, 0), 1500),  # A finished (2 tokens); B decodes alone
+        (w, 26000, decodes(20, 3), 2000),
+        (w, 28000, decodes(4), 1500),  # A finished (2 tokens); B decodes alone
     ]
     a, b = result.records
     assert us(a) == (26000, [2000], 28000)
@@ -117,13 +122,13 @@ def test_preemption_by_recompute_and_prefix_hit() -> None:
     result, steps = run(config(num_colocated=1, blocks=5), profile(), workload((0.0, 6, 6), (0.0, 5, 4)))
     assert [(t, shape) for _, t, shape, _ in steps] == [
         (0, prefill(6)),  # B reached the worker while this step ran
-        (10000, StepShape(5, 1, 1, 6, 15)),
-        (20000, StepShape(0, 0, 2, 7 + 5, 0)),
-        (30000, StepShape(0, 0, 1, 8, 0)),  # B preempted
-        (40000, StepShape(0, 0, 1, 9, 0)),
-        (50000, StepShape(0, 0, 1, 10, 0)),  # A's 6th token: A finishes, frees its blocks
+        (10000, StepShape(5, 1, 1, 6, 15, 6)),
+        (20000, decodes(7, 5)),
+        (30000, decodes(8)),  # B preempted
+        (40000, decodes(9)),
+        (50000, decodes(10)),  # A's 6th token: A finishes, frees its blocks
         (60000, StepShape(3, 1, 0, 0, 3 * 4 + 6)),  # B: 4 tokens from the prefix cache, 3 recomputed
-        (70000, StepShape(0, 0, 1, 7, 0)),
+        (70000, decodes(7)),
     ]
     assert {x[3] for x in steps} == {10000}
     a, b = result.records
@@ -141,8 +146,8 @@ def test_disaggregated_handoff_times() -> None:
     result, steps = run(cfg, profile(hop_s=0.001, http_s=0.002), workload((0.0, 6, 3)))
     assert steps == [
         ("prefill-0", 3000, prefill(6), 10000),
-        ("decode-0", 28000, StepShape(0, 0, 1, 6, 0), 10000),
-        ("decode-0", 38000, StepShape(0, 0, 1, 7, 0), 10000),
+        ("decode-0", 28000, decodes(6), 10000),
+        ("decode-0", 38000, decodes(7), 10000),
     ]
     (a,) = result.records
     assert us(a) == (16000, [25000, 10000], 51000)

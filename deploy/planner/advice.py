@@ -44,7 +44,9 @@ def traffic_workload(entries: Sequence[TrafficEntry], vocab_size: int, max_model
     requests = []
     for e in entries:
         out = max(1, min(e.output_tokens, max_model_len - 1))
-        requests.append(SimRequest(e.arrival_s - start, max(1, min(e.prompt_tokens, max_model_len - out)), out))
+        requests.append(
+            SimRequest(e.arrival_s - start, max(1, min(e.prompt_tokens, max_model_len - out)), out)
+        )
     return Workload("recent traffic", requests, vocab_size)
 
 
@@ -61,7 +63,9 @@ def advise(
     predicted attainments. Costs one simulation per configuration (seconds for thousands of requests)."""
     workload = traffic_workload(entries, vocab_size, current.max_model_len)
     split_mode = "conditional" if current.mode == "conditional" else "disaggregated"
-    rows = search(current, worker_counts or [current.num_workers], profile, workload, slo, split_mode=split_mode)
+    rows = search(
+        current, worker_counts or [current.num_workers], profile, workload, slo, split_mode=split_mode
+    )
     best = recommend(rows)
     by_label = {r.config.label: r for r in rows}
     running = by_label.get(current.label)

@@ -136,16 +136,19 @@ class Sweep:
         for i, chunk in enumerate(runs):
             self._record(f"prefill {n}" + (f" chunk {i + 1}" if num_chunks > 1 else ""), chunk)
 
-    def decode(self, batch: int, context: int, extra_prompt: int = 0) -> None:
-        """``batch`` sequences decoding at about ``context`` tokens; with ``extra_prompt``, each timed
-        step also carries a new prompt of that many tokens (a mixed step)."""
+    def decode(self, batch: int, context: int, extra_prompt: int = 0, short: int = 0) -> None:
+        """``batch`` sequences decoding at about ``context`` tokens (with ``short``, every other one at
+        ``short`` tokens: a batch padded to its longest); with ``extra_prompt``, each timed step also
+        carries a new prompt of that many tokens (a mixed step)."""
         # NOTE: the sequences share all but their last block, so building the batch's context costs one
         # prompt (the rest are prefix-cache hits) while every decode still reads its whole context.
+        bs = self.engine.config.block_size
         max_tokens = 4 * self.reps + 8
-        shared = self._tokens(max(0, context - self.engine.config.block_size))
+        lengths = [short if short and i % 2 else context for i in range(batch)]
+        shared = self._tokens(max(0, context - bs))
         rids = [self._add(context, max_tokens, shared)]
         self._settle_prefills()
-        rids += [self._add(context, max_tokens, shared) for _ in range(batch - 1)]
+        rids += [self._add(n, max_tokens, shared[: max(0, n - bs)]) for n in lengths[1:]]
         self._settle_prefills()
         self._turn()  # the first step where every sequence decodes
         runs = []
@@ -153,8 +156,8 @@ class Sweep:
             if extra_prompt:
                 rids.append(self._add(extra_prompt, 1))
             runs.append(self._turn())
-        label = f"decode {batch} x {context}" + (f" + prefill {extra_prompt}" if extra_prompt else "")
-        self._record(label, runs)
+        label = f"decode {batch} x {context}" + (f"/{short}" if short else "")
+        self._record(label + (f" + prefill {extra_prompt}" if extra_prompt else ""), runs)
         self._drain(rids)
 
 
@@ -167,7 +170,11 @@ def default_plan(engine_config: EngineConfig, max_model_len: int) -> list[tuple[
     plan: list[tuple[str, tuple[int, ...]]] = [("prefill", (n,)) for n in prompts]
     plan += [("decode", (b, c)) for b in batches for c in contexts]
     mixed_prompt = min(budget // 2, 256)
-    plan += [("decode", (b, 128, mixed_prompt)) for b in batches if 4 <= b < seats and b + mixed_prompt <= budget]
+    plan += [
+        ("decode", (b, 128, mixed_prompt)) for b in batches if 4 <= b < seats and b + mixed_prompt <= budget
+    ]
+    # half long, half short: what padding the batch to its longest sequence costs
+    plan += [("decode", (b, contexts[-1], 0, contexts[0])) for b in batches if b >= 4 and len(contexts) > 1]
     return plan
 
 
