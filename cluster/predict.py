@@ -10,6 +10,7 @@ For the router (items "SLO-aware admission", "routing that explains itself", "li
     route = choose_route(profile, budget, len(prompt), prefill_queue, decode_queue,
                          prefill_hit_tokens=..., decode_hit_tokens=..., tbt_slo_s=...)
     route.mode, route.reason, route.ttft_s                    # metrics label, timings field
+    traffic.record(arrival_s, len(prompt), num_output_tokens) # each finished request (TrafficLog)
 
 Imports only cluster/ leaves (the cost model, the stats type): no torch, no workers.
 """
@@ -17,6 +18,7 @@ Imports only cluster/ leaves (the cost model, the stats type): no torch, no work
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -217,3 +219,34 @@ def choose_route(
 
 def _why(estimate: RouteEstimate, reason: str) -> RouteEstimate:
     return RouteEstimate(estimate.mode, estimate.ttft_s, estimate.first_gap_s, estimate.stall_s, reason)
+
+
+# ---- live advice: what the router remembers of recent traffic --------------------------------------
+@dataclass(frozen=True, slots=True)
+class TrafficEntry:
+    arrival_s: float  # time.time() when the router accepted it
+    prompt_tokens: int
+    output_tokens: int
+
+
+class TrafficLog:
+    """A sliding window of finished requests. Not thread-safe: the router's loop owns it."""
+
+    def __init__(self, window_s: float = 600.0, max_entries: int = 20_000) -> None:
+        if window_s <= 0 or max_entries < 1:
+            raise ValueError(f"window_s must be > 0 and max_entries >= 1, got {window_s}, {max_entries}")
+        self.window_s = window_s
+        self._entries: deque[TrafficEntry] = deque(maxlen=max_entries)
+
+    def record(self, arrival_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        self._entries.append(TrafficEntry(arrival_s, prompt_tokens, output_tokens))
+
+    def snapshot(self, now: float) -> list[TrafficEntry]:
+        """Entries that arrived within the window before ``now``, oldest first (older ones are dropped)."""
+        horizon = now - self.window_s
+        while self._entries and self._entries[0].arrival_s < horizon:
+            self._entries.popleft()
+        return sorted(self._entries, key=lambda e: e.arrival_s)
+
+    def __len__(self) -> int:
+        return len(self._entries)

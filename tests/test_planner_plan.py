@@ -13,7 +13,7 @@ import cluster.router
 import workers.engine
 import workers.scheduler
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
-from cluster.traffic import TrafficLog
+from cluster.predict import TrafficLog
 from deploy.cli import main as cli_main
 from deploy.planner import sim, twin
 from deploy.planner.advice import advise, traffic_workload

@@ -1,4 +1,4 @@
-"""Live advice: replay the router's recent traffic (cluster/traffic.py) through the simulation of
+"""Live advice: replay the router's recent traffic (cluster/predict.py: TrafficLog) through the simulation of
 colocated and every P:D split of the current worker budget, and say which the planner recommends and the
 SLO attainment it predicts for it and for the running configuration.
 
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cluster.cost_model import CostProfile
-from cluster.traffic import TrafficEntry
+from cluster.predict import TrafficEntry
 from deploy.planner.report import Slo
 from deploy.planner.search import recommend, search
 from deploy.planner.twin import SimConfig
