@@ -1,6 +1,6 @@
 """How fast the planner simulates a big cluster: 64 workers, 10,000 requests (a figure, not a test).
 
-    python -m bench.plan_scale [--workers 64] [--num-requests 10000] [--prefill 16] [--rate 150]
+    python -m bench.plan_scale [--workers 64] [--num-requests 10000] [--prefill 16] [--rate 600]
 
 Roofline profile of Llama-3-8B on H100s (bench/configs/llama-3-8b), Poisson arrivals, prompts 128-2048
 and outputs 32-512 tokens; prints the wall time of one simulation per configuration (colocated and one
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, RouterConfig
 from deploy.planner.profiles import HARDWARE, ModelShape, gpu_kv_blocks, roofline_profile
 from deploy.planner.report import Slo
 from deploy.planner.search import simulate
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--prefill", type=int, default=16, help="prefill workers of the split")
     p.add_argument("--num-requests", type=int, default=10_000)
-    p.add_argument("--rate", type=float, default=150.0, help="requests/s")
+    p.add_argument("--rate", type=float, default=600.0, help="requests/s")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -37,8 +37,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = roofline_profile(hw, shape)
     engine = EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192)
     blocks = gpu_kv_blocks(hw, shape, engine.block_size, engine.gpu_memory_utilization)
+    # NOTE: the router's default cap on requests in flight (1024) would turn load away at this scale
+    router = RouterConfig(max_pending_requests=1_000_000)
     base = SimConfig(
-        "colocated", num_colocated=args.workers, engine=engine, num_kv_blocks=blocks, max_model_len=8192
+        "colocated",
+        num_colocated=args.workers,
+        engine=engine,
+        num_kv_blocks=blocks,
+        max_model_len=8192,
+        router=router,
     )
     workload = poisson(
         args.rate, args.num_requests, (128, 2048), (32, 512), seed=args.seed, vocab_size=shape.vocab_size

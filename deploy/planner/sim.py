@@ -299,7 +299,7 @@ class Simulation:
         free = self._frontend_free
         flights, records = self.flights, self.records
         updated = w.end_step()
-        if updated:
+        if updated and cost and self.profile.host_cpus:
             decay = math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
             self._token_rate = self._token_rate * decay + len(updated) / _RATE_WINDOW_S
             self._token_rate_t = t

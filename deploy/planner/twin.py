@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from cluster.config import ClusterConfig, EngineConfig, RouterConfig
-from cluster.cost_model import StepShape, shape_of
+from cluster.cost_model import StepShape
 from cluster.protocol import EngineStats, SamplingParams, WorkerStats
 from workers.request import Request
 from workers.scheduler import SampledToken, Scheduler, SchedulerOutput
@@ -141,7 +141,21 @@ class SimWorker:
         if out.is_empty:
             return None
         self.step_out = out
-        return shape_of((s.start_position, len(s.token_ids), s.is_decode) for s in out.scheduled)
+        # NOTE: shape_of without the tuples: this runs once per simulated step
+        prefill_tokens = prefill_seqs = decode_seqs = context = pairs = longest = 0
+        for s in out.scheduled:
+            start = s.start_position
+            if s.is_decode:
+                decode_seqs += 1
+                context += start
+                if start > longest:
+                    longest = start
+            else:
+                n = len(s.token_ids)
+                prefill_seqs += 1
+                prefill_tokens += n
+                pairs += n * start + n * (n + 1) // 2
+        return StepShape(prefill_tokens, prefill_seqs, decode_seqs, context, pairs, decode_seqs * longest)
 
     def end_step(self) -> list[Request]:
         """The step's "forward" is over: every sequence that reached its last known token samples."""
