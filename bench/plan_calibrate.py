@@ -7,8 +7,10 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * one control hop: the router's queue time of a request sent to an idle cluster;
 * the HTTP edge: client TTFT minus the router's TTFT, halved (in and out);
 * the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
-* the step scale: the engines' own step time (from their stats) in idle prefills and steady decode
-  batches over what the sweep predicts for the same shapes (geometric mean of the two);
+* the step scales: the engines' own step time (from their stats) in idle prefills and in steady decode
+  batches over what the sweep predicts for the same shapes; the fitted model's prefill and decode
+  terms are scaled by them (in place, a worker shares the host with the router, HTTP edge and the
+  other workers, which the sweep alone does not);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand.
 """
@@ -33,7 +35,7 @@ from bench.plan import DEFAULT_CONFIG, default_profile_path, load_cluster_config
 from bench.serve import Record, Scenario
 from bench.serve import run as run_scenario
 from cluster.config import ClusterConfig, EngineConfig
-from cluster.cost_model import CostProfile, StepShape, TransferCost, shape_of
+from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
 from deploy.planner.calibrate import Sample
 
 if TYPE_CHECKING:
@@ -182,9 +184,15 @@ async def probe(
         transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
     else:
         transfer = TransferCost(float(seconds.mean()), profile.transfer.bytes_per_s)
-    scale = math.sqrt(prefill_scale * decode_scale)
+    # NOTE: a fitted model takes the two measured scales term by term; a roofline only as one factor
+    step: Any = profile.step
+    if isinstance(step, LinearStepCost):
+        step, scale = step.scaled(prefill_scale, decode_scale), 1.0
+    else:
+        scale = math.sqrt(prefill_scale * decode_scale)
     measured = replace(
         profile,
+        step=step,
         hop_s=hop,
         http_s=http,
         transfer=transfer,
@@ -198,7 +206,6 @@ async def probe(
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
-        "step_scale": scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
     }
     return measured, report

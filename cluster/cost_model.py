@@ -64,8 +64,9 @@ def shape_of(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
 @dataclass(frozen=True)
 class LinearStepCost:
     """step_s = base + per prefill token + per prefill sequence + per decode sequence + per context token
-    read by decodes + per prefill attention pair + per padded decode context position. Fitted
-    (non-negative) by ``pdserve plan calibrate``."""
+    read by decodes + per prefill attention pair + per padded decode context position + per padded
+    position beyond ``padded_knee_tokens`` (a hinge: the padded batch outgrows the CPU's caches).
+    Fitted (non-negative, knee by search) by ``pdserve plan calibrate``."""
 
     base_s: float
     prefill_token_s: float
@@ -74,6 +75,8 @@ class LinearStepCost:
     context_token_s: float
     attention_pair_s: float
     padded_context_token_s: float = 0.0
+    padded_excess_token_s: float = 0.0
+    padded_knee_tokens: float = 0.0
 
     kind = "linear"
     FEATURES = (
@@ -84,11 +87,14 @@ class LinearStepCost:
         "context_token_s",
         "attention_pair_s",
         "padded_context_token_s",
+        "padded_excess_token_s",
     )
+    PREFILL_TERMS = ("prefill_token_s", "prefill_seq_s", "attention_pair_s")
 
     @staticmethod
-    def features(shape: StepShape) -> tuple[float, ...]:
-        """The regressors, in FEATURES order (the fit and ``step_s`` agree by construction)."""
+    def features(shape: StepShape, knee: float = 0.0) -> tuple[float, ...]:
+        """The regressors, in FEATURES order, for a hinge at ``knee`` padded positions."""
+        padded = float(shape.num_padded_context_tokens)
         return (
             1.0,
             float(shape.num_prefill_tokens),
@@ -96,12 +102,15 @@ class LinearStepCost:
             float(shape.num_decode_seqs),
             float(shape.num_context_tokens),
             float(shape.num_attention_pairs),
-            float(shape.num_padded_context_tokens),
+            padded,
+            max(0.0, padded - knee) if knee > 0 else 0.0,
         )
 
     def step_s(self, shape: StepShape) -> float:
         if shape.is_empty:
             return 0.0
+        padded = shape.num_padded_context_tokens
+        excess = padded - self.padded_knee_tokens if self.padded_knee_tokens > 0 else 0.0
         return (
             self.base_s
             + self.prefill_token_s * shape.num_prefill_tokens
@@ -109,8 +118,19 @@ class LinearStepCost:
             + self.decode_seq_s * shape.num_decode_seqs
             + self.context_token_s * shape.num_context_tokens
             + self.attention_pair_s * shape.num_attention_pairs
-            + self.padded_context_token_s * shape.num_padded_context_tokens
+            + self.padded_context_token_s * padded
+            + (self.padded_excess_token_s * excess if excess > 0 else 0.0)
         )
+
+    def scaled(self, prefill: float, decode: float) -> LinearStepCost:
+        """Prefill terms times ``prefill``, decode terms times ``decode``, the base by their geometric
+        mean: what the cluster probe measured of each kind of step in place."""
+        values = {
+            name: getattr(self, name) * (prefill if name in self.PREFILL_TERMS else decode)
+            for name in self.FEATURES
+        }
+        values["base_s"] = self.base_s * math.sqrt(prefill * decode)
+        return LinearStepCost(**values, padded_knee_tokens=self.padded_knee_tokens)
 
 
 @dataclass(frozen=True)

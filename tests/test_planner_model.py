@@ -108,6 +108,26 @@ def test_fit_recovers_known_coefficients() -> None:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
 
 
+def test_fit_finds_the_padded_context_knee() -> None:
+    # decode batches get dearer per position once the padded batch outgrows 16k positions
+    truth = LinearStepCost(0.004, 1e-4, 0.0, 1e-4, 0.0, 1e-8, 5e-7, 2e-6, padded_knee_tokens=16384)
+    shapes = [shape_of([(0, n, False)]) for n in (16, 256, 1024)]
+    shapes += [shape_of([(c, 1, True)] * b) for b in (1, 4, 16, 32, 64) for c in (32, 256, 1024)]
+    shapes += [shape_of([(32, 1, True), (1024, 1, True)] * b) for b in (2, 8, 32)]
+    fitted = fit_linear([Sample("s", s, truth.step_s(s)) for s in shapes])
+    assert fitted.padded_knee_tokens == 16384
+    for name in LinearStepCost.FEATURES:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_scaling_prefill_and_decode_terms_apart() -> None:
+    prefill, decode = shape_of([(0, 512, False)]), shape_of([(300, 1, True)] * 16)
+    scaled = LINEAR.scaled(0.5, 2.0)
+    # the base (0.002) is scaled by sqrt(0.5 x 2) = 1
+    assert scaled.step_s(prefill) == pytest.approx(0.002 + 0.5 * (LINEAR.step_s(prefill) - 0.002), rel=1e-12)
+    assert scaled.step_s(decode) == pytest.approx(0.002 + 2.0 * (LINEAR.step_s(decode) - 0.002), rel=1e-12)
+
+
 def test_fit_never_goes_negative() -> None:
     # times that fall with batch size would want a negative per-sequence cost: it is pinned at 0
     samples = [Sample("d", shape_of([(8, 1, True)] * b), 0.010 - 0.0001 * b) for b in (1, 2, 4, 8, 16)]

@@ -36,23 +36,37 @@ class Sample:
     seconds: float  # median over repetitions
 
 
-def fit_linear(samples: Sequence[Sample]) -> LinearStepCost:
-    """Non-negative least squares of the step time on the shape's features, relative error."""
-    x = np.array([LinearStepCost.features(s.shape) for s in samples], dtype=np.float64)
-    y = np.array([s.seconds for s in samples], dtype=np.float64)
-    w = 1.0 / np.maximum(y, 1e-6)
-    xw, yw = x * w[:, None], y * w
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares (active set: drop the most negative coefficient, refit)."""
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
-    # NOTE: active-set NNLS: drop the most negative coefficient and refit until none is negative.
     while active:
-        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
         if (sol >= 0).all():
-            coef[:] = 0.0
             coef[active] = sol
             break
         active.pop(int(np.argmin(sol)))
-    return LinearStepCost(*(float(c) for c in coef))
+    return coef
+
+
+def fit_linear(samples: Sequence[Sample]) -> LinearStepCost:
+    """Non-negative least squares of the step time on the shape's features, on relative error; the
+    hinge of the padded decode context is searched over the sampled padded sizes (0: no hinge)."""
+    y = np.array([s.seconds for s in samples], dtype=np.float64)
+    w = 1.0 / np.maximum(y, 1e-6)
+    knees = [0.0, *sorted({float(s.shape.num_padded_context_tokens) for s in samples} - {0.0})[:-1]]
+    best: tuple[float, float, np.ndarray] | None = None
+    for knee in knees:
+        x = np.array([LinearStepCost.features(s.shape, knee) for s in samples], dtype=np.float64)
+        coef = _nnls(x * w[:, None], y * w)
+        error = float(np.sum(((x @ coef - y) * w) ** 2))
+        # NOTE: a hinge has to earn its extra parameter: 5% less squared error than no hinge
+        if best is None or error < best[0] * (0.95 if best[1] == 0.0 else 1.0):
+            best = (error, knee, coef)
+    assert best is not None
+    _, knee, coef = best
+    values = {name: float(c) for name, c in zip(LinearStepCost.FEATURES, coef, strict=True)}
+    return LinearStepCost(**values, padded_knee_tokens=knee)
 
 
 class _ShapeRecorder:
