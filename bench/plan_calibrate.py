@@ -64,13 +64,15 @@ def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
 
 
 @dataclass(frozen=True)
-class _EngineTotals:
+class EngineTotals:
+    """A pool's engine counters, summed: subtract two to see what ran in between."""
+
     num_steps: int
     seconds: float  # schedule + prepare + forward + detokenize
     num_generated: int
 
     @classmethod
-    def of(cls, handle: ClusterHandle, pool: str) -> _EngineTotals:
+    def of(cls, handle: ClusterHandle, pool: str) -> EngineTotals:
         """Fresh totals of every worker of ``pool`` (asked of the actors, not the last heartbeat)."""
         import ray
 
@@ -82,8 +84,8 @@ class _EngineTotals:
         )
         return cls(sum(e.num_steps for e in engines), seconds, sum(e.num_generation_tokens for e in engines))
 
-    def __sub__(self, other: _EngineTotals) -> _EngineTotals:
-        return _EngineTotals(
+    def __sub__(self, other: EngineTotals) -> EngineTotals:
+        return EngineTotals(
             self.num_steps - other.num_steps,
             self.seconds - other.seconds,
             self.num_generated - other.num_generated,
@@ -138,12 +140,12 @@ async def probe(
     prefill_pool, decode_pool = ("colocated", "colocated") if colocated else ("prefill", "decode")
     args = client_args(seed)
     idle: list[Record] = []
-    before = _EngineTotals.of(handle, prefill_pool)
+    before = EngineTotals.of(handle, prefill_pool)
     for n in (16, 256, 1024, 1792):
         scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
         recs, _ = await run_scenario(url, f"probe-{n}", args, scenario)
         idle += [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
-    prefill = _EngineTotals.of(handle, prefill_pool) - before
+    prefill = EngineTotals.of(handle, prefill_pool) - before
     if not idle:
         raise RuntimeError("cluster probe: every probe request failed")
     model_s = 0.0
@@ -156,13 +158,13 @@ async def probe(
     prefill_scale = prefill.seconds / model_s
 
     cpu0 = time.process_time()
-    before = _EngineTotals.of(handle, decode_pool)
+    before = EngineTotals.of(handle, decode_pool)
     num_tokens = 0
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
         scenario = Scenario(batch, (32, 32), (96, 96), max_concurrency=batch)
         recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, scenario)
         num_tokens += sum(r.output_tokens for r in recs)
-    decode = _EngineTotals.of(handle, decode_pool) - before
+    decode = EngineTotals.of(handle, decode_pool) - before
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     # NOTE: nearly every step decodes the whole batch, at about prompt + 48 tokens of context
     mean_batch = decode.num_generated / max(1, decode.num_steps)

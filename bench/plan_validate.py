@@ -16,12 +16,13 @@ import argparse
 import asyncio
 import json
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 from bench.plan import DEFAULT_CONFIG, load_cluster_config, scenario_workload
-from bench.plan_calibrate import calibrate_and_probe, client_args, running_cluster
+from bench.plan_calibrate import EngineTotals, calibrate_and_probe, client_args, running_cluster
 from bench.serve import SCENARIOS, Record, Scenario, arrival_offsets, build_dataset
 from bench.serve import run as run_scenario
 from cluster.cost_model import CostProfile
@@ -86,6 +87,22 @@ def comparison(rows: list[tuple[str, Summary, Summary]], slo: Slo) -> str:
     return "\n".join(lines)
 
 
+def diagnostics_table(diagnostics: dict[str, dict[str, float]], pool: str, profile: CostProfile) -> str:
+    """Where a gap comes from: the engines' own step time and batch (real: their stats; sim: the twin),
+    and the front end's CPU per streamed token in each run (the probe's figure is what the sim used)."""
+    lines = [
+        f"{pool} workers, per step (real: engine stats)    front end CPU per token (probe: "
+        f"{profile.frontend_cpu_per_token_s * 1e6:.0f} us)",
+        f"{'workload':<15} {'step ms real':>12} {'sim':>7} {'batch real':>10} {'sim':>6} {'front end us':>13}",
+    ]
+    for name, d in diagnostics.items():
+        lines.append(
+            f"{name:<15} {d['real_step_ms']:12.1f} {d['sim_step_ms']:7.1f} {d['real_batch']:10.1f} "
+            f"{d['sim_batch']:6.1f} {d['real_frontend_us']:13.0f}"
+        )
+    return "\n".join(lines)
+
+
 def _err(sim: float, real: float) -> float:
     return abs(sim - real) / real * 100 if real > 0 else math.inf
 
@@ -104,6 +121,8 @@ def validate_command(argv: Sequence[str] | None) -> int:
     cfg = load_cluster_config(args.config)
     slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
     real: dict[str, Summary] = {}
+    diagnostics: dict[str, dict[str, float]] = {}
+    pool = "colocated" if cfg.router.mode == "colocated" else "decode"
     with running_cluster(cfg) as (url, handle):
         if args.profile:
             profile = CostProfile.load(args.profile)
@@ -111,9 +130,15 @@ def validate_command(argv: Sequence[str] | None) -> int:
             profile = calibrate_and_probe(url, handle, reps=args.reps, seed=args.seed)
         card_vocab, card_len = _card(url)
         for name in args.workloads:
-            s = WORKLOADS[name]
-            records, duration = asyncio.run(run_scenario(url, name, client_args(args.seed), s))
+            before, cpu0 = EngineTotals.of(handle, pool), time.process_time()
+            records, duration = asyncio.run(run_scenario(url, name, client_args(args.seed), WORKLOADS[name]))
+            engine, cpu = EngineTotals.of(handle, pool) - before, time.process_time() - cpu0
             real[name] = summarize(name, as_records(records), duration, slo)
+            diagnostics[name] = {
+                "real_step_ms": engine.seconds / max(1, engine.num_steps) * 1e3,
+                "real_batch": engine.num_generated / max(1, engine.num_steps),
+                "real_frontend_us": cpu / max(1, sum(r.output_tokens for r in records)) * 1e6,
+            }
             print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     profile.save(args.out / "profile.json")
@@ -121,12 +146,23 @@ def validate_command(argv: Sequence[str] | None) -> int:
     base = SimConfig.from_cluster(cfg, num_kv_blocks=num_blocks, max_model_len=card_len)
     rows = []
     for name in args.workloads:
-        sim = simulate(base, profile, validation_workload(name, card_vocab, card_len, args.seed), slo).summary
-        rows.append((name, real[name], sim))
+        row = simulate(base, profile, validation_workload(name, card_vocab, card_len, args.seed), slo)
+        result = row.result
+        ids = [w for w in result.worker_steps if w.startswith(pool)]
+        steps = max(1, sum(result.worker_steps[w] for w in ids))
+        diagnostics[name]["sim_step_ms"] = sum(result.worker_busy_s[w] for w in ids) / steps * 1e3
+        diagnostics[name]["sim_batch"] = sum(result.worker_tokens[w] for w in ids) / steps
+        rows.append((name, real[name], row.summary))
+    print(diagnostics_table(diagnostics, pool, profile))
     print(comparison(rows, slo))
     (args.out / "validate.json").write_text(
         json.dumps(
-            {"profile": profile.to_dict(), "rows": [[n, asdict(r), asdict(s)] for n, r, s in rows]}, indent=1
+            {
+                "profile": profile.to_dict(),
+                "rows": [[n, asdict(r), asdict(s)] for n, r, s in rows],
+                "diagnostics": diagnostics,
+            },
+            indent=1,
         )
     )
     x = max(_err(s.ttft_ms.p90, r.ttft_ms.p90) for _, r, s in rows)

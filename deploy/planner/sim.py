@@ -81,6 +81,8 @@ class SimResult:
     num_steps: int
     num_preemptions: int
     worker_busy_s: dict[str, float]
+    worker_steps: dict[str, int]
+    worker_tokens: dict[str, int]  # tokens sampled there
     prefix_hit_tokens: int
 
 
@@ -153,6 +155,8 @@ class Simulation:
             sum(w.num_steps for w in self.workers),
             sum(w.scheduler.num_preemptions for w in self.workers),
             {w.worker_id: w.busy_s for w in self.workers},
+            {w.worker_id: w.num_steps for w in self.workers},
+            {w.worker_id: w.num_tokens for w in self.workers},
             sum(
                 w.scheduler.kv.prefix_cache.num_hit_tokens
                 for w in self.workers

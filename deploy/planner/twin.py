@@ -109,6 +109,7 @@ class SimWorker:
         self.stats: WorkerStats | None = None
         self._last_beat = -math.inf
         self.num_steps = 0
+        self.num_tokens = 0
         self.busy_s = 0.0
 
     @property
@@ -165,7 +166,9 @@ class SimWorker:
         self.step_out = None
         self.num_steps += 1
         sampled = {s.request_id: _TOKEN for s in out.scheduled if s.needs_sample}
-        return self.scheduler.update_from_output(out, sampled)
+        updated = self.scheduler.update_from_output(out, sampled)
+        self.num_tokens += len(updated)
+        return updated
 
     def beat(self, now: float, interval_s: float) -> None:
         """Publish the stats snapshot the router sees, at most every heartbeat interval."""
