@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
 
 
+_DECODE_PROMPT = 256  # the decode probe's prompts: contexts like the benchmark scenarios
+
+
 def client_args(seed: int) -> argparse.Namespace:
     """What ``bench.serve.run`` reads of its command line."""
     return argparse.Namespace(
@@ -161,14 +164,14 @@ async def probe(
     before = EngineTotals.of(handle, decode_pool)
     num_tokens = 0
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
-        scenario = Scenario(batch, (32, 32), (96, 96), max_concurrency=batch)
+        scenario = Scenario(batch, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
         recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, scenario)
         num_tokens += sum(r.output_tokens for r in recs)
     decode = EngineTotals.of(handle, decode_pool) - before
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     # NOTE: nearly every step decodes the whole batch, at about prompt + 48 tokens of context
     mean_batch = decode.num_generated / max(1, decode.num_steps)
-    shape = shape_of([(32 + 48, 1, True)] * round(mean_batch))
+    shape = shape_of([(_DECODE_PROMPT + 48, 1, True)] * round(mean_batch))
     decode_scale = decode.seconds / max(1, decode.num_steps) / profile.step.step_s(shape)
 
     server = [r.server or {} for r in idle]
