@@ -12,7 +12,10 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   terms are scaled by them (in place, a worker shares the host with the router, HTTP edge and the
   other workers, which the sweep alone does not);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
-  simulation serves tokens through it one at a time and counts it in the host's CPU demand.
+  simulation serves tokens through it one at a time and counts it in the host's CPU demand;
+* the host's effective CPUs: the same decode batch again while the prefill worker computes long prompts;
+  how much slower its steps get says how many workers really run at once (a 2-vCPU VM may give less
+  than 2: shared physical cores, memory bandwidth, other tenants).
 """
 
 from __future__ import annotations
@@ -129,6 +132,18 @@ def calibrate_profile(
     return profile
 
 
+def _decode_scenario(batch: int) -> Scenario:
+    return Scenario(batch, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
+
+
+def _step_ratio(profile: CostProfile, ran: EngineTotals) -> float:
+    """Measured seconds per decode step over the model's, at the mean batch that ran (nearly every step
+    decodes the whole batch, at about prompt + 48 tokens of context)."""
+    batch = max(1, round(ran.num_generated / max(1, ran.num_steps)))
+    shape = shape_of([(_DECODE_PROMPT + 48, 1, True)] * batch)
+    return ran.seconds / max(1, ran.num_steps) / profile.step.step_s(shape)
+
+
 def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
     return [shape_of([(s, min(budget, n - s), False)]) for s in range(0, n, budget)]
 
@@ -160,19 +175,35 @@ async def probe(
             model_s += profile.step.step_s(shape_of([(r.prompt_len, 1, True)]))
     prefill_scale = prefill.seconds / model_s
 
-    cpu0 = time.process_time()
-    before = EngineTotals.of(handle, decode_pool)
-    num_tokens = 0
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    num_tokens, per_step = 0, []
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
-        scenario = Scenario(batch, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
-        recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, scenario)
+        before = EngineTotals.of(handle, decode_pool)
+        recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, _decode_scenario(batch))
         num_tokens += sum(r.output_tokens for r in recs)
-    decode = EngineTotals.of(handle, decode_pool) - before
+        per_step.append(_step_ratio(profile, EngineTotals.of(handle, decode_pool) - before))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
-    # NOTE: nearly every step decodes the whole batch, at about prompt + 48 tokens of context
-    mean_batch = decode.num_generated / max(1, decode.num_steps)
-    shape = shape_of([(_DECODE_PROMPT + 48, 1, True)] * round(mean_batch))
-    decode_scale = decode.seconds / max(1, decode.num_steps) / profile.step.step_s(shape)
+    decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
+    decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
+    host_cpus = profile.host_cpus
+    if not colocated and host_cpus:
+        # the first decode batch again, while the prefill worker computes long prompts: how much two busy
+        # workers (and the front end) slow each other down on this host
+        before, t0 = EngineTotals.of(handle, decode_pool), time.perf_counter()
+        batch = min(8, engine.max_num_seqs)
+        busy = Scenario(12, (1792, 1792), (2, 2), max_concurrency=2)
+        runs = await asyncio.gather(
+            run_scenario(url, "probe-contended", args, _decode_scenario(batch)),
+            run_scenario(url, "probe-prefill-load", args, busy),
+        )
+        contended = EngineTotals.of(handle, decode_pool) - before
+        rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
+        slowdown = _step_ratio(profile, contended) / per_step[0]
+        if slowdown > 1.0:
+            host_cpus = min(host_cpus, (2.0 + min(1.0, rate * frontend)) / slowdown)
+            # NOTE: the simulation stretches steps by demand / host_cpus itself; the decode scale was
+            # measured beside the busy front end, so it must not count that share twice
+            decode_scale /= max(1.0, decode_demand / host_cpus)
 
     server = [r.server or {} for r in idle]
     hop = statistics.median(t["queue_s"] for t in server)
@@ -198,6 +229,7 @@ async def probe(
     measured = replace(
         profile,
         step=step,
+        host_cpus=host_cpus,
         hop_s=hop,
         http_s=http,
         transfer=transfer,
@@ -212,6 +244,7 @@ async def probe(
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
+        "host_cpus": host_cpus,
     }
     return measured, report
 
