@@ -92,6 +92,13 @@ def make_workload(args: argparse.Namespace, vocab_size: int, max_model_len: int)
     raise SystemExit(f"--workload must be scenario:NAME, poisson:RATE or trace:PATH, got {args.workload!r}")
 
 
+def cpu_kv_blocks(cfg: ClusterConfig, profile: CostProfile) -> int:
+    """KV blocks of one CPU worker: the config's, else sized from cpu_kv_cache_bytes as the runner does."""
+    engine = cfg.engine_config()
+    per_block = engine.block_size * profile.kv_bytes_per_token
+    return engine.num_kv_blocks or max(2, engine.cpu_kv_cache_bytes // per_block + 1)
+
+
 def resolve_profile(args: argparse.Namespace, cfg: ClusterConfig) -> tuple[CostProfile, SimConfig, int]:
     """The cost profile, the base deployment to vary and the model's vocabulary size."""
     mdir = model_dir(cfg, args.model)
@@ -114,10 +121,7 @@ def resolve_profile(args: argparse.Namespace, cfg: ClusterConfig) -> tuple[CostP
             print(f"no calibrated profile at {path}: calibrating this machine first", flush=True)
             calibrate_main(["--config", args.config, "--out", str(path)])
         profile = CostProfile.load(path)
-        num_blocks = (
-            engine.num_kv_blocks
-            or engine.cpu_kv_cache_bytes // (engine.block_size * profile.kv_bytes_per_token) + 1
-        )
+        num_blocks = cpu_kv_blocks(cfg, profile)
     base = SimConfig.from_cluster(cfg, num_kv_blocks=num_blocks, max_model_len=limit)
     return profile, base, shape.vocab_size
 

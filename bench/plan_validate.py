@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.plan import DEFAULT_CONFIG, load_cluster_config, scenario_workload
+from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, load_cluster_config, scenario_workload
 from bench.plan_calibrate import EngineTotals, calibrate_and_probe, client_args, running_cluster
 from bench.serve import SCENARIOS, Record, Scenario, arrival_offsets, build_dataset
 from bench.serve import run as run_scenario
@@ -142,7 +142,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
             print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     profile.save(args.out / "profile.json")
-    num_blocks = cfg.engine_config().num_kv_blocks or 2048
+    num_blocks = cpu_kv_blocks(cfg, profile)
     base = SimConfig.from_cluster(cfg, num_kv_blocks=num_blocks, max_model_len=card_len)
     rows = []
     for name in args.workloads:

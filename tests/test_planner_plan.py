@@ -194,3 +194,19 @@ def test_live_advice_replays_recent_traffic() -> None:
     by_label = {r.config.label: r.summary for r in rows}
     assert advice.current_slo_attainment == by_label["1P:1D"].slo_attainment
     assert advice.recommended_goodput_rps == by_label[advice.recommended].goodput_rps
+
+
+def test_large_budgets_search_a_coarse_grid_then_refine() -> None:
+    base = SimConfig("disaggregated", num_prefill=1, num_decode=1, num_kv_blocks=256, max_model_len=512)
+    wl = poisson(50.0, 12, (16, 64), (2, 4), seed=0, vocab_size=1000)
+    rows = search(base, [20], PROFILE, wl, Slo(), include_colocated=False)
+    prefills = [r.config.num_prefill for r in rows]
+    coarse = list(range(2, 20, 2))
+    assert prefills[: len(coarse)] == coarse
+    refined = prefills[len(coarse) :]
+    assert refined and all(p % 2 == 1 for p in refined) and len(set(prefills)) == len(prefills)
+    best_coarse = min(
+        rows[: len(coarse)],
+        key=lambda r: (-r.summary.goodput_rps, -r.summary.slo_attainment, r.summary.ttft_ms.p90),
+    )
+    assert all(abs(p - best_coarse.config.num_prefill) == 1 for p in refined)

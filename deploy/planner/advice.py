@@ -1,6 +1,6 @@
-"""Live advice: replay the router's recent traffic (cluster/predict.py: TrafficLog) through the simulation of
-colocated and every P:D split of the current worker budget, and say which the planner recommends and the
-SLO attainment it predicts for it and for the running configuration.
+"""Live advice: replay the router's recent traffic (``cluster.predict.TrafficLog``) through the
+simulation of colocated and every P:D split of the current worker budget, and say which the planner
+recommends and the SLO attainment it predicts for it and for the running configuration.
 
 The HTTP edge cannot import this (cluster/ stays below deploy/): the composition root hands the server an
 ``Advisor`` (deploy/launch.py or deploy/http_host.py), which runs it off the event loop and caches it.
