@@ -2,18 +2,20 @@
 
 What runs for real: every worker's ``Scheduler`` / ``KVCacheManager`` / prefix cache (deploy/planner/
 twin.py) and the router's placement policy (``cluster.placement``: pick_prefill, pick_decode,
-pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)``, a KV handoff
-``handoff_s``, a control message ``hop_s``, the HTTP edge ``http_s`` each way. No forward pass, no Ray,
-no sockets.
+pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
+while more CPU workers are busy than the host has cores), a KV handoff ``handoff_s``, a control message
+``hop_s``, the front end ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge
+``http_s`` each way. No forward pass, no Ray, no sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
 * client send -> (http) router: mode, pick a worker, count it -> (hop) worker's command queue;
 * a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
-* step end: tokens go (hop) to the router and (http) to the client; a held prefill's first token makes
-  the router pick a decode worker and send it the handoff (hop); the decode worker reserves blocks
-  (or waits for them), the transfer runs on both sides' transfer threads (one at a time per worker),
-  then the decode side commits (next loop turn) and the prefill side releases its blocks;
+* step end: tokens go (hop) to the router, through the front end, (http) to the client; a held
+  prefill's first token makes the router pick a decode worker and send it the handoff (hop); the
+  decode worker reserves blocks (or waits for them), the transfer runs on both sides' transfer threads
+  (one at a time per worker), then the decode side commits (next loop turn) and the prefill side
+  releases its blocks;
 * the last token settles the router's counters (hop) and frees the client's concurrency slot (http).
 """
 
