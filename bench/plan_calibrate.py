@@ -156,12 +156,14 @@ async def probe(
     engine = cfg.engine_config()
     colocated = cfg.router.mode == "colocated"
     prefill_pool, decode_pool = ("colocated", "colocated") if colocated else ("prefill", "decode")
-    args = client_args(seed)
+    # NOTE: a seed per probe run: the same seed would give each run's first prompt the previous one's
+    # tokens as a prefix, and prefix-cache hits would make prefills look cheaper than they are
+    seeds = iter(range(seed * 1000 + 1, seed * 1000 + 1000))
     idle: list[Record] = []
     before = EngineTotals.of(handle, prefill_pool)
     for n in (16, 256, 1024, 1792):
         scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
-        recs, _ = await run_scenario(url, f"probe-{n}", args, scenario)
+        recs, _ = await run_scenario(url, f"probe-{n}", client_args(next(seeds)), scenario)
         idle += [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
     prefill = EngineTotals.of(handle, prefill_pool) - before
     if not idle:
@@ -179,7 +181,8 @@ async def probe(
     num_tokens, per_step = 0, []
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
         before = EngineTotals.of(handle, decode_pool)
-        recs, _ = await run_scenario(url, f"probe-decode-{batch}", args, _decode_scenario(batch))
+        scenario = _decode_scenario(batch)
+        recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(next(seeds)), scenario)
         num_tokens += sum(r.output_tokens for r in recs)
         per_step.append(_step_ratio(profile, EngineTotals.of(handle, decode_pool) - before))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
@@ -193,8 +196,8 @@ async def probe(
         batch = min(8, engine.max_num_seqs)
         busy = Scenario(12, (1792, 1792), (2, 2), max_concurrency=2)
         runs = await asyncio.gather(
-            run_scenario(url, "probe-contended", args, _decode_scenario(batch)),
-            run_scenario(url, "probe-prefill-load", args, busy),
+            run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch)),
+            run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
         )
         contended = EngineTotals.of(handle, decode_pool) - before
         rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
