@@ -225,10 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench", choices=["offline", "serve", "soak"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+    sub.add_parser(
+        "plan", help="simulate prefill:decode splits for a workload and SLO; plan calibrate / validate"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["plan"]:
+        # NOTE: bench/plan.py's own parser owns every option after the word (argparse's REMAINDER
+        # would not take leading options such as `pdserve plan --workers 4`).
+        from bench.plan import main as plan_main
+
+        return plan_main(words[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("serve", "demo"):

@@ -1,0 +1,286 @@
+"""``pdserve plan calibrate``: fit this machine's cost profile.
+
+The engine sweep (deploy/planner/calibrate.py) fits the step model. With ``--probe`` the sweep runs in a
+Ray worker process (scheduled by the OS like the cluster's own workers, which on a shared host is not
+like the driver) and the cluster of ``--config`` is started to measure what surrounds a step there:
+
+* one control hop: the router's queue time of a request sent to an idle cluster;
+* the HTTP edge: client TTFT minus the router's TTFT, halved (in and out);
+* the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
+* the step scales: the engines' own step time (from their stats) in idle prefills and in steady decode
+  batches over what the sweep predicts for the same shapes; the fitted model's prefill and decode
+  terms are scaled by them (in place, a worker shares the host with the router, HTTP edge and the
+  other workers, which the sweep alone does not);
+* the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
+  simulation serves tokens through it one at a time and counts it in the host's CPU demand;
+* the host's effective CPUs: the same decode batch again while the prefill worker computes long prompts;
+  how much slower its steps get says how many workers really run at once (a 2-vCPU VM may give less
+  than 2: shared physical cores, memory bandwidth, other tenants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bench.plan import DEFAULT_CONFIG, default_profile_path, load_cluster_config
+from bench.serve import Record, Scenario
+from bench.serve import run as run_scenario
+from cluster.config import ClusterConfig, EngineConfig
+from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
+from deploy.planner.calibrate import Sample
+
+if TYPE_CHECKING:
+    from deploy.launch import ClusterHandle
+
+
+_DECODE_PROMPT = 256  # the decode probe's prompts: contexts like the benchmark scenarios
+
+
+def client_args(seed: int) -> argparse.Namespace:
+    """What ``bench.serve.run`` reads of its command line."""
+    return argparse.Namespace(
+        api_key=None, timeout=600.0, model=None, temperature=0.0, ignore_eos=True, quiet=True, seed=seed
+    )
+
+
+@contextlib.contextmanager
+def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
+    """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL and handle."""
+    from deploy.http_host import start_http
+    from deploy.launch import start_cluster
+
+    handle = start_cluster(cfg)
+    try:
+        with start_http(handle) as http:
+            yield http.url, handle
+    finally:
+        handle.shutdown()
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    """A pool's engine counters, summed: subtract two to see what ran in between."""
+
+    num_steps: int
+    seconds: float  # schedule + prepare + forward + detokenize
+    num_generated: int
+
+    @classmethod
+    def of(cls, handle: ClusterHandle, pool: str) -> EngineTotals:
+        """Fresh totals of every worker of ``pool`` (asked of the actors, not the last heartbeat)."""
+        import ray
+
+        ids = [w.worker_id for w in handle.router.workers if w.pool == pool]
+        stats = ray.get([handle.actors[i].stats.remote() for i in ids], timeout=60)
+        engines = [st.engine for st in stats]
+        seconds = sum(
+            e.schedule_time_s + e.prepare_time_s + e.forward_time_s + e.detokenize_time_s for e in engines
+        )
+        return cls(sum(e.num_steps for e in engines), seconds, sum(e.num_generation_tokens for e in engines))
+
+    def __sub__(self, other: EngineTotals) -> EngineTotals:
+        return EngineTotals(
+            self.num_steps - other.num_steps,
+            self.seconds - other.seconds,
+            self.num_generated - other.num_generated,
+        )
+
+
+def _calibration_task(
+    engine_config: EngineConfig, reps: int, seed: int, threads: int
+) -> tuple[dict[str, Any], list[Sample]]:
+    import torch
+
+    from deploy.planner.calibrate import calibrate
+
+    torch.set_num_threads(threads)
+    profile, samples = calibrate(engine_config, reps=reps, seed=seed)
+    return profile.to_dict(), samples
+
+
+def calibrate_profile(
+    cfg: ClusterConfig, *, reps: int, seed: int, in_ray: bool, verbose: bool = True
+) -> CostProfile:
+    """The engine sweep with one worker's thread count: here, or (``in_ray``) in a Ray worker process;
+    Ray must be up for that (a running cluster)."""
+    from deploy.planner.calibrate import fit_table
+
+    pool = cfg.colocated if cfg.router.mode == "colocated" else cfg.decode
+    if in_ray:
+        import ray
+
+        task = ray.remote(num_cpus=max(pool.num_cpus, 0.001))(_calibration_task)
+        ref = task.remote(cfg.engine_config(), reps, seed, pool.torch_threads)
+        data, samples = ray.get(ref, timeout=3600)
+    else:
+        data, samples = _calibration_task(cfg.engine_config(), reps, seed, pool.torch_threads)
+    profile = CostProfile.from_dict(data)
+    if verbose:
+        print(fit_table(profile, samples), flush=True)
+    return profile
+
+
+def _decode_scenario(batch: int) -> Scenario:
+    return Scenario(batch, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
+
+
+def _step_ratio(profile: CostProfile, ran: EngineTotals) -> float:
+    """Measured seconds per decode step over the model's, at the mean batch that ran (nearly every step
+    decodes the whole batch, at about prompt + 48 tokens of context)."""
+    batch = max(1, round(ran.num_generated / max(1, ran.num_steps)))
+    shape = shape_of([(_DECODE_PROMPT + 48, 1, True)] * batch)
+    return ran.seconds / max(1, ran.num_steps) / profile.step.step_s(shape)
+
+
+def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
+    return [shape_of([(s, min(budget, n - s), False)]) for s in range(0, n, budget)]
+
+
+async def probe(
+    url: str, handle: ClusterHandle, profile: CostProfile, seed: int
+) -> tuple[CostProfile, dict[str, Any]]:
+    """Measure the terms of the module docstring on the running cluster (``url`` serves ``handle``)."""
+    cfg = handle.config
+    engine = cfg.engine_config()
+    colocated = cfg.router.mode == "colocated"
+    prefill_pool, decode_pool = ("colocated", "colocated") if colocated else ("prefill", "decode")
+    # NOTE: a seed per probe run: the same seed would give each run's first prompt the previous one's
+    # tokens as a prefix, and prefix-cache hits would make prefills look cheaper than they are
+    seeds = iter(range(seed * 1000 + 1, seed * 1000 + 1000))
+    idle: list[Record] = []
+    before = EngineTotals.of(handle, prefill_pool)
+    for n in (16, 256, 1024, 1792):
+        scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
+        recs, _ = await run_scenario(url, f"probe-{n}", client_args(next(seeds)), scenario)
+        idle += [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
+    prefill = EngineTotals.of(handle, prefill_pool) - before
+    if not idle:
+        raise RuntimeError("cluster probe: every probe request failed")
+    model_s = 0.0
+    for r in idle:
+        model_s += sum(
+            profile.step.step_s(c) for c in _prefill_chunks(r.prompt_len, engine.max_num_batched_tokens)
+        )
+        if colocated:  # the second token is decoded there too
+            model_s += profile.step.step_s(shape_of([(r.prompt_len, 1, True)]))
+    prefill_scale = prefill.seconds / model_s
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    num_tokens, per_step = 0, []
+    for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
+        before = EngineTotals.of(handle, decode_pool)
+        scenario = _decode_scenario(batch)
+        recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(next(seeds)), scenario)
+        num_tokens += sum(r.output_tokens for r in recs)
+        per_step.append(_step_ratio(profile, EngineTotals.of(handle, decode_pool) - before))
+    frontend = (time.process_time() - cpu0) / max(1, num_tokens)
+    decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
+    decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
+    host_cpus = profile.host_cpus
+    if not colocated and host_cpus:
+        # the first decode batch again, while the prefill worker computes long prompts: how much two busy
+        # workers (and the front end) slow each other down on this host
+        before, t0 = EngineTotals.of(handle, decode_pool), time.perf_counter()
+        batch = min(8, engine.max_num_seqs)
+        busy = Scenario(12, (1792, 1792), (2, 2), max_concurrency=2)
+        runs = await asyncio.gather(
+            run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch)),
+            run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
+        )
+        contended = EngineTotals.of(handle, decode_pool) - before
+        rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
+        slowdown = _step_ratio(profile, contended) / per_step[0]
+        if slowdown > 1.0:
+            host_cpus = min(host_cpus, (2.0 + min(1.0, rate * frontend)) / slowdown)
+            # NOTE: the simulation stretches steps by demand / host_cpus itself; the decode scale was
+            # measured beside the busy front end, so it must not count that share twice
+            decode_scale /= max(1.0, decode_demand / host_cpus)
+
+    server = [r.server or {} for r in idle]
+    hop = statistics.median(t["queue_s"] for t in server)
+    edge = statistics.median((r.ttft_s or 0.0) - t["ttft_s"] for r, t in zip(idle, server, strict=True))
+    http = max(0.0, (edge - frontend) / 2)
+    moved = [
+        -(-r.prompt_len // engine.block_size) * engine.block_size * profile.kv_bytes_per_token for r in idle
+    ]
+    seconds = np.array([t["transfer_s"] for t in server])
+    if colocated:
+        transfer = profile.transfer
+    elif len(set(moved)) > 1:
+        slope, latency = (float(v) for v in np.polyfit(np.array(moved, dtype=np.float64), seconds, 1))
+        transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
+    else:
+        transfer = TransferCost(float(seconds.mean()), profile.transfer.bytes_per_s)
+    # NOTE: a fitted model takes the two measured scales term by term; a roofline only as one factor
+    step: Any = profile.step
+    if isinstance(step, LinearStepCost):
+        step, scale = step.scaled(prefill_scale, decode_scale), 1.0
+    else:
+        scale = math.sqrt(prefill_scale * decode_scale)
+    measured = replace(
+        profile,
+        step=step,
+        host_cpus=host_cpus,
+        hop_s=hop,
+        http_s=http,
+        transfer=transfer,
+        step_scale=scale,
+        frontend_cpu_per_token_s=frontend,
+    )
+    report = {
+        "hop_ms": hop * 1e3,
+        "http_ms": http * 1e3,
+        "transfer_latency_ms": transfer.latency_s * 1e3,
+        "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
+        "prefill_scale": prefill_scale,
+        "decode_scale": decode_scale,
+        "frontend_cpu_per_token_us": frontend * 1e6,
+        "host_cpus": host_cpus,
+    }
+    return measured, report
+
+
+def calibrate_and_probe(url: str, handle: ClusterHandle, *, reps: int, seed: int) -> CostProfile:
+    """On a running cluster: the sweep in a Ray worker, then the probe."""
+    profile = calibrate_profile(handle.config, reps=reps, seed=seed, in_ray=True)
+    profile, report = asyncio.run(probe(url, handle, profile, seed))
+    print("cluster probe: " + json.dumps({k: _round(v) for k, v in report.items()}), flush=True)
+    return profile
+
+
+def _round(v: Any) -> Any:
+    return [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
+
+
+def calibrate_command(argv: Sequence[str] | None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve plan calibrate", description="fit this machine's cost profile")
+    p.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="the engine settings (and, with --probe, cluster)"
+    )
+    p.add_argument("--out", type=Path, default=default_profile_path())
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each step shape")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe", action="store_true", help="start the cluster: sweep in Ray, measure around it")
+    args = p.parse_args(argv)
+    cfg = load_cluster_config(args.config)
+    if args.probe:
+        with running_cluster(cfg) as (url, handle):
+            profile = calibrate_and_probe(url, handle, reps=args.reps, seed=args.seed)
+    else:
+        profile = calibrate_profile(cfg, reps=args.reps, seed=args.seed, in_ray=False)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(args.out)
+    print(f"profile written to {args.out}: {profile.source}")
+    return 0

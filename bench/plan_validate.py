@@ -1,0 +1,189 @@
+"""``pdserve plan validate``: hold the simulation against the real cluster on the same seeded workloads.
+
+    pdserve plan validate --config deploy/cpu-disagg.yaml [--profile P.json] [--workloads ...]
+
+Starts the cluster of ``--config`` (HTTP on a free loopback port), calibrates on it (the engine sweep in
+a Ray worker, then the probe of bench/plan_calibrate.py) unless ``--profile`` is given, runs every
+workload through the HTTP API (``pdserve bench serve``'s client: the six scenarios and two Poisson
+rates, seeded), shuts it down, simulates each workload with the profile, and prints a table whose last
+line is ``sim vs real: max TTFT p90 error X%, max TBT p90 error Y%, max SLO attainment error Z points``.
+Writes ``<out>/validate.json`` and ``<out>/profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, load_cluster_config, scenario_workload
+from bench.plan_calibrate import EngineTotals, calibrate_and_probe, client_args, running_cluster
+from bench.serve import SCENARIOS, Record, Scenario, arrival_offsets, build_dataset
+from bench.serve import run as run_scenario
+from cluster.cost_model import CostProfile
+from deploy.planner.report import Slo, Summary, summarize
+from deploy.planner.search import simulate
+from deploy.planner.sim import RequestRecord
+from deploy.planner.twin import SimConfig
+from deploy.planner.workload import Workload, from_prompts
+
+# The two Poisson rates validate runs besides the six scenarios (a light and a busy load for 1P:1D on CPU).
+POISSON = {
+    "poisson_light": Scenario(64, (64, 512), (32, 128), request_rate=2.0),
+    "poisson_busy": Scenario(96, (64, 512), (32, 128), request_rate=6.0),
+}
+WORKLOADS = {**SCENARIOS, **POISSON}
+
+
+def as_records(records: Sequence[Record]) -> list[RequestRecord]:
+    """The benchmark's client records in the simulator's terms (send time 0, times relative to it)."""
+    out = []
+    for r in records:
+        rec = RequestRecord(r.prompt_len, r.max_tokens, send_s=0.0)
+        if r.error is not None or r.ttft_s is None:
+            rec.rejected = r.error or "no token"
+        else:
+            rec.first_token_s = r.ttft_s
+            rec.finish_s = r.e2e_s
+            rec.gaps_s.extend(r.tbt_s)
+            rec.num_tokens = r.output_tokens
+        out.append(rec)
+    return out
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+def validation_workload(name: str, vocab_size: int, max_model_len: int, seed: int) -> Workload:
+    if name in SCENARIOS:
+        return scenario_workload(name, vocab_size, max_model_len, seed)
+    s = POISSON[name]
+    return from_prompts(
+        name,
+        build_dataset(s, vocab_size, max_model_len, seed),
+        arrival_offsets(s, seed),
+        vocab_size=vocab_size,
+    )
+
+
+def comparison(rows: list[tuple[str, Summary, Summary]], slo: Slo) -> str:
+    head = (
+        f"{'workload':<15} {'TTFT p90 real':>13} {'sim':>9} {'err':>7} {'TBT p90 real':>12} {'sim':>7} {'err':>7} "
+        f"{'in SLO real':>11} {'sim':>6} {'diff':>6}"
+    )
+    lines = [
+        f"SLO: TTFT <= {slo.ttft_ms:g} ms and mean TBT <= {slo.tbt_ms:g} ms per request; latency in ms",
+        head,
+    ]
+    for name, real, sim in rows:
+        lines.append(
+            f"{name:<15} {real.ttft_ms.p90:13.1f} {sim.ttft_ms.p90:9.1f} {_err(sim.ttft_ms.p90, real.ttft_ms.p90):6.1f}% "
+            f"{real.tbt_ms.p90:12.1f} {sim.tbt_ms.p90:7.1f} {_err(sim.tbt_ms.p90, real.tbt_ms.p90):6.1f}% "
+            f"{real.slo_attainment:11.1%} {sim.slo_attainment:6.1%} {abs(sim.slo_attainment - real.slo_attainment) * 100:6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def diagnostics_table(diagnostics: dict[str, dict[str, float]], pool: str, profile: CostProfile) -> str:
+    """Where a gap comes from: the engines' own step time and batch (real: their stats; sim: the twin),
+    and the front end's CPU per streamed token in each run (the probe's figure is what the sim used)."""
+    lines = [
+        f"{pool} workers, per step (real: engine stats)    front end CPU per token (probe: "
+        f"{profile.frontend_cpu_per_token_s * 1e6:.0f} us)",
+        f"{'workload':<15} {'step ms real':>12} {'sim':>7} {'batch real':>10} {'sim':>6} {'front end us':>13}",
+    ]
+    for name, d in diagnostics.items():
+        lines.append(
+            f"{name:<15} {d['real_step_ms']:12.1f} {d['sim_step_ms']:7.1f} {d['real_batch']:10.1f} "
+            f"{d['sim_batch']:6.1f} {d['real_frontend_us']:13.0f}"
+        )
+    return "\n".join(lines)
+
+
+def _err(sim: float, real: float) -> float:
+    return abs(sim - real) / real * 100 if real > 0 else math.inf
+
+
+def validate_command(argv: Sequence[str] | None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve plan validate", description="simulation vs the real cluster")
+    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--profile", default=None, help="use this profile (default: calibrate + probe now)")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument("--out", type=Path, default=Path("plan_results/validate"))
+    args = p.parse_args(argv)
+    cfg = load_cluster_config(args.config)
+    slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
+    real: dict[str, Summary] = {}
+    # NOTE: a seed per workload: with one seed, each scenario's first prompt starts with the previous
+    # one's tokens, and the real cluster's prefix cache (which lives on) would serve them
+    seeds = {name: args.seed * 100 + i for i, name in enumerate(WORKLOADS)}
+    diagnostics: dict[str, dict[str, float]] = {}
+    pool = "colocated" if cfg.router.mode == "colocated" else "decode"
+    with running_cluster(cfg) as (url, handle):
+        if args.profile:
+            profile = CostProfile.load(args.profile)
+        else:
+            profile = calibrate_and_probe(url, handle, reps=args.reps, seed=args.seed)
+        card_vocab, card_len = _card(url)
+        for name in args.workloads:
+            before, cpu0 = EngineTotals.of(handle, pool), time.process_time()
+            client = client_args(seeds[name])
+            records, duration = asyncio.run(run_scenario(url, name, client, WORKLOADS[name]))
+            engine, cpu = EngineTotals.of(handle, pool) - before, time.process_time() - cpu0
+            real[name] = summarize(name, as_records(records), duration, slo)
+            diagnostics[name] = {
+                "real_step_ms": engine.seconds / max(1, engine.num_steps) * 1e3,
+                "real_batch": engine.num_generated / max(1, engine.num_steps),
+                "real_frontend_us": cpu / max(1, sum(r.output_tokens for r in records)) * 1e6,
+            }
+            print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile.save(args.out / "profile.json")
+    num_blocks = cpu_kv_blocks(cfg, profile)
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=num_blocks, max_model_len=card_len)
+    rows = []
+    for name in args.workloads:
+        row = simulate(base, profile, validation_workload(name, card_vocab, card_len, seeds[name]), slo)
+        result = row.result
+        ids = [w for w in result.worker_steps if w.startswith(pool)]
+        steps = max(1, sum(result.worker_steps[w] for w in ids))
+        diagnostics[name]["sim_step_ms"] = sum(result.worker_busy_s[w] for w in ids) / steps * 1e3
+        diagnostics[name]["sim_batch"] = sum(result.worker_tokens[w] for w in ids) / steps
+        rows.append((name, real[name], row.summary))
+    print(diagnostics_table(diagnostics, pool, profile))
+    print(comparison(rows, slo))
+    (args.out / "validate.json").write_text(
+        json.dumps(
+            {
+                "profile": profile.to_dict(),
+                "rows": [[n, asdict(r), asdict(s)] for n, r, s in rows],
+                "diagnostics": diagnostics,
+            },
+            indent=1,
+        )
+    )
+    x = max(_err(s.ttft_ms.p90, r.ttft_ms.p90) for _, r, s in rows)
+    y = max(_err(s.tbt_ms.p90, r.tbt_ms.p90) for _, r, s in rows)
+    z = max(abs(s.slo_attainment - r.slo_attainment) * 100 for _, r, s in rows)
+    print(
+        f"sim vs real: max TTFT p90 error {x:.1f}%, max TBT p90 error {y:.1f}%, max SLO attainment error {z:.1f} points"
+    )
+    return 0
+
+
+def _card(url: str) -> tuple[int, int]:
+    from cluster.client import Client
+
+    client = Client(url, max_retries=0, timeout=30)
+    try:
+        card = client.models()[0]
+    finally:
+        client.close()
+    return int(card.get("vocab_size", 1000)), int(card.get("max_model_len", 2048))

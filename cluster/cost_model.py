@@ -1,0 +1,254 @@
+"""Cost profiles: how long one engine step and one KV handoff take, and the hops around them.
+
+A profile is data (JSON). ``pdserve plan calibrate`` fits a :class:`LinearStepCost` to this machine's
+engine; GPU profiles are :class:`RooflineStepCost` estimates from stated hardware figures and a model's
+shape (deploy/planner/profiles.py) until a GPU run calibrates them. The simulator (deploy/planner/) and
+the router's predictions (cluster/predict.py) read the same profile, so what the planner recommends and
+what the router predicts at run time cannot drift apart.
+
+A step is described by its :class:`StepShape` (what ``Scheduler.schedule()`` packed), never by tensors.
+This module imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one engine step computes.
+
+    ``num_context_tokens``: KV positions the decode sequences read (their positions before the new
+    token); ``num_padded_context_tokens``: the decode sequences times the longest of those contexts
+    (what a kernel that pads the batch to its longest sequence reads, as the torch backend's batched
+    gather does); ``num_attention_pairs``: query x key pairs of the prompt chunks (a chunk of n tokens
+    starting at position s attends to n * s + n (n + 1) / 2 pairs), the quadratic part of prefill."""
+
+    num_prefill_tokens: int = 0
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0
+    num_context_tokens: int = 0
+    num_attention_pairs: int = 0
+    num_padded_context_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_tokens == 0
+
+
+def shape_of(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
+    """Shape of a step from its (start position, number of tokens, is decode) per sequence."""
+    prefill_tokens = prefill_seqs = decode_seqs = context = pairs = longest = 0
+    for start, n, is_decode in chunks:
+        if is_decode:
+            decode_seqs += 1
+            context += start
+            longest = start if start > longest else longest
+        else:
+            prefill_seqs += 1
+            prefill_tokens += n
+            pairs += n * start + n * (n + 1) // 2
+    return StepShape(prefill_tokens, prefill_seqs, decode_seqs, context, pairs, decode_seqs * longest)
+
+
+@dataclass(frozen=True)
+class LinearStepCost:
+    """step_s = base + per prefill token + per prefill sequence + per decode sequence + per context token
+    read by decodes + per prefill attention pair + per padded decode context position + per padded
+    position beyond ``padded_knee_tokens`` (a hinge: the padded batch outgrows the CPU's caches).
+    Fitted (non-negative, knee by search) by ``pdserve plan calibrate``."""
+
+    base_s: float
+    prefill_token_s: float
+    prefill_seq_s: float
+    decode_seq_s: float
+    context_token_s: float
+    attention_pair_s: float
+    padded_context_token_s: float = 0.0
+    padded_excess_token_s: float = 0.0
+    padded_knee_tokens: float = 0.0
+
+    kind = "linear"
+    FEATURES = (
+        "base_s",
+        "prefill_token_s",
+        "prefill_seq_s",
+        "decode_seq_s",
+        "context_token_s",
+        "attention_pair_s",
+        "padded_context_token_s",
+        "padded_excess_token_s",
+    )
+    PREFILL_TERMS = ("prefill_token_s", "prefill_seq_s", "attention_pair_s")
+
+    @staticmethod
+    def features(shape: StepShape, knee: float = 0.0) -> tuple[float, ...]:
+        """The regressors, in FEATURES order, for a hinge at ``knee`` padded positions."""
+        padded = float(shape.num_padded_context_tokens)
+        return (
+            1.0,
+            float(shape.num_prefill_tokens),
+            float(shape.num_prefill_seqs),
+            float(shape.num_decode_seqs),
+            float(shape.num_context_tokens),
+            float(shape.num_attention_pairs),
+            padded,
+            max(0.0, padded - knee) if knee > 0 else 0.0,
+        )
+
+    def step_s(self, shape: StepShape) -> float:
+        if shape.is_empty:
+            return 0.0
+        padded = shape.num_padded_context_tokens
+        excess = padded - self.padded_knee_tokens if self.padded_knee_tokens > 0 else 0.0
+        return (
+            self.base_s
+            + self.prefill_token_s * shape.num_prefill_tokens
+            + self.prefill_seq_s * shape.num_prefill_seqs
+            + self.decode_seq_s * shape.num_decode_seqs
+            + self.context_token_s * shape.num_context_tokens
+            + self.attention_pair_s * shape.num_attention_pairs
+            + self.padded_context_token_s * padded
+            + (self.padded_excess_token_s * excess if excess > 0 else 0.0)
+        )
+
+    def scaled(self, prefill: float, decode: float) -> LinearStepCost:
+        """Prefill terms times ``prefill``, decode terms times ``decode``, the base by their geometric
+        mean: what the cluster probe measured of each kind of step in place."""
+        values = {
+            name: getattr(self, name) * (prefill if name in self.PREFILL_TERMS else decode)
+            for name in self.FEATURES
+        }
+        values["base_s"] = self.base_s * math.sqrt(prefill * decode)
+        return LinearStepCost(**values, padded_knee_tokens=self.padded_knee_tokens)
+
+
+@dataclass(frozen=True)
+class RooflineStepCost:
+    """A roofline estimate: overhead + max(FLOPs / achievable FLOP/s, bytes moved / memory bandwidth).
+
+    FLOPs: 2 per matmul parameter per token plus attention; bytes: the weights once per step plus every
+    KV position read (decode context, and each prompt chunk's own prefix)."""
+
+    overhead_s: float
+    flops_per_s: float
+    bytes_per_s: float
+    flops_per_token: float  # 2 x matmul parameters
+    attention_flops_per_pair: float  # 4 x layers x query heads x head_dim (QK^T and PV)
+    weight_bytes: float
+    kv_bytes_per_token: float
+
+    kind = "roofline"
+
+    def step_s(self, shape: StepShape) -> float:
+        if shape.is_empty:
+            return 0.0
+        pairs = shape.num_attention_pairs + shape.num_context_tokens + shape.num_decode_seqs
+        flops = self.flops_per_token * shape.num_tokens + self.attention_flops_per_pair * pairs
+        kv_read = shape.num_context_tokens + shape.num_decode_seqs + shape.num_prefill_tokens
+        nbytes = self.weight_bytes + self.kv_bytes_per_token * kv_read
+        return self.overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+
+StepCost = LinearStepCost | RooflineStepCost
+_STEP_KINDS: dict[str, type[LinearStepCost] | type[RooflineStepCost]] = {
+    "linear": LinearStepCost,
+    "roofline": RooflineStepCost,
+}
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """One KV handoff: handshake latency + bytes / bandwidth."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else self.latency_s
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Everything the simulator and the router's predictions need to put a time on serving.
+
+    ``hop_s``: one control message between the router and a worker; ``http_s``: the HTTP edge, one way
+    (client to router, router to client). ``host_cpus``: CPU workers share this many cores on one host
+    (a step slows down while more workers than that are busy); None when each worker has its own device.
+    ``step_scale`` multiplies every step: what a step costs inside a running cluster (the worker's loop,
+    the router and HTTP edge sharing the host) over what the engine sweep measured alone; the cluster
+    probe of ``pdserve plan calibrate --probe`` measures it, 1.0 otherwise. ``frontend_cpu_per_token_s``:
+    CPU the router and HTTP edge (and an in-process benchmark client) spend per streamed token on the
+    host the CPU workers share (adds to that host's demand in the simulation).
+    """
+
+    name: str
+    source: str  # how it was made: "calibrated on <host> ..." or "roofline estimate from ..."
+    step: StepCost
+    transfer: TransferCost
+    kv_bytes_per_token: int
+    hop_s: float = 0.0
+    http_s: float = 0.0
+    host_cpus: float | None = None
+    step_scale: float = 1.0
+    frontend_cpu_per_token_s: float = 0.0
+
+    def step_s(self, shape: StepShape) -> float:
+        return self.step.step_s(shape) * self.step_scale
+
+    def handoff_s(self, num_tokens: int) -> float:
+        """KV transfer of ``num_tokens`` positions (those the decode side does not already hold)."""
+        return self.transfer.transfer_s(num_tokens * self.kv_bytes_per_token)
+
+    # ---- JSON -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["step"] = {"kind": self.step.kind, **asdict(self.step)}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostProfile:
+        """Strict: unknown or missing keys raise ValueError naming them."""
+        data = dict(data)
+        step = dict(data.pop("step", None) or {})
+        kind = step.pop("kind", None)
+        if kind not in _STEP_KINDS:
+            raise ValueError(f"cost profile step kind must be one of {sorted(_STEP_KINDS)}, got {kind!r}")
+        step_cost = _build(_STEP_KINDS[kind], step)
+        transfer = _build(TransferCost, dict(data.pop("transfer", None) or {}))
+        profile = _build(cls, {**data, "step": step_cost, "transfer": transfer})
+        for f in fields(cls):
+            value = getattr(profile, f.name)
+            if isinstance(value, float) and (math.isnan(value) or value < 0):
+                raise ValueError(f"cost profile {f.name} must be a number >= 0, got {value}")
+        return profile
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _build(cls: Any, data: dict[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    missing = sorted(
+        f.name
+        for f in fields(cls)
+        if f.name not in data and f.default is MISSING and f.default_factory is MISSING
+    )
+    if unknown or missing:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}, missing key(s) {missing}")
+    return cls(**data)

@@ -1,0 +1,134 @@
+"""GPU cost profiles as roofline estimates, from stated hardware figures and a model's config.json.
+
+These are estimates, not measurements: achievable FLOP/s and bandwidth are the datasheet figures times
+an efficiency, the per-step overhead is a guess at the engine's host time, and attention is counted as
+dense (no sliding window). A GPU run of ``pdserve plan calibrate`` on the target replaces them with a
+fitted profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.cost_model import CostProfile, RooflineStepCost, TransferCost
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Datasheet figures of one accelerator (dense bf16 matmul, HBM, the link between two of them)."""
+
+    name: str
+    matmul_tflops: float
+    hbm_gb_per_s: float
+    memory_gb: float
+    link_gb_per_s: float
+    matmul_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    step_overhead_s: float = 2e-3  # host time per engine step (scheduling, input prep, launches)
+    link_latency_s: float = 1e-3  # handshake of one KV handoff
+
+
+HARDWARE = {
+    "h100": Hardware("H100 SXM", 989.0, 3350.0, 80.0, 450.0),
+    "h200": Hardware("H200 SXM", 989.0, 4800.0, 141.0, 450.0),
+    "a100": Hardware("A100 SXM 80GB", 312.0, 2039.0, 80.0, 300.0),
+    "l4": Hardware("L4", 121.0, 300.0, 24.0, 32.0),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a decoder-only transformer."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype_bytes: int
+
+    @property
+    def layer_params(self) -> int:
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.layer_params + self.lm_head_params) * self.dtype_bytes
+
+    @classmethod
+    def from_config(cls, model_dir: str | Path, dtype: str = "auto") -> ModelShape:
+        path = Path(model_dir)
+        cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        text = cfg.get("text_config", cfg)
+        heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        name = dtype if dtype != "auto" else str(text.get("torch_dtype") or text.get("dtype") or "bfloat16")
+        return cls(
+            name=path.name,
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            vocab_size=int(text["vocab_size"]),
+            dtype_bytes=DTYPE_BYTES.get(name, 2),
+        )
+
+
+def roofline_profile(hw: Hardware, model: ModelShape) -> CostProfile:
+    # NOTE: the LM head runs once per sampled sequence, not per prompt token; spreading it over every
+    # token overstates prefill by vocab/(layers x width) -- small for the models this targets.
+    flops_per_token = 2.0 * (model.layer_params + model.lm_head_params)
+    step = RooflineStepCost(
+        overhead_s=hw.step_overhead_s,
+        flops_per_s=hw.matmul_tflops * 1e12 * hw.matmul_efficiency,
+        bytes_per_s=hw.hbm_gb_per_s * 1e9 * hw.memory_efficiency,
+        flops_per_token=flops_per_token,
+        attention_flops_per_pair=4.0 * model.num_layers * model.num_heads * model.head_dim,
+        weight_bytes=float(model.weight_bytes),
+        kv_bytes_per_token=float(model.kv_bytes_per_token),
+    )
+    return CostProfile(
+        name=f"{hw.name} / {model.name}",
+        source=(
+            f"roofline estimate: {hw.matmul_tflops:g} TFLOP/s x {hw.matmul_efficiency:g}, HBM "
+            f"{hw.hbm_gb_per_s:g} GB/s x {hw.memory_efficiency:g}, link {hw.link_gb_per_s:g} GB/s; "
+            "not calibrated on the device"
+        ),
+        step=step,
+        transfer=TransferCost(hw.link_latency_s, hw.link_gb_per_s * 1e9),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        hop_s=3e-4,
+        http_s=1e-3,
+        host_cpus=None,
+    )
+
+
+def gpu_kv_blocks(
+    hw: Hardware, model: ModelShape, block_size: int, gpu_memory_utilization: float = 0.9
+) -> int:
+    """KV blocks that fit beside the weights (1 GiB kept back for activations), as the runner sizes them."""
+    free = hw.memory_gb * 1e9 * gpu_memory_utilization - model.weight_bytes - 2**30
+    num_blocks = int(free // (block_size * model.kv_bytes_per_token))
+    if num_blocks < 2:
+        raise ValueError(f"{model.name} does not fit on one {hw.name} ({hw.memory_gb:g} GB)")
+    return num_blocks

@@ -1,0 +1,338 @@
+"""Discrete-event simulation of a whole pdserve cluster: client, HTTP edge, router, workers, KV handoffs.
+
+What runs for real: every worker's ``Scheduler`` / ``KVCacheManager`` / prefix cache (deploy/planner/
+twin.py) and the router's placement policy (``cluster.placement``: pick_prefill, pick_decode,
+pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
+while more CPU workers are busy than the host has cores), a KV handoff ``handoff_s``, a control message
+``hop_s``, the front end ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge
+``http_s`` each way. No forward pass, no Ray, no sockets.
+
+The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
+
+* client send -> (http) router: mode, pick a worker, count it -> (hop) worker's command queue;
+* a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
+* step end: tokens go (hop) to the router, through the front end, (http) to the client; a held
+  prefill's first token makes the router pick a decode worker and send it the handoff (hop); the
+  decode worker reserves blocks (or waits for them), the transfer runs on both sides' transfer threads
+  (one at a time per worker), then the decode side commits (next loop turn) and the prefill side
+  releases its blocks;
+* the last token settles the router's counters (hop) and frees the client's concurrency slot (http).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+from cluster.cost_model import CostProfile
+from cluster.placement import pick_decode, pick_least_loaded, pick_prefill
+from cluster.protocol import SamplingParams
+from deploy.planner.twin import Flight, SimConfig, SimWorker
+from deploy.planner.workload import Workload
+from workers.request import RequestStatus
+
+# event kinds
+_SEND, _ROUTE, _DELIVER, _STEP_END, _PREFILLED, _SETTLE, _CLIENT_DONE = range(7)
+_RUNNING = RequestStatus.RUNNING
+_RATE_WINDOW_S = 0.25  # time constant of the streamed-token rate
+# worker commands
+GENERATE, GENERATE_HELD, HANDOFF, KV_DONE, KV_SENT = range(5)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the client saw it (seconds since the start)."""
+
+    prompt_len: int
+    output_len: int
+    send_s: float = math.nan
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finish_s: float | None = None
+    num_tokens: int = 0
+    gaps_s: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
+    rejected: str | None = None  # why the cluster refused it (a miss in goodput)
+    route: str = ""
+    transfer_s: float = 0.0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.send_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.send_s
+
+    @property
+    def mean_tbt_s(self) -> float:
+        return sum(self.gaps_s) / len(self.gaps_s) if self.gaps_s else 0.0
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    workload_name: str
+    records: list[RequestRecord]
+    duration_s: float
+    num_steps: int
+    num_preemptions: int
+    worker_busy_s: dict[str, float]
+    worker_steps: dict[str, int]
+    worker_tokens: dict[str, int]  # tokens sampled there
+    prefix_hit_tokens: int
+
+
+class Simulation:
+    """Run ``workload`` through ``config`` under ``profile``; ``run()`` returns every request's record.
+
+    ``on_step`` (optional) sees each worker step as it starts (worker, start time, shape, duration):
+    tests use it to pin schedules."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        profile: CostProfile,
+        workload: Workload,
+        *,
+        on_step: Callable[[SimWorker, float, Any, float], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self.workload = workload
+        self.on_step = on_step
+        if config.mode == "colocated":
+            pools = {"colocated": config.num_colocated}
+        else:
+            pools = {"prefill": config.num_prefill, "decode": config.num_decode}
+        self.pools = {
+            pool: [SimWorker(f"{pool}-{i}", pool, config) for i in range(n)] for pool, n in pools.items()
+        }
+        self.workers = [w for ws in self.pools.values() for w in ws]
+        self.records = [RequestRecord(r.prompt_len, r.output_len) for r in workload.requests]
+        self.flights: dict[str, Flight] = {}  # by request id
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = count()
+        self._num_busy = 0  # workers in a step or polling for work they cannot schedule yet
+        self._token_rate = 0.0  # tokens/s streamed through the front end (exponential moving average)
+        self._token_rate_t = 0.0
+        self._frontend_free = 0.0  # the front end is busy with earlier tokens until then
+        self._slots = workload.max_concurrency or 0
+        self._backlog: deque[int] = deque()
+        self.now = 0.0
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _at(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self) -> SimResult:
+        for w in self.workers:
+            w.beat(0.0, self.config.heartbeat_interval_s)
+        for i, r in enumerate(self.workload.requests):
+            self._at(0.0 if self.workload.max_concurrency else r.arrival_s, _SEND, i)
+        handlers: dict[int, Callable[[float, Any], None]] = {
+            _SEND: self._on_send,
+            _ROUTE: self._on_route,
+            _DELIVER: self._on_deliver,
+            _STEP_END: self._on_step_end,
+            _PREFILLED: self._on_prefilled,
+            _SETTLE: self._on_settle,
+            _CLIENT_DONE: self._on_client_done,
+        }
+        events = self._events
+        while events:
+            t, _, kind, payload = heapq.heappop(events)
+            self.now = t
+            handlers[kind](t, payload)
+        return SimResult(
+            self.config,
+            self.workload.name,
+            self.records,
+            max((r.finish_s or r.send_s for r in self.records), default=0.0),
+            sum(w.num_steps for w in self.workers),
+            sum(w.scheduler.num_preemptions for w in self.workers),
+            {w.worker_id: w.busy_s for w in self.workers},
+            {w.worker_id: w.num_steps for w in self.workers},
+            {w.worker_id: w.num_tokens for w in self.workers},
+            sum(
+                w.scheduler.kv.prefix_cache.num_hit_tokens
+                for w in self.workers
+                if w.scheduler.kv.prefix_cache is not None
+            ),
+        )
+
+    # ---- client ---------------------------------------------------------------------------------------
+    def _on_send(self, t: float, index: int) -> None:
+        if self.workload.max_concurrency:
+            if self._slots == 0:
+                self._backlog.append(index)
+                return
+            self._slots -= 1
+        self.records[index].send_s = t
+        self._at(t + self.profile.http_s, _ROUTE, index)
+
+    def _on_client_done(self, t: float, index: int) -> None:
+        if not self.workload.max_concurrency:
+            return
+        self._slots += 1
+        if self._backlog:
+            self._on_send(t, self._backlog.popleft())
+
+    # ---- router ---------------------------------------------------------------------------------------
+    def _on_route(self, t: float, index: int) -> None:
+        router = self.config.router
+        rec = self.records[index]
+        if len(self.flights) >= router.max_pending_requests:
+            rec.rejected = "queue_full"
+            self._client_done(index, t + self.profile.http_s)
+            return
+        req = self.workload.requests[index]
+        prompt = self.workload.prompt_tokens(index)
+        if len(prompt) + req.output_len > self.config.max_model_len:
+            rec.rejected = "too_long"
+            self._client_done(index, t + self.profile.http_s)
+            return
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        flight = Flight(index, str(index), prompt, params)
+        self.flights[flight.request_id] = flight
+        mode = self.config.mode
+        if mode == "colocated":
+            w = pick_least_loaded(self.pools["colocated"], "colocated")
+            flight.decode, cmd, rec.route = w, GENERATE, "colocated"
+        elif mode == "conditional" and len(prompt) <= router.conditional_max_prompt_tokens:
+            w = pick_decode(self.pools["decode"])
+            flight.decode, cmd, rec.route = w, GENERATE, "conditional"
+        else:
+            w = pick_prefill(self.pools["prefill"], prompt, router.affinity_slack_tokens)
+            flight.prefill, cmd, rec.route = w, GENERATE_HELD, "disaggregated"
+            w.num_prompt_tokens += len(prompt)
+        w.num_assigned += 1
+        self._at(t + self.profile.hop_s, _DELIVER, (w, cmd, flight))
+
+    def _on_prefilled(self, t: float, flight: Flight) -> None:
+        if flight.prefill is not None:
+            flight.prefill.num_prompt_tokens -= len(flight.prompt)
+        w = pick_decode(self.pools["decode"])
+        flight.decode = w
+        w.num_assigned += 1
+        self._at(t + self.profile.hop_s, _DELIVER, (w, HANDOFF, flight))
+
+    def _on_settle(self, t: float, flight: Flight) -> None:
+        for w in (flight.prefill, flight.decode):
+            if w is not None:
+                w.num_assigned -= 1
+        self.records[flight.index].transfer_s = flight.transfer_s
+        del self.flights[flight.request_id]
+
+    def _client_done(self, index: int, t: float) -> None:
+        self.records[index].finish_s = t
+        self._at(t, _CLIENT_DONE, index)
+
+    # ---- workers --------------------------------------------------------------------------------------
+    def _on_deliver(self, t: float, payload: tuple[SimWorker, int, Flight]) -> None:
+        w = payload[0]
+        w.inbox.append((payload[1], payload[2]))
+        if not w.in_step:
+            self._turn(w, t)
+
+    def _turn(self, w: SimWorker, t: float) -> None:
+        """One pass of the worker's step loop: commands, waiting handoffs, then one step (if any)."""
+        was_busy = w.spinning  # a turn never runs during a step
+        while w.inbox:
+            cmd, flight = w.inbox.popleft()
+            if cmd in (GENERATE, GENERATE_HELD):
+                w.add(flight, hold=cmd == GENERATE_HELD)
+            elif cmd == HANDOFF:
+                if not self._start_transfer(w, flight, t):
+                    w.pending.append(flight)
+            elif cmd == KV_DONE:
+                w.scheduler.commit_prefilled(flight.request_id)
+            else:  # KV_SENT
+                w.scheduler.release(flight.request_id)
+        while w.pending and self._start_transfer(w, w.pending[0], t):
+            w.pending.popleft()
+        w.beat(t, self.config.heartbeat_interval_s)
+        shape = w.begin_step() if w.scheduler.waiting or w.scheduler.running else None
+        busy = shape is not None or w.has_work
+        if busy != was_busy:
+            self._num_busy += 1 if busy else -1
+        w.spinning = shape is None and w.has_work
+        if shape is None:
+            return
+        step_s = self.profile.step_s(shape) * self._slowdown(t)
+        w.busy_s += step_s
+        if self.on_step is not None:
+            self.on_step(w, t, shape, step_s)
+        self._at(t + step_s, _STEP_END, w)
+
+    def _slowdown(self, t: float) -> float:
+        """CPU workers sharing ``host_cpus`` cores (with the front end's CPU per streamed token): a step
+        stretches by demand / cores while the demand exceeds the cores."""
+        cpus = self.profile.host_cpus
+        if not cpus:
+            return 1.0
+        demand = float(self._num_busy)
+        if self.profile.frontend_cpu_per_token_s:
+            rate = self._token_rate * math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
+            demand += min(1.0, rate * self.profile.frontend_cpu_per_token_s)
+        return max(1.0, demand / cpus)
+
+    def _start_transfer(self, w: SimWorker, flight: Flight, t: float) -> bool:
+        num_tokens = w.reserve(flight, 0)
+        if num_tokens is None:
+            return False
+        sender = flight.prefill
+        start = max(t, w.link_free_s, sender.link_free_s if sender is not None else 0.0)
+        end = start + self.profile.handoff_s(num_tokens)
+        w.link_free_s = end
+        if sender is not None:
+            sender.link_free_s = end
+            self._at(end, _DELIVER, (sender, KV_SENT, flight))
+        flight.transfer_s = end - t
+        self._at(end, _DELIVER, (w, KV_DONE, flight))
+        return True
+
+    def _on_step_end(self, t: float, w: SimWorker) -> None:
+        """Tokens go to the router (hop); the front end (router, HTTP edge, client) handles one token at
+        a time, ``frontend_cpu_per_token_s`` each, first come first served; then HTTP to the client."""
+        at_router = t + self.profile.hop_s
+        http, cost = self.profile.http_s, self.profile.frontend_cpu_per_token_s
+        free = self._frontend_free
+        flights, records = self.flights, self.records
+        updated = w.end_step()
+        if updated and cost and self.profile.host_cpus:
+            decay = math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
+            self._token_rate = self._token_rate * decay + len(updated) / _RATE_WINDOW_S
+            self._token_rate_t = t
+        for request in updated:
+            # NOTE: the hot path of a big simulation (once per generated token): kept inline.
+            if cost:
+                free = (at_router if at_router > free else free) + cost
+                done = free
+            else:
+                done = at_router
+            flight = flights[request.request_id]
+            rec = records[flight.index]
+            arrive = done + http
+            if rec.last_token_s is None:
+                rec.first_token_s = arrive
+            else:
+                rec.gaps_s.append(arrive - rec.last_token_s)
+            rec.last_token_s = arrive
+            rec.num_tokens += 1
+            status = request.status
+            if status is _RUNNING:
+                continue
+            if status is RequestStatus.SENDING_KV:
+                self._at(done, _PREFILLED, flight)
+            elif status.is_finished:
+                self._at(done, _SETTLE, flight)
+                self._client_done(flight.index, arrive)
+        self._frontend_free = free
+        self._num_busy -= 1
+        self._turn(w, t)

@@ -1,0 +1,187 @@
+"""The engine's twin: one worker's real Scheduler (its KVCacheManager and prefix cache included), stepped
+under a cost model instead of a forward pass.
+
+Only the Scheduler's public methods are used (add_request, schedule, update_from_output,
+reserve_prefilled, commit_prefilled, release), so the simulation runs whatever policy the engine runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from cluster.config import ClusterConfig, EngineConfig, RouterConfig
+from cluster.cost_model import StepShape
+from cluster.protocol import EngineStats, SamplingParams, WorkerStats
+from workers.request import Request
+from workers.scheduler import SampledToken, Scheduler, SchedulerOutput
+
+# NOTE: the token a simulated step "samples"; no EOS is configured, so only max_tokens ends a request.
+_TOKEN = SampledToken(0)
+MODES = ("colocated", "disaggregated", "conditional")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One deployment to simulate: the router mode, pool sizes and every worker's engine settings."""
+
+    mode: str
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_colocated: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_kv_blocks: int = 2048  # per worker, block 0 included (as EngineConfig.num_kv_blocks)
+    max_model_len: int = 2048
+    router: RouterConfig = field(default_factory=RouterConfig)
+    heartbeat_interval_s: float = 0.5  # how stale the router's view of free blocks is
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "colocated" and self.num_colocated < 1:
+            raise ValueError("colocated mode needs num_colocated >= 1")
+        if self.mode != "colocated" and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError(f"{self.mode} mode needs num_prefill >= 1 and num_decode >= 1")
+
+    @classmethod
+    def from_cluster(cls, cfg: ClusterConfig, *, num_kv_blocks: int, max_model_len: int) -> SimConfig:
+        """The deployment a cluster config describes (pools, router, engine settings)."""
+        return cls(
+            mode=cfg.router.mode,
+            num_prefill=cfg.prefill.num_workers if cfg.router.mode != "colocated" else 0,
+            num_decode=cfg.decode.num_workers if cfg.router.mode != "colocated" else 0,
+            num_colocated=cfg.colocated.num_workers if cfg.router.mode == "colocated" else 0,
+            engine=cfg.engine_config(),
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=min(max_model_len, (num_kv_blocks - 1) * cfg.engine_config().block_size),
+            router=cfg.router,
+            heartbeat_interval_s=cfg.router.health_interval_s,
+        )
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_colocated if self.mode == "colocated" else self.num_prefill + self.num_decode
+
+    @property
+    def label(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated x{self.num_colocated}"
+        return f"{self.num_prefill}P:{self.num_decode}D" + (" cond" if self.mode == "conditional" else "")
+
+    def colocated(self, num_workers: int) -> SimConfig:
+        return replace(self, mode="colocated", num_colocated=num_workers, num_prefill=0, num_decode=0)
+
+    def split(self, num_prefill: int, num_decode: int, mode: str = "disaggregated") -> SimConfig:
+        return replace(self, mode=mode, num_prefill=num_prefill, num_decode=num_decode, num_colocated=0)
+
+
+@dataclass
+class Flight:
+    """One request inside the simulated cluster (the router's flight plus the client's record)."""
+
+    index: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    prefill: SimWorker | None = None
+    decode: SimWorker | None = None
+    transfer_s: float = 0.0
+
+
+class SimWorker:
+    """One worker: its Scheduler, the commands it has not read yet, the decode role's waiting handoffs,
+    and the router's bookkeeping about it (what cluster/placement.py reads: the WorkerLoad protocol)."""
+
+    def __init__(self, worker_id: str, pool: str, config: SimConfig) -> None:
+        self.worker_id = worker_id
+        self.pool = pool
+        self.block_size = config.engine.block_size
+        self.scheduler = Scheduler(config.engine, config.num_kv_blocks, config.max_model_len)
+        self.inbox: deque[tuple[int, Flight]] = deque()
+        self.pending: deque[Flight] = deque()  # decode side: handoffs waiting for blocks or a seat
+        self.step_out: SchedulerOutput | None = None
+        self.spinning = False  # has work it cannot schedule now: the real step loop polls (burns a core)
+        self.link_free_s = 0.0  # its transfer thread is busy until then
+        # the router's view (WorkerLoad)
+        self.num_assigned = 0
+        self.num_prompt_tokens = 0
+        self.stats: WorkerStats | None = None
+        self._last_beat = -math.inf
+        self.num_steps = 0
+        self.num_tokens = 0
+        self.busy_s = 0.0
+
+    @property
+    def in_step(self) -> bool:
+        return self.step_out is not None
+
+    @property
+    def has_work(self) -> bool:
+        s = self.scheduler
+        return bool(s.waiting or s.running or self.pending)
+
+    def add(self, flight: Flight, hold: bool) -> None:
+        """A Generate op: the whole request here, or (hold) its prefill only."""
+        request = Request(flight.request_id, flight.prompt, flight.params, (), hold, 0.0)
+        self.scheduler.add_request(request)
+
+    def reserve(self, flight: Flight, first_token_id: int) -> int | None:
+        """A DecodeHandoff: reserve blocks for the prompt's KV; the number of KV positions that must move
+        (whole blocks the local prefix cache does not hold), or None when blocks or seats are short."""
+        request = Request(flight.request_id, flight.prompt, flight.params, (), False, 0.0)
+        request.output_token_ids.append(first_token_id)
+        reserved = self.scheduler.reserve_prefilled(request)
+        if reserved is None:
+            return None
+        block_ids, num_hit = reserved
+        return (len(block_ids) - num_hit) * self.block_size
+
+    def begin_step(self) -> StepShape | None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        self.step_out = out
+        # NOTE: shape_of without the tuples: this runs once per simulated step
+        prefill_tokens = prefill_seqs = decode_seqs = context = pairs = longest = 0
+        for s in out.scheduled:
+            start = s.start_position
+            if s.is_decode:
+                decode_seqs += 1
+                context += start
+                if start > longest:
+                    longest = start
+            else:
+                n = len(s.token_ids)
+                prefill_seqs += 1
+                prefill_tokens += n
+                pairs += n * start + n * (n + 1) // 2
+        return StepShape(prefill_tokens, prefill_seqs, decode_seqs, context, pairs, decode_seqs * longest)
+
+    def end_step(self) -> list[Request]:
+        """The step's "forward" is over: every sequence that reached its last known token samples."""
+        out = self.step_out
+        if out is None:
+            raise RuntimeError(f"{self.worker_id}: end_step without a step")
+        self.step_out = None
+        self.num_steps += 1
+        sampled = {s.request_id: _TOKEN for s in out.scheduled if s.needs_sample}
+        updated = self.scheduler.update_from_output(out, sampled)
+        self.num_tokens += len(updated)
+        return updated
+
+    def beat(self, now: float, interval_s: float) -> None:
+        """Publish the stats snapshot the router sees, at most every heartbeat interval."""
+        if now - self._last_beat < interval_s:
+            return
+        self._last_beat = now
+        kv = self.scheduler.kv
+        engine = EngineStats(
+            num_free_blocks=kv.pool.num_free,
+            num_total_blocks=kv.pool.num_usable,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )
+        self.stats = WorkerStats(
+            self.worker_id, self.pool, engine=engine, num_waiting_for_kv=len(self.pending)
+        )

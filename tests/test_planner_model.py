@@ -1,0 +1,194 @@
+"""Cost profiles, the calibration fit and the router-side predictions (cluster/cost_model.py,
+cluster/predict.py, deploy/planner/calibrate.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.config import EngineConfig
+from cluster.cost_model import (
+    CostProfile,
+    LinearStepCost,
+    RooflineStepCost,
+    StepShape,
+    TransferCost,
+    shape_of,
+)
+from cluster.predict import (
+    WorkerQueue,
+    admit,
+    choose_route,
+    estimate_routes,
+    predict_ttft_s,
+    prefill_time_s,
+)
+from deploy.planner.calibrate import Sample, fit_linear
+from deploy.planner.profiles import HARDWARE, ModelShape, gpu_kv_blocks, roofline_profile
+from deploy.planner.sim import Simulation
+from deploy.planner.twin import SimConfig
+from deploy.planner.workload import SimRequest, Workload
+
+LINEAR = LinearStepCost(0.002, 1e-4, 5e-4, 2e-4, 1e-6, 1e-8, 3e-7)
+
+
+def make_profile(step: LinearStepCost = LINEAR, **kw: float) -> CostProfile:
+    return CostProfile("t", "hand", step, TransferCost(0.001, 1e9), 2048, **kw)  # type: ignore[arg-type]
+
+
+def test_shape_of_a_mixed_step() -> None:
+    # two decodes at positions 10 and 20, a fresh 4-token prompt, a 3-token chunk from position 8
+    shape = shape_of([(10, 1, True), (20, 1, True), (0, 4, False), (8, 3, False)])
+    assert shape == StepShape(7, 2, 2, 30, (0 + 10) + (3 * 8 + 6), 2 * 20)
+    assert shape.num_tokens == 9
+    assert shape_of([]).is_empty
+
+
+def test_linear_step_cost() -> None:
+    shape = StepShape(100, 2, 8, 4000, 5000, 6000)
+    expected = 0.002 + 100 * 1e-4 + 2 * 5e-4 + 8 * 2e-4 + 4000 * 1e-6 + 5000 * 1e-8 + 6000 * 3e-7
+    assert LINEAR.step_s(shape) == pytest.approx(expected, rel=1e-12)
+    assert make_profile(step_scale=1.5).step_s(shape) == pytest.approx(1.5 * expected, rel=1e-12)
+    assert LINEAR.step_s(StepShape()) == 0.0
+
+
+def test_profile_json_round_trip_and_strictness(tmp_path: Path) -> None:
+    prof = make_profile(hop_s=0.001, http_s=0.002, host_cpus=2.0)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert CostProfile.load(path) == prof
+    data = prof.to_dict()
+    assert data["step"]["kind"] == "linear"
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['bogus'\]"):
+        CostProfile.from_dict({**data, "bogus": 1})
+    with pytest.raises(ValueError, match=r"missing key\(s\) \['context_token_s'\]"):
+        step = {k: v for k, v in data["step"].items() if k != "context_token_s"}
+        CostProfile.from_dict({**data, "step": step})
+    with pytest.raises(ValueError, match="step kind"):
+        CostProfile.from_dict({**data, "step": {**data["step"], "kind": "magic"}})
+    with pytest.raises(ValueError, match="hop_s must be a number >= 0"):
+        CostProfile.from_dict({**data, "hop_s": -1.0})
+    roof = roofline_profile(HARDWARE["h100"], ModelShape.from_config("bench/configs/llama-3-8b"))
+    assert CostProfile.from_dict(json.loads(json.dumps(roof.to_dict()))) == roof
+
+
+def test_roofline_llama3_8b_on_h100() -> None:
+    shape = ModelShape.from_config("bench/configs/llama-3-8b")
+    # Llama-3-8B: 32 layers, 4096 wide, 14336 MLP, 32 heads, 8 KV heads of 128, vocab 128256, bf16
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (32, 8, 128, 2)
+    assert shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    assert shape.layer_params == 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)
+    step = roofline_profile(HARDWARE["h100"], shape).step
+    assert isinstance(step, RooflineStepCost)
+    # one decode at a short context is memory bound: the weights once per step
+    decode = StepShape(num_decode_seqs=1, num_context_tokens=100)
+    bytes_moved = shape.weight_bytes + shape.kv_bytes_per_token * 101
+    assert step.step_s(decode) == pytest.approx(2e-3 + bytes_moved / (3350e9 * 0.8), rel=1e-12)
+    # an 8192-token prefill is compute bound
+    prefill = shape_of([(0, 8192, False)])
+    flops = step.flops_per_token * 8192 + step.attention_flops_per_pair * prefill.num_attention_pairs
+    assert step.step_s(prefill) == pytest.approx(2e-3 + flops / (989e12 * 0.6), rel=1e-12)
+    assert gpu_kv_blocks(HARDWARE["h100"], shape, 16) == int(
+        (80e9 * 0.9 - shape.weight_bytes - 2**30) // (16 * shape.kv_bytes_per_token)
+    )
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    truth = LinearStepCost(0.003, 6e-5, 4e-4, 1.5e-4, 1e-6, 1.3e-7, 5e-7)
+    shapes = (
+        [shape_of([(0, n, False)]) for n in (16, 64, 256, 1024)]
+        + [shape_of([(c, 1, True)] * b) for b in (1, 8, 32) for c in (32, 512)]
+        + [shape_of([(128, 1, True)] * 8 + [(512, 256, False)]), shape_of([(0, 100, False), (0, 50, False)])]
+        + [shape_of([(32, 1, True), (1024, 1, True)] * b) for b in (2, 8)]  # padded to the longest
+    )
+    fitted = fit_linear([Sample("s", s, truth.step_s(s)) for s in shapes])
+    for name in LinearStepCost.FEATURES:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+
+
+def test_fit_finds_the_padded_context_knee() -> None:
+    # decode batches get dearer per position once the padded batch outgrows 16k positions
+    truth = LinearStepCost(0.004, 1e-4, 0.0, 1e-4, 0.0, 1e-8, 5e-7, 2e-6, padded_knee_tokens=16384)
+    shapes = [shape_of([(0, n, False)]) for n in (16, 256, 1024)]
+    shapes += [shape_of([(c, 1, True)] * b) for b in (1, 4, 16, 32, 64) for c in (32, 256, 1024)]
+    shapes += [shape_of([(32, 1, True), (1024, 1, True)] * b) for b in (2, 8, 32)]
+    fitted = fit_linear([Sample("s", s, truth.step_s(s)) for s in shapes])
+    assert fitted.padded_knee_tokens == 16384
+    for name in LinearStepCost.FEATURES:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12), name
+
+
+def test_scaling_prefill_and_decode_terms_apart() -> None:
+    prefill, decode = shape_of([(0, 512, False)]), shape_of([(300, 1, True)] * 16)
+    scaled = LINEAR.scaled(0.5, 2.0)
+    # the base (0.002) is scaled by sqrt(0.5 x 2) = 1
+    assert scaled.step_s(prefill) == pytest.approx(0.002 + 0.5 * (LINEAR.step_s(prefill) - 0.002), rel=1e-12)
+    assert scaled.step_s(decode) == pytest.approx(0.002 + 2.0 * (LINEAR.step_s(decode) - 0.002), rel=1e-12)
+
+
+def test_fit_never_goes_negative() -> None:
+    # times that fall with batch size would want a negative per-sequence cost: it is pinned at 0
+    samples = [Sample("d", shape_of([(8, 1, True)] * b), 0.010 - 0.0001 * b) for b in (1, 2, 4, 8, 16)]
+    fitted = fit_linear(samples)
+    assert min(getattr(fitted, n) for n in LinearStepCost.FEATURES) >= 0.0
+
+
+def test_prefill_prediction_matches_the_simulated_scheduler() -> None:
+    # three 8-token prompts sent together to one colocated worker with an 8-token budget: the last
+    # waits for two steps, then its own; the prediction made when it was routed is that exactly.
+    prof = make_profile()
+    engine = EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    cfg = SimConfig("colocated", num_colocated=1, engine=engine, num_kv_blocks=64, max_model_len=64)
+    wl = Workload("three", [SimRequest(0.0, 8, 1)] * 3, vocab_size=500)
+    result = Simulation(cfg, prof, wl).run()
+    queue = WorkerQueue(num_queued_prompt_tokens=16, num_queued_prompts=2)
+    predicted = predict_ttft_s(prof, 8, queue, 8)
+    assert result.records[2].ttft_s == pytest.approx(predicted, rel=1e-12)
+    assert predicted == pytest.approx(3 * prof.step_s(shape_of([(0, 8, False)])), rel=1e-12)
+
+
+def test_prefill_prediction_counts_running_decodes_and_cache_hits() -> None:
+    prof = make_profile(hop_s=0.001, http_s=0.002)
+    queue = WorkerQueue(num_running=4, num_context_tokens=400)
+    # budget 12 - 4 decodes = 8 prompt tokens per step; a 20-token prompt with 4 cached: 16 -> 2 steps
+    t = prefill_time_s(prof, 12, queue, 20, cached_tokens=4)
+    pairs = int(8 * 21 / 2)
+    first = prof.step_s(StepShape(8, 1, 4, 400, pairs, 400))
+    second = prof.step_s(StepShape(8, 1, 4, 404, pairs, 404))
+    assert t == pytest.approx(first + second, rel=1e-12)
+    assert predict_ttft_s(prof, 12, queue, 20, 4) == pytest.approx(t + 0.006, rel=1e-12)
+    # a full hit still computes one token
+    assert prefill_time_s(prof, 12, WorkerQueue(), 8, cached_tokens=8) == prof.step_s(
+        StepShape(1, 1, 0, 0, 4)
+    )
+
+
+def test_admission_and_retry_after() -> None:
+    assert admit(0.8, 1.0).ok
+    late = admit(3.2, 1.0)
+    assert (late.ok, late.retry_after_s) == (False, 3)
+    assert admit(1.01, 1.0).retry_after_s == 1
+
+
+def test_route_choice_by_predicted_cost() -> None:
+    prof = make_profile(hop_s=0.0005, http_s=0.001)
+    idle = WorkerQueue()
+    busy_prefill = WorkerQueue(num_queued_prompt_tokens=8000, num_queued_prompts=8)
+    decoding = WorkerQueue(num_running=32, num_context_tokens=32 * 500)
+    # a short prompt beside an idle prefill worker: the handoff costs more than computing it locally
+    short = choose_route(prof, 1024, 16, idle, idle)
+    assert (short.mode, short.reason) == ("local", "local_prefill_cheaper")
+    # a long prompt that the decode worker mostly holds in its prefix cache
+    hit = choose_route(prof, 1024, 2000, busy_prefill, decoding, decode_hit_tokens=1984)
+    assert (hit.mode, hit.reason) == ("local", "decode_prefix_hit")
+    # a long prompt next to 32 running decodes with a tight TBT SLO: disaggregate
+    stall = choose_route(prof, 1024, 1000, idle, decoding, tbt_slo_s=0.05)
+    assert (stall.mode, stall.reason) == ("disaggregated", "local_prefill_would_stall_decodes")
+    remote, local = estimate_routes(prof, 1024, 1000, idle, decoding)
+    assert local.stall_s > 0.05 >= remote.stall_s
+    # without the TBT bound the cheaper path to the second token wins
+    free = choose_route(prof, 1024, 1000, idle, decoding)
+    assert (free.mode, free.reason) == ("disaggregated", "handoff_cheaper")
+    assert remote.ttft_s + remote.first_gap_s < local.ttft_s + local.first_gap_s

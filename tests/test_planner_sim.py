@@ -1,0 +1,202 @@
+"""The planner's simulation twin under hand-computable cost models: exact schedules, times and leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cluster.config import EngineConfig
+from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost
+from deploy.planner.sim import RequestRecord, SimResult, Simulation
+from deploy.planner.twin import SimConfig, SimWorker
+from deploy.planner.workload import SimRequest, Workload
+
+
+def profile(
+    step: LinearStepCost | None = None, *, hop_s: float = 0.0, http_s: float = 0.0, kv: int = 1000
+) -> CostProfile:
+    return CostProfile(
+        "test",
+        "hand-made",
+        step or constant(0.010),
+        TransferCost(latency_s=0.005, bytes_per_s=1e6),
+        kv_bytes_per_token=kv,
+        hop_s=hop_s,
+        http_s=http_s,
+    )
+
+
+def constant(seconds: float) -> LinearStepCost:
+    return LinearStepCost(seconds, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def config(mode: str = "colocated", *, blocks: int = 64, budget: int = 1024, **pools: int) -> SimConfig:
+    engine = EngineConfig(block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=8)
+    return SimConfig(mode, engine=engine, num_kv_blocks=blocks, max_model_len=256, **pools)
+
+
+def workload(*requests: tuple[float, int, int]) -> Workload:
+    return Workload("hand", [SimRequest(t, p, o) for t, p, o in requests], vocab_size=500)
+
+
+Step = tuple[str, int, StepShape, int]
+
+
+def run(cfg: SimConfig, prof: CostProfile, wl: Workload) -> tuple[SimResult, list[Step]]:
+    """Every step as (worker, start in microseconds, shape, duration in microseconds)."""
+    steps: list[Step] = []
+
+    def on_step(w: SimWorker, t: float, shape: StepShape, step_s: float) -> None:
+        steps.append((w.worker_id, round(t * 1e6), shape, round(step_s * 1e6)))
+
+    sim = Simulation(cfg, prof, wl, on_step=on_step)
+    result = sim.run()
+    for w in sim.workers:
+        w.scheduler.check_no_leaks()
+    assert sim.flights == {}
+    return result, steps
+
+
+def us(record: RequestRecord) -> tuple[int | None, list[int], int | None]:
+    """(TTFT, gaps, E2E) in microseconds."""
+    ttft, e2e = record.ttft_s, record.e2e_s
+    return (
+        None if ttft is None else round(ttft * 1e6),
+        [round(g * 1e6) for g in record.gaps_s],
+        None if e2e is None else round(e2e * 1e6),
+    )
+
+
+def decodes(*starts: int) -> StepShape:
+    """Decode-only step of sequences at these positions (padded to the longest)."""
+    return StepShape(0, 0, len(starts), sum(starts), 0, len(starts) * max(starts))
+
+
+def prefill(n: int, start: int = 0) -> StepShape:
+    """One prompt chunk of n tokens from position ``start``, alone in its step."""
+    return StepShape(n, 1, 0, 0, n * start + n * (n + 1) // 2)
+
+
+def test_three_requests_colocated() -> None:
+    # A at 0 (6 + 3 tokens), B at 5 ms (3 + 2), C at 31 ms (5 + 1); 10 ms steps, 1 ms hop, 2 ms HTTP.
+    result, steps = run(
+        config(num_colocated=1),
+        profile(hop_s=0.001, http_s=0.002),
+        workload((0.0, 6, 3), (0.005, 3, 2), (0.031, 5, 1)),
+    )
+    w = "colocated-0"
+    assert steps == [
+        (w, 3000, prefill(6), 10000),  # A arrives at 3 ms (2 ms HTTP + 1 ms hop)
+        (w, 13000, StepShape(3, 1, 1, 6, 6, 6), 10000),  # B (queued at 8 ms) joins A's first decode
+        (w, 23000, decodes(7, 3), 10000),
+        (w, 34000, prefill(5), 10000),  # the worker idled from 33 ms until C came
+    ]
+    a, b, c = result.records
+    assert us(a) == (16000, [10000, 10000], 36000)
+    assert us(b) == (21000, [10000], 31000)
+    assert us(c) == (16000, [], 16000)
+    assert [r.num_tokens for r in result.records] == [3, 2, 1]
+    assert result.num_steps == 4 and result.num_preemptions == 0
+
+
+def test_chunked_prefill_under_the_token_budget() -> None:
+    # budget 8: A's 20-token prompt takes three chunks; B (3 tokens) fits beside the last one.
+    cost = LinearStepCost(0.001, 0.001, 0.0, 0.0005, 0.0, 0.0)  # 1 ms + 1 ms / prompt token + 0.5 ms / decode
+    result, steps = run(config(num_colocated=1, budget=8), profile(cost), workload((0.0, 20, 2), (0.0, 3, 3)))
+    w = "colocated-0"
+    assert steps == [
+        (w, 0, prefill(8), 9000),
+        (w, 9000, prefill(8, 8), 9000),
+        (w, 18000, StepShape(7, 2, 0, 0, (4 * 16 + 10) + 6), 8000),  # A's last 4 tokens + B's 3
+        (w, 26000, decodes(20, 3), 2000),
+        (w, 28000, decodes(4), 1500),  # A finished (2 tokens); B decodes alone
+    ]
+    a, b = result.records
+    assert us(a) == (26000, [2000], 28000)
+    assert us(b) == (26000, [2000, 1500], 29500)
+
+
+def test_preemption_by_recompute_and_prefix_hit() -> None:
+    # 4 usable blocks of 4 tokens. A (6 + 6) and B (5 + 4) both grow a third block; B, the newest, is
+    # preempted at 30 ms, waits (its cached first block is a hit but a second block is short) until A
+    # finishes, then recomputes its last 3 tokens from that hit and decodes on.
+    result, steps = run(config(num_colocated=1, blocks=5), profile(), workload((0.0, 6, 6), (0.0, 5, 4)))
+    assert [(t, shape) for _, t, shape, _ in steps] == [
+        (0, prefill(6)),  # B reached the worker while this step ran
+        (10000, StepShape(5, 1, 1, 6, 15, 6)),
+        (20000, decodes(7, 5)),
+        (30000, decodes(8)),  # B preempted
+        (40000, decodes(9)),
+        (50000, decodes(10)),  # A's 6th token: A finishes, frees its blocks
+        (60000, StepShape(3, 1, 0, 0, 3 * 4 + 6)),  # B: 4 tokens from the prefix cache, 3 recomputed
+        (70000, decodes(7)),
+    ]
+    assert {x[3] for x in steps} == {10000}
+    a, b = result.records
+    assert us(a) == (10000, [10000] * 5, 60000)
+    assert us(b) == (20000, [10000, 40000, 10000], 80000)
+    assert result.num_preemptions == 1
+    # the cache counts every lookup: B's first block was a hit at 40, 50 and 60 ms
+    assert result.prefix_hit_tokens == 3 * 4
+
+
+def test_disaggregated_handoff_times() -> None:
+    # prefill 10 ms -> first token (+1 ms hop, +2 ms HTTP); router hands off (+1 ms hop to the decode
+    # worker); 2 blocks x 4 tokens x 1000 B at 1 MB/s + 5 ms = 13 ms transfer; then 10 ms decode steps.
+    cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    result, steps = run(cfg, profile(hop_s=0.001, http_s=0.002), workload((0.0, 6, 3)))
+    assert steps == [
+        ("prefill-0", 3000, prefill(6), 10000),
+        ("decode-0", 28000, decodes(6), 10000),
+        ("decode-0", 38000, decodes(7), 10000),
+    ]
+    (a,) = result.records
+    assert us(a) == (16000, [25000, 10000], 51000)
+    assert round(a.transfer_s * 1e6) == 13000
+    assert a.route == "disaggregated"
+
+
+def test_transfers_queue_on_the_decode_workers_link() -> None:
+    # B's prefill ends at 20 ms while A's handoff (10 -> 23 ms) still holds the link: B's starts at 23 ms
+    cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    result, steps = run(cfg, profile(), workload((0.0, 8, 2), (0.0, 8, 2)))
+    assert [round(r.transfer_s * 1e6) for r in result.records] == [13000, 3000 + 13000]
+    assert [(w, t) for w, t, _, _ in steps] == [
+        ("prefill-0", 0),  # A alone: B reached the worker while this step ran
+        ("prefill-0", 10000),  # B (A is held for its handoff, no longer scheduled)
+        ("decode-0", 23000),  # A's KV landed at 23 ms: its second (last) token
+        ("decode-0", 36000),  # B's KV landed at 36 ms
+    ]
+
+
+def test_conditional_mode_sends_short_prompts_to_decode() -> None:
+    cfg = config("conditional", num_prefill=1, num_decode=1)
+    cfg = replace(cfg, router=replace(cfg.router, conditional_max_prompt_tokens=4))
+    result, steps = run(cfg, profile(), workload((0.0, 4, 1), (0.0, 5, 1)))
+    assert [r.route for r in result.records] == ["conditional", "disaggregated"]
+    assert [(w, s.num_prefill_tokens) for w, _, s, _ in steps] == [("decode-0", 4), ("prefill-0", 5)]
+
+
+def test_queue_full_is_a_rejection() -> None:
+    cfg = config(num_colocated=1)
+    cfg = replace(cfg, router=replace(cfg.router, max_pending_requests=1))
+    result, _ = run(cfg, profile(), workload((0.0, 4, 2), (0.0, 4, 2)))
+    assert [r.rejected for r in result.records] == [None, "queue_full"]
+
+
+def test_cpu_workers_sharing_a_host_stretch_their_steps() -> None:
+    # two colocated CPU workers on one core: the second starts its step while the first is busy, so
+    # its step takes twice as long (the stretch is fixed when a step starts)
+    shared = replace(profile(), host_cpus=1.0)
+    result, steps = run(config(num_colocated=2), shared, workload((0.0, 4, 1), (0.0, 4, 1)))
+    assert [(w, t, d) for w, t, _, d in steps] == [("colocated-0", 0, 10000), ("colocated-1", 0, 20000)]
+    assert [us(r)[0] for r in result.records] == [10000, 20000]
+
+
+def test_front_end_handles_one_token_at_a_time() -> None:
+    # 1 ms of front-end CPU per token: the three tokens of the second step reach their clients 1 ms apart
+    serial = replace(profile(), frontend_cpu_per_token_s=0.001)
+    result, steps = run(config(num_colocated=1), serial, workload((0.0, 4, 3), (0.0, 4, 1), (0.0, 4, 1)))
+    assert [t for _, t, _, _ in steps] == [0, 10000, 20000]
+    a, b, c = result.records
+    assert us(a) == (11000, [10000, 10000], 31000)
+    assert (us(b)[0], us(c)[0]) == (22000, 23000)
