@@ -136,7 +136,7 @@ class Soak:
 
     # ---- faults ---------------------------------------------------------------------------------------
     def fault_loop(self) -> None:
-        kinds = ["kill9", "frames", "sigstop"] + (["link_flap"] if self.lab is not None else [])
+        kinds = self.fault_kinds()
         n = 0
         while not self.stop.wait(self.args.fault_every):
             kind = kinds[n % len(kinds)]
@@ -144,6 +144,12 @@ class Soak:
             target = self._inject(kind)
             at = time.monotonic() - self.t0
             self.faults.append(FaultRecord(kind, target, at, self._await_recovery()))
+
+    def fault_kinds(self) -> list[str]:
+        return ["frames", "sigstop", "kill9"] + (["link_flap"] if self.lab is not None else [])
+
+    def _every_kind_landed(self) -> bool:
+        return {f.kind for f in self.faults} >= set(self.fault_kinds())
 
     def _inject(self, kind: str) -> str:
         workers = [w for w in self.handle.router.workers if w.state.value == "healthy"]
@@ -204,7 +210,10 @@ class Soak:
         async def traffic() -> None:
             clients = [asyncio.create_task(self.client(i)) for i in range(self.args.concurrency)]
             end = self.t0 + 60 * self.args.minutes
-            while time.monotonic() < end:
+            # NOTE: a short run still sees every kind of fault once (bounded at 3x the asked duration)
+            while time.monotonic() < end or (
+                not self._every_kind_landed() and time.monotonic() < self.t0 + 180 * self.args.minutes
+            ):
                 self.sample_rss()
                 await asyncio.sleep(1.0)  # NOTE: the run's own clock (a benchmark)
             self.stop.set()
