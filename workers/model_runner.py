@@ -3,7 +3,9 @@
 Inputs of a step are built with numpy from the scheduler's plain lists (no per-token Python loop), moved
 to the device in one go, and the sampled tokens come back in one device->host copy. ``launch`` enqueues a
 step and returns at once (on CUDA) with a ``PendingStep`` whose ``result()`` waits for that copy, so the
-engine can prepare the next step meanwhile; ``execute`` is both in one call.
+engine can prepare the next step meanwhile; ``execute`` is both in one call. ``launch`` is ``forward``
+then ``sample``: the engine calls them apart when a step's structured-output mask needs the previous
+step's tokens first (asynchronous scheduling).
 """
 
 from __future__ import annotations
