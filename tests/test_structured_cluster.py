@@ -1,7 +1,8 @@
 """Structured outputs and tool calls end to end, through the official ``openai`` client, on a live local
-cluster in each mode (colocated: one worker masks every token; disaggregated: the prefill worker masks
-the first token and the decode worker advances its matcher over it, then masks the rest). Seeded,
-temperature 1.0, the bundled model; every run ends with the leak check (matchers included).
+cluster in each mode (colocated: one worker masks every token; disaggregated, with asynchronous
+scheduling: the prefill worker masks the first token and the decode worker advances its matcher over it,
+then masks the rest). Seeded, temperature 1.0, the bundled model; every test ends with the leak check
+(matchers included).
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}},
 ]
 PARAMETERS = {"get_weather": WEATHER, "set_alarm": ALARM}
+# NOTE: the disaggregated workers also schedule asynchronously (a constrained step samples after the
+# previous step's tokens are back); tests/test_structured_engine.py compares that with synchronous.
 MODES = {
     "colocated": {"router": {"mode": "colocated"}, "colocated": {"num_workers": 1}},
-    "disaggregated": {},
+    "disaggregated": {"engine": {"async_scheduling": True}},
 }
 
 

@@ -184,8 +184,7 @@ def test_handoff_and_recompute_continue_the_grammar(is_async: bool) -> None:
     """Prefill engine (held after its first token, sampled under the mask) -> its KV copied into the
     blocks a decode engine reserved -> the decode engine's matcher starts after that token. Equal to the
     request run whole, and to the recompute fallback (``add_request(output_token_ids=[first])``)."""
-    schema = SCHEMAS[0]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=42, structured=json_spec(schema))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=42, structured=json_spec(SCHEMAS[9]))
     whole = make_engine(is_async)
     prompt = whole.tokenizer.encode(PROMPT)
     whole.add_request("r", prompt, params)
@@ -226,9 +225,7 @@ def test_preempted_requests_resume_their_grammar(is_async: bool) -> None:
         engine = make_engine(is_async, num_kv_blocks=num_blocks)
         prompt = engine.tokenizer.encode(PROMPT)
         for i in range(6):
-            params = SamplingParams(
-                max_tokens=160, temperature=1.0, seed=i, structured=json_spec(SCHEMAS[i])
-            )
+            params = SamplingParams(max_tokens=160, temperature=1.0, seed=i, structured=json_spec(SCHEMAS[i]))
             engine.add_request(f"s{i}", prompt, params)
         seen = drive(engine)
         for i in range(6):
@@ -270,3 +267,19 @@ def test_bad_specs_are_value_errors_and_aborts_free_the_matcher() -> None:
     # Compiled once each (a failed compile is not cached), then found: validate() and add_request().
     cache = engine.structured.cache
     assert (cache.num_misses, len(cache)) == (2, 2) and cache.num_hits > 0
+
+
+def test_a_token_the_grammar_forbids_ends_the_request_with_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's own check: with the mask kept from the sampler, the first forbidden token fails the
+    request (never text outside the grammar) and its state is freed."""
+    engine = make_engine()
+    prompt = engine.tokenizer.encode(PROMPT)
+    spec = StructuredOutput("choice", choices=CHOICES)
+    engine.add_request("c", prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=5, structured=spec))
+    monkeypatch.setattr(engine.structured, "step_mask", lambda sample_ids: None)
+    out = drive(engine)["c"]
+    assert out.finish_reason == FinishReason.ERROR and out.error is not None
+    assert re.fullmatch(r"sampled token \d+ is not allowed by the request's structured output", out.error)
+    state = engine.structured.cache.matcher(spec)
+    assert all(state.accept(t) for t in out.token_ids[:-1]) and not state.accept(out.token_ids[-1])
+    engine.check_no_leaks()

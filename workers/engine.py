@@ -54,7 +54,9 @@ class Engine:
         self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.structured = StructuredRequests(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredRequests(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, self.runner.device
+        )
         self._stats = EngineStats()
 
     @property
@@ -241,10 +243,12 @@ class Engine:
         """The delta of ``request``'s output token ``index`` (its newest resolved one)."""
         token_id = request.output_token_ids[index]
         end = self.structured.advance(request.request_id, token_id)
+        if end is RequestStatus.FINISHED_ERROR:
+            # NOTE: cannot happen while the mask reaches the sampler; fail loudly, never emit such text.
+            logger.error("request %s: sampled token %d breaks its grammar", request.request_id, token_id)
         if end is not None and not request.status.is_finished:
             if end is RequestStatus.FINISHED_ERROR:
                 request.error = f"sampled token {token_id} is not allowed by the request's structured output"
-                logger.error("request %s: %s", request.request_id, request.error)
             self.scheduler.finish_request(request.request_id, end)
         detok = self.detokenizers.get(request.request_id)
         text = ""

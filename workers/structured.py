@@ -191,10 +191,11 @@ def _printable_row(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Ten
     return row
 
 
-def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 CPU bitmask of ``num_rows`` rows, every token allowed (xgrammar's layout)."""
-    bitmask: torch.Tensor = _xgr().allocate_token_bitmask(num_rows, vocab_size)
-    return bitmask
+def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """An int32 CPU bitmask of ``num_rows`` rows, every token allowed (xgrammar's layout); pinned for an
+    asynchronous upload to a CUDA device."""
+    shape = _xgr().get_bitmask_shape(num_rows, vocab_size)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
 def reset_bitmask(bitmask: torch.Tensor) -> None:
@@ -238,10 +239,17 @@ class StructuredRequests:
     tokens and recomputes them, and its matcher already stands after them.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        device: torch.device,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
+        self.device = device
         self._cache: GrammarCache | None = None
         self._states: dict[str, GrammarState] = {}
 
@@ -251,6 +259,7 @@ class StructuredRequests:
             if self._tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer.json")
             self._cache = GrammarCache(self._tokenizer, self.vocab_size, self.stop_token_ids)
+            _warm_up_apply(self.vocab_size, self.device)
         return self._cache
 
     def compile(self, spec: StructuredOutput) -> None:
@@ -289,7 +298,7 @@ class StructuredRequests:
         ]
         if not rows:
             return None
-        bitmask = allocate_bitmask(len(sample_ids), self.vocab_size)
+        bitmask = allocate_bitmask(len(sample_ids), self.vocab_size, pin_memory=self.device.type == "cuda")
         masked = [row for row, state in rows if state.fill(bitmask, row)]
         return StepMask(bitmask, masked) if masked else None
 
@@ -303,3 +312,11 @@ class StructuredRequests:
         if not state.accept(token_id):
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if state.is_terminated else None
+
+
+def _warm_up_apply(vocab_size: int, device: torch.device) -> None:
+    """Mask dummy logits once per kind of row count, so xgrammar's kernel (Triton on CUDA: specialised on
+    a count of 1 and on multiples of 16) compiles now, on first use, rather than in the middle of a run."""
+    for num_rows in (1, 2, 16):
+        logits = torch.zeros(num_rows, vocab_size, device=device)
+        apply_bitmask(logits, allocate_bitmask(num_rows, vocab_size).to(device), list(range(num_rows)))
