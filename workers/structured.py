@@ -216,9 +216,9 @@ def apply_bitmask(logits_RV: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
 
 @dataclass
 class StepMask:
-    """The token bitmask of one step's sampled rows: ``bitmask[i]`` belongs to sample row i (CPU, one
-    fresh tensor per step, so an asynchronous upload never races a refill); only ``rows`` carry a
-    grammar, the other rows are left as they are."""
+    """The token bitmask of one step's sampled rows: ``bitmask[i]`` belongs to sample row i (CPU, pinned
+    when the logits are on CUDA; one fresh tensor per step, so an asynchronous upload never races a
+    refill); only ``rows`` carry a grammar, the other rows are left as they are."""
 
     bitmask: torch.Tensor  # [num sampled rows, ceil(V / 32)] int32
     rows: list[int]
