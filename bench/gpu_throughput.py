@@ -53,7 +53,7 @@ from cluster.protocol import SamplingParams
 from workers.attention.kernel_probe import count_compiled_variants
 from workers.engine import Engine
 from workers.llm import LLM
-from workers.model_runner import ModelRunner, PendingStep
+from workers.model_runner import MaskSource, ModelRunner, PendingStep
 from workers.models.arch import ArchConfig
 from workers.scheduler import SchedulerOutput
 
@@ -160,14 +160,14 @@ def instrument(
     """Wraps ``runner.launch`` to log every step; returns the original to restore."""
     launch = runner.launch
 
-    def logged(out: SchedulerOutput) -> PendingStep:
+    def logged(out: SchedulerOutput, mask_for: MaskSource | None = None) -> PendingStep:
         log.floors.append(cost.floor_s(out, flops_per_s, bytes_per_s))
         is_decode = all(len(s.token_ids) == 1 for s in out.scheduled)
         log.is_decode.append(is_decode)
         log.is_graphed.append(
             runner.graphs is not None and is_decode and len(out.scheduled) <= max(runner.graph_sizes)
         )
-        pending = launch(out)
+        pending = launch(out, mask_for)
         result = pending.result
 
         def timed_result() -> Any:

@@ -15,9 +15,10 @@ from cluster.protocol import EngineStats, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
 from workers.detokenizer import IncrementalDetokenizer
-from workers.model_runner import ModelRunner, PendingStep
+from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
+from workers.structured import StructuredRequests
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,13 @@ class Engine:
     step N's tokens, and returns step N's deltas (``AsyncScheduler``); the first call returns none, and
     ``has_unfinished()`` stays true until the last launched step is resolved. Tokens, stops, aborts (no
     delta for a request after ``abort``), holds and handoffs behave exactly as in the synchronous mode.
+
+    Structured outputs (``params.structured``): every sampled row of a constrained request is masked to
+    what its grammar allows next, and its matcher takes each token as the token is resolved; the
+    request ends (STOP) once the grammar takes a stop token. The mask of a step depends on the previous
+    step's token, so under asynchronous scheduling a step that samples a constrained request whose
+    previous token is still on the device is launched in two halves: the forward before waiting for
+    the previous step, the mask and the sampling after resolving it.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -46,6 +54,9 @@ class Engine:
         self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.structured = StructuredRequests(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, self.runner.device
+        )
         self._stats = EngineStats()
 
     @property
@@ -74,14 +85,25 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
+        if params.structured is not None:
+            self.structured.compile(params.structured)
 
     def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold: bool
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold: bool,
+        output_token_ids: list[int] | None = None,
     ) -> Request:
+        """A request with its per-request state (detokenizer, grammar matcher advanced over
+        ``output_token_ids``); ValueError before anything is kept."""
         self.validate(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold)
+        if params.structured is not None:
+            self.structured.add(request_id, params.structured, output_token_ids or [])
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.stop
@@ -100,7 +122,9 @@ class Engine:
         """Queue a request. With ``hold_after_prefill`` (prefill worker) it stops after its first token
         and keeps its blocks in SENDING_KV until ``release`` (or ``abort``). ``output_token_ids``: tokens
         already generated elsewhere (a handoff recomputed here); they are computed, not re-sampled."""
-        request = self._new_request(request_id, prompt_token_ids, params, hold_after_prefill)
+        request = self._new_request(
+            request_id, prompt_token_ids, params, hold_after_prefill, output_token_ids
+        )
         if output_token_ids:
             self._resume(request, output_token_ids)
         self.scheduler.add_request(request)
@@ -119,7 +143,9 @@ class Engine:
         """Decode side of a handoff: reserve blocks for the prompt's KV. Returns (block ids, leading
         blocks already held from the prefix cache) or None when blocks or seats are short; then
         ``commit_prefilled`` once the KV landed, or ``abort`` on failure (frees the blocks)."""
-        request = self._new_request(request_id, prompt_token_ids, params, hold=False)
+        request = self._new_request(
+            request_id, prompt_token_ids, params, hold=False, output_token_ids=[first_token_id]
+        )
         self._resume(request, [first_token_id])
         reserved = self.scheduler.reserve_prefilled(request)
         if reserved is None:
@@ -142,7 +168,7 @@ class Engine:
         t1 = time.perf_counter()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
+        sampled = self.runner.execute(out, self.structured.step_mask)
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(out, sampled)
         t3 = time.perf_counter()
@@ -159,8 +185,12 @@ class Engine:
         out = scheduler.schedule()
         t1 = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
+        deferred: ForwardStep | None = None
         if not out.is_empty:
-            self._in_flight = (out, self.runner.launch(out))
+            if previous is not None and self._needs_resolved_grammar(out):
+                deferred = self.runner.forward(out)  # sampled below, once `previous` is resolved
+            else:
+                self._in_flight = (out, self.runner.launch(out, self.structured.step_mask))
             self._count_launch(out)
         t2 = time.perf_counter()
         launch_s = t2 - t1 - (self.runner.prepare_time_s if not out.is_empty else 0.0)
@@ -172,10 +202,29 @@ class Engine:
         resolved = scheduler.resolve(previous[0], sampled)
         t4 = time.perf_counter()
         deltas = [self._delta(r, index) for r, index in resolved]
+        if deferred is not None:
+            # NOTE: the matchers now stand after `previous`'s tokens, so the mask is the right one.
+            mask = self.structured.step_mask(deferred.sample_ids)
+            self._in_flight = (out, self.runner.sample(deferred, mask))
+            for rid in deferred.sample_ids:
+                if rid not in self.scheduler.requests:
+                    # NOTE: ended while `previous` resolved (its token here is discarded); the sampling
+                    # just recreated its seeded generator, which nothing would free.
+                    self.runner.remove(rid)
         t5 = time.perf_counter()
         self._stats.num_generation_tokens += len(resolved)
         self._count_times(t1 - t0 + t4 - t3, launch_s + t3 - t2, t5 - t4)
         return deltas
+
+    def _needs_resolved_grammar(self, out: SchedulerOutput) -> bool:
+        """A constrained request samples in ``out`` while its previous token is still unresolved (its
+        input is that token's placeholder, always the newest token of a sampling row)."""
+        structured = self.structured
+        if not len(structured):
+            return False
+        return any(
+            s.needs_sample and s.token_ids[-1] < 0 and s.request_id in structured for s in out.scheduled
+        )
 
     def _count_launch(self, out: SchedulerOutput) -> None:
         st = self._stats
@@ -193,6 +242,14 @@ class Engine:
     def _delta(self, request: Request, index: int) -> TokenDelta:
         """The delta of ``request``'s output token ``index`` (its newest resolved one)."""
         token_id = request.output_token_ids[index]
+        end = self.structured.advance(request.request_id, token_id)
+        if end is RequestStatus.FINISHED_ERROR:
+            # NOTE: cannot happen while the mask reaches the sampler; fail loudly, never emit such text.
+            logger.error("request %s: sampled token %d breaks its grammar", request.request_id, token_id)
+        if end is not None and not request.status.is_finished:
+            if end is RequestStatus.FINISHED_ERROR:
+                request.error = f"sampled token {token_id} is not allowed by the request's structured output"
+            self.scheduler.finish_request(request.request_id, end)
         detok = self.detokenizers.get(request.request_id)
         text = ""
         if detok is not None:
@@ -210,6 +267,7 @@ class Engine:
             logprobs=logprobs,
             finish_reason=request.status.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
             scheduled_time=request.first_scheduled_time if index == 0 else None,
         )
         if request.status.is_finished:
@@ -230,6 +288,7 @@ class Engine:
 
     def _drop(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
+        self.structured.remove(request_id)
         self.runner.remove(request_id)
 
     def request_status(self, request_id: str) -> RequestStatus | None:
@@ -261,8 +320,8 @@ class Engine:
                 "a launched step was never resolved (step() until has_unfinished() is false)"
             )
         self.scheduler.check_no_leaks()
-        if self.detokenizers or self.runner.generators:
+        if self.detokenizers or self.runner.generators or len(self.structured):
             raise AssertionError(
                 f"per-request state left: detokenizers {sorted(self.detokenizers)}, "
-                f"generators {sorted(self.runner.generators)}"
+                f"generators {sorted(self.runner.generators)}, grammars {sorted(self.structured)}"
             )

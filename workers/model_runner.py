@@ -3,7 +3,9 @@
 Inputs of a step are built with numpy from the scheduler's plain lists (no per-token Python loop), moved
 to the device in one go, and the sampled tokens come back in one device->host copy. ``launch`` enqueues a
 step and returns at once (on CUDA) with a ``PendingStep`` whose ``result()`` waits for that copy, so the
-engine can prepare the next step meanwhile; ``execute`` is both in one call.
+engine can prepare the next step meanwhile; ``execute`` is both in one call. ``launch`` is ``forward``
+then ``sample``: the engine calls them apart when a step's structured-output mask needs the previous
+step's tokens first (asynchronous scheduling).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import torch
@@ -43,6 +46,10 @@ from workers.sampler import (
 )
 from workers.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.step_inputs import StepArrays, StepInputs, build_step_arrays, placeholder_sources
+from workers.structured import StepMask
+
+# The structured-output mask of a step, given its sampled request ids in row order (None: unconstrained).
+MaskSource = Callable[[list[str]], Union[StepMask, None]]  # noqa: UP007 - a runtime alias
 
 logger = logging.getLogger(__name__)
 
@@ -299,14 +306,23 @@ class ModelRunner:
             graph_size=graph_size,
         )
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput, mask_for: MaskSource | None = None) -> dict[str, SampledToken]:
         """Run one step and wait for it: the sampled token (and logprobs) of every request needing one."""
-        return self.launch(out).result()
+        return self.launch(out, mask_for).result()
+
+    def launch(self, out: SchedulerOutput, mask_for: MaskSource | None = None) -> PendingStep:
+        """Enqueue one step (inputs, forward, sampling, the copy of the tokens back); on CUDA it returns
+        before the device has run it. Steps are consumed in launch order (``PendingStep.result``).
+        ``mask_for(sample ids)``: the step's structured-output mask, asked for once the forward is
+        enqueued (None: no row is constrained)."""
+        forward = self.forward(out)
+        mask = mask_for(forward.sample_ids) if mask_for is not None and forward.sample_ids else None
+        return self.sample(forward, mask)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingStep:
-        """Enqueue one step (inputs, forward, sampling, the copy of the tokens back); on CUDA it returns
-        before the device has run it. Steps are consumed in launch order (``PendingStep.result``)."""
+    def forward(self, out: SchedulerOutput) -> ForwardStep:
+        """The first half of ``launch``: inputs and forward enqueued; ``sample`` must follow (before the
+        next step is launched: its placeholder tokens come from this step's sampled tokens)."""
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
         self.prepare_time_s = time.perf_counter() - t0
@@ -321,23 +337,37 @@ class ModelRunner:
                 raise RuntimeError("an eager step needs attention metadata")
             with self.forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        # NOTE: gathered now (a copy): a graph's output buffer is reused by the next replay.
+        hidden_rows = hidden[inputs.logits_indices] if inputs.sample_ids else None
+        return ForwardStep(inputs, hidden_rows, events)
+
+    @torch.inference_mode()
+    def sample(self, forward: ForwardStep, mask: StepMask | None = None) -> PendingStep:
+        """The second half of ``launch``: logits, ``mask`` (rows of ``forward.sample_ids``), sampling and
+        the copy of the tokens back, enqueued."""
+        inputs = forward.inputs
         pending = PendingStep([], [], None)
-        if inputs.sample_ids:
-            sampled = self._sample(hidden[inputs.logits_indices], inputs)
+        if forward.hidden_rows is not None:
+            sampled = self._sample(forward.hidden_rows, inputs, mask)
             if self.config.async_scheduling:
                 self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
             pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy())
+        events = forward.events
         if events is not None and self.forward_events is not None:
             events[1].record()
             self.forward_events.append(events)
         return pending
 
-    def _sample(self, hidden_rows: torch.Tensor, inputs: StepInputs) -> SamplerOutput:
+    def _sample(self, hidden_rows: torch.Tensor, inputs: StepInputs, mask: StepMask | None) -> SamplerOutput:
         params = inputs.sample_params
-        if is_argmax_only(params):
+        if mask is None and is_argmax_only(params):
             # NOTE: no fp32 copy and no soft-cap (monotonic) when only the argmax is wanted.
             return SamplerOutput(self.model.compute_logits(hidden_rows, raw=True).argmax(dim=-1))
         logits = self.model.compute_logits(hidden_rows, fused=self.fused_ops)
+        if mask is not None:
+            # NOTE: before the sampler, as vLLM does: greedy rows, the random race and the reported
+            # logprobs all see only the tokens the grammar allows.
+            mask.apply(logits)
         nums = inputs.sample_num_outputs
         generators = [
             self._generator(r, p, n) for r, p, n in zip(inputs.sample_ids, params, nums, strict=True)
@@ -361,6 +391,20 @@ class ModelRunner:
 
     def remove(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is enqueued and whose sampling is not (``ModelRunner.sample`` finishes it).
+    hidden_rows: the hidden states of the rows to sample (None: the step samples nothing)."""
+
+    inputs: StepInputs
+    hidden_rows: torch.Tensor | None
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return self.inputs.sample_ids
 
 
 @dataclass

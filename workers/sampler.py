@@ -24,6 +24,8 @@ from cluster.protocol import SamplingParams, TokenLogprobs
 
 # NOTE: below this a temperature only amplifies float noise; vLLM treats it as greedy too.
 _MIN_TEMPERATURE = 1e-5
+# The lowest logprob reported (a token the structured-output mask forbids), as vLLM reports it.
+MIN_LOGPROB = -9999.0
 # NOTE: exponential_() may return exactly 0 on some backends; 0 in the denominator would turn a
 # masked token's 0 probability into NaN, which argmax prefers over every real score.
 _MIN_NOISE = 1e-30
@@ -56,7 +58,8 @@ class SamplerOutput:
     """What one sampling step chose, on the logits' device.
 
     token_ids: [N] int64. logprobs: [N] float32, the chosen token's logprob under the raw model logits
-    (before temperature and filters); None when no row asked for logprobs. top_token_ids / top_logprobs:
+    (before temperature and filters; after a structured-output mask, as in vLLM, with -inf reported as
+    ``MIN_LOGPROB``); None when no row asked for logprobs. top_token_ids / top_logprobs:
     [N, K] with K the largest ``logprobs`` asked in the batch (rows asking fewer read a prefix); None
     when K is 0.
     """
@@ -303,12 +306,14 @@ class Sampler:
         if not asked:
             return SamplerOutput(token_ids=token_ids)
         raw_logprobs = logits.float().log_softmax(dim=-1)
-        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        # NOTE: a structured-output mask leaves -inf logits (fewer allowed tokens than a top-k asks for);
+        # -inf is not JSON, so it is reported as vLLM does, -9999.0.
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).clamp_(min=MIN_LOGPROB)
         num_top = min(max(asked), logits.shape[1])
         if num_top == 0:
             return SamplerOutput(token_ids=token_ids, logprobs=chosen)
         top = raw_logprobs.topk(num_top, dim=-1)
-        return SamplerOutput(token_ids, chosen, top.indices, top.values)
+        return SamplerOutput(token_ids, chosen, top.indices, top.values.clamp_(min=MIN_LOGPROB))
 
 
 def advance_generator(

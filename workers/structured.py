@@ -12,6 +12,8 @@ masked step. The matcher finishes by allowing the model's stop tokens once the g
 Compiled grammars depend only on the spec and the tokenizer, so one :class:`GrammarCache` per engine
 keeps the most recently used ones (LRU, ``max_entries``); matchers are per request and cheap.
 xgrammar (and with it torch) is imported when the first cache is built, never at module import.
+:class:`StructuredRequests` is the engine's side of it: the lazily built cache, every live request's
+state, and the :class:`StepMask` of a step's sampled rows.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cluster.protocol import StructuredOutput
 from cluster.tokenizer import Tokenizer
+from workers.request import RequestStatus
 
 DEFAULT_MAX_ENTRIES = 128
 
@@ -67,7 +71,9 @@ class GrammarCache:
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
         # NOTE: xgrammar's own cache is off: this LRU bounds the entries and counts hits.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=max_threads, cache_enabled=False
+        )
         self.vocab_size = vocab_size
         self._printable_row = _printable_row(self.tokenizer_info.decoded_vocab, vocab_size)
         self.max_entries = max_entries
@@ -185,10 +191,11 @@ def _printable_row(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Ten
     return row
 
 
-def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 CPU bitmask of ``num_rows`` rows, every token allowed (xgrammar's layout)."""
-    bitmask: torch.Tensor = _xgr().allocate_token_bitmask(num_rows, vocab_size)
-    return bitmask
+def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """An int32 CPU bitmask of ``num_rows`` rows, every token allowed (xgrammar's layout); pinned for an
+    asynchronous upload to a CUDA device."""
+    shape = _xgr().get_bitmask_shape(num_rows, vocab_size)
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
 def reset_bitmask(bitmask: torch.Tensor) -> None:
@@ -196,9 +203,7 @@ def reset_bitmask(bitmask: torch.Tensor) -> None:
     _xgr().reset_token_bitmask(bitmask)
 
 
-def apply_bitmask(
-    logits_RV: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None
-) -> None:
+def apply_bitmask(logits_RV: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """In place: the logits of tokens a row's mask forbids become -inf. Bitmask row i belongs to logits
     row i (allocate one row per logits row); ``rows``: the only rows to mask (the constrained
     requests of a mixed batch); None: every row."""
@@ -207,3 +212,111 @@ def apply_bitmask(
     _xgr().apply_token_bitmask_inplace(
         logits_RV, bitmask, vocab_size=logits_RV.shape[-1], indices=None if rows is None else list(rows)
     )
+
+
+@dataclass
+class StepMask:
+    """The token bitmask of one step's sampled rows: ``bitmask[i]`` belongs to sample row i (CPU, pinned
+    when the logits are on CUDA; one fresh tensor per step, so an asynchronous upload never races a
+    refill); only ``rows`` carry a grammar, the other rows are left as they are."""
+
+    bitmask: torch.Tensor  # [num sampled rows, ceil(V / 32)] int32
+    rows: list[int]
+
+    def apply(self, logits_RV: torch.Tensor) -> None:
+        apply_bitmask(logits_RV, self.bitmask, self.rows)
+
+
+class StructuredRequests:
+    """The engine's structured-output state: one :class:`GrammarCache`, built on first use (importing
+    xgrammar and reading the vocabulary takes seconds, so an engine that never sees a spec never pays
+    it), and the :class:`GrammarState` of every live request that has a spec.
+
+    Lifecycle (the engine's contract): ``add`` at admission, advanced over the tokens the request
+    already has (the first token sampled on the prefill side of a handoff, a migrated request's tokens);
+    ``advance`` once per sampled token, in order; ``remove`` when the request ends (finish, abort,
+    release, a failed reservation). Preemption keeps the state: a preempted request keeps its output
+    tokens and recomputes them, and its matcher already stands after them.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.device = device
+        self._cache: GrammarCache | None = None
+        self._states: dict[str, GrammarState] = {}
+
+    @property
+    def cache(self) -> GrammarCache:
+        if self._cache is None:
+            if self._tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer.json")
+            self._cache = GrammarCache(self._tokenizer, self.vocab_size, self.stop_token_ids)
+            _warm_up_apply(self.vocab_size, self.device)
+        return self._cache
+
+    def compile(self, spec: StructuredOutput) -> None:
+        """Compile (or find cached) ``spec``; ValueError naming its kind when xgrammar rejects it."""
+        self.cache.compile(spec)
+
+    def add(self, request_id: str, spec: StructuredOutput, output_token_ids: Sequence[int]) -> None:
+        """A matcher for a new request, advanced over ``output_token_ids``; ValueError (nothing kept)
+        when the spec does not compile or a token does not fit it."""
+        state = self.cache.matcher(spec)
+        state.accept_all(output_token_ids)
+        self._states[request_id] = state
+
+    def remove(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._states)
+
+    def step_mask(self, sample_ids: Sequence[str]) -> StepMask | None:
+        """The mask of a step whose sampled rows belong to ``sample_ids`` (in row order), filled from each
+        matcher's current state; None when no row is constrained. A terminated matcher (its request
+        ends with this step's token discarded) leaves its row unconstrained."""
+        if not self._states:
+            return None
+        rows = [
+            (row, state)
+            for row, rid in enumerate(sample_ids)
+            if (state := self._states.get(rid)) is not None and not state.is_terminated
+        ]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(sample_ids), self.vocab_size, pin_memory=self.device.type == "cuda")
+        masked = [row for row, state in rows if state.fill(bitmask, row)]
+        return StepMask(bitmask, masked) if masked else None
+
+    def advance(self, request_id: str, token_id: int) -> RequestStatus | None:
+        """Advance ``request_id``'s matcher over its newly sampled token. Returns FINISHED_STOPPED when
+        the grammar is now terminated (it took a stop token), FINISHED_ERROR when the token breaks it
+        (the mask did not reach the sampler: never expected), else None (also for a free-text request)."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        if not state.accept(token_id):
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if state.is_terminated else None
+
+
+def _warm_up_apply(vocab_size: int, device: torch.device) -> None:
+    """Mask dummy logits once per kind of row count, so xgrammar's kernel (Triton on CUDA: specialised on
+    a count of 1 and on multiples of 16) compiles now, on first use, rather than in the middle of a run."""
+    for num_rows in (1, 2, 16):
+        logits = torch.zeros(num_rows, vocab_size, device=device)
+        apply_bitmask(logits, allocate_bitmask(num_rows, vocab_size).to(device), list(range(num_rows)))
