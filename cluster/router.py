@@ -102,6 +102,7 @@ class WorkerRef:
     last_beat: float = field(default_factory=time.monotonic)
     num_assigned: int = 0  # requests the router routed here that are not over
     num_prompt_tokens: int = 0  # outstanding prompt tokens routed here (prefill load)
+    admitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def worker_id(self) -> str:
@@ -638,13 +639,16 @@ class Router:
         """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead). Keeps
         watching after a death: a restarted actor registers again by itself."""
         while worker_id in self._actors:
+            issued = time.monotonic()
             try:
                 await asyncio.wait_for(self._actors[worker_id].ping.remote(), self.config.health_timeout_s)
             except asyncio.TimeoutError:
                 pass
             except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
                 w = self._workers.get(worker_id)
-                if w is not None:
+                # NOTE: a ping sent before a restart can fail after the new incarnation registered; the
+                # failure is the old process's, so only an incarnation admitted before the ping dies here.
+                if w is not None and w.admitted_at < issued:
                     self._mark_dead(w, f"{type(e).__name__}: {str(e).splitlines()[0]}")
             await asyncio.sleep(self.config.health_interval_s)
 
