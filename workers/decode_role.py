@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
-from transfer.channel import TorchDistChannel
 from transfer.connector import KVReceiver
 from transfer.protocol import KVHandoff, TransferError, TransferResult
 from workers.role import WorkerContext
@@ -65,11 +64,15 @@ class DecodeRole:
         self._abort_after_transfer: set[str] = set()
         self._last_keep_alive = 0.0
 
-    def start(self, rank: int) -> None:
+    def start(self) -> None:
+        channel = self.ctx.channel()
+        if channel is None:
+            return
         self.receiver = KVReceiver(
             self.ctx.engine.runner.kv_cache,
-            rank=rank,
-            channel=TorchDistChannel(),
+            me=self.ctx.me,
+            channel=channel,
+            secret=self.ctx.secret,
             timeout_s=self.ctx.transfer_config.timeout_s,
         )
         self.receiver.start()
@@ -83,9 +86,7 @@ class DecodeRole:
 
     def on_decode(self, op: DecodeHandoff) -> None:
         if self.receiver is None:
-            self._fail(
-                op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (no transfer world)"
-            )
+            self._fail(op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (no KV store)")
             return
         try:
             handoff = KVHandoff.from_bytes(op.handoff)
@@ -173,8 +174,8 @@ class DecodeRole:
         raise RuntimeError("a decode worker holds no prefills")
 
     def on_peer_dead(self, op: PeerDead) -> None:
-        if self.receiver is not None and op.rank is not None:
-            self.receiver.drop_peer(op.rank)
+        if self.receiver is not None:
+            self.receiver.drop_peer(op.worker_id, op.incarnation or None)
 
     # ---- observability --------------------------------------------------------------------------------
     def num_waiting_for_kv(self) -> int:
@@ -182,6 +183,15 @@ class DecodeRole:
 
     def transfer_stats(self) -> TransferStats:
         return self.receiver.stats() if self.receiver is not None else TransferStats()
+
+    def kv_endpoint(self) -> str:
+        return ""
+
+    def broken_peers(self) -> list[str]:
+        return self.receiver.broken_peers() if self.receiver is not None else []
+
+    def rejected_frames(self) -> dict[str, int]:
+        return self.receiver.rejected_frames() if self.receiver is not None else {}
 
     def threads(self) -> list[threading.Thread]:
         return [self.receiver.thread] if self.receiver is not None else []
