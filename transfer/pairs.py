@@ -194,23 +194,11 @@ class PairChannel(Channel):
             pair.ready.set()
 
     def _new_group(self, pair: _Pair) -> Any:
-        import torch.distributed as dist
-
-        host, port = self._store
-        # NOTE: a store client per pair: a client blocks in a rendezvous wait while holding its lock, so a
-        # peer that never comes must not stall the builds of every other pair.
-        client = dist.TCPStore(host, port, None, False, self._timeout)
-        store = dist.PrefixStore(pair.key.store_prefix(), client)
-        if self.is_nccl:
-            torch.cuda.set_device(self._device)
-            nccl_options = dist.ProcessGroupNCCL.Options()
-            nccl_options._timeout = self._timeout
-            return dist.ProcessGroupNCCL(store, pair.rank, 2, nccl_options)
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = self._timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._bind_host)]
-        options._threads = 1  # NOTE: gloo's threads run collectives; pairs only send and recv
-        return dist.ProcessGroupGloo(store, pair.rank, 2, options)
+        timeout_s = self._timeout.total_seconds()
+        prefix = pair.key.store_prefix()
+        return build_group(
+            self._store, prefix, pair.rank, self.backend, self._bind_host, timeout_s, self._device
+        )
 
     # ---- ops ------------------------------------------------------------------------------------------
     def _usable(self, key: PairKey) -> _Pair:
@@ -251,6 +239,38 @@ class PairChannel(Channel):
         if self.is_nccl:
             return _PolledOp(work, flat, what, pair.mark_broken, pair)
         return _GlooOp(work, what, lane, None, pair.mark_broken, pair)
+
+
+def build_group(
+    store: tuple[str, int],
+    prefix: str,
+    rank: int,
+    backend: str,
+    bind_host: str,
+    timeout_s: float,
+    device: torch.device | None = None,
+) -> Any:
+    """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``prefix`` of the
+    TCPStore at ``store``; returns once both ranks joined (gloo) or at once (nccl: lazily, on the first
+    op). gloo's sockets listen on ``bind_host`` only."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # NOTE: a store client per group: a client blocks in a rendezvous wait while holding its lock, so a
+    # peer that never comes must not stall the builds of every other pair.
+    client = dist.TCPStore(store[0], store[1], None, False, timeout)
+    prefixed = dist.PrefixStore(prefix, client)
+    if backend == "nccl":
+        if device is not None:
+            torch.cuda.set_device(device)
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    options._threads = 1  # NOTE: gloo's threads run collectives; pairs only send and recv
+    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
 
 
 def _same_workers(a: tuple[PeerId, PeerId], b: tuple[PeerId, PeerId]) -> bool:

@@ -5,6 +5,7 @@ op."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from transfer.protocol import (
 )
 from transfer.ring import StagingRing, on_stream
 from transfer.staging import ChunkPlan, kv_rows
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 # NOTE: 4 slots of 4 MiB bound staging to 16 MiB per side whatever the transfer's size. On the 2-core CPU box
@@ -197,6 +200,11 @@ class Side:
             return TransferStats(**vars(self._stats))
 
     def _record(self, result: TransferResult) -> None:
+        if not result.ok:
+            logger.warning(
+                "%s %s: transfer of %r failed: %s: %s",
+                type(self).__name__, self.me.name, result.request_id, result.error_type, result.error,
+            )  # fmt: skip
         with self._lock:
             self._history.append(result)
             if result.ok:

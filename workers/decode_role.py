@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
 from transfer.connector import KVReceiver
+from transfer.pairs import PairChannel
 from transfer.protocol import KVHandoff, TransferError, TransferResult
 from workers.role import WorkerContext
 
@@ -59,13 +60,14 @@ class DecodeRole:
     def __init__(self, context: WorkerContext) -> None:
         self.ctx = context
         self.receiver: KVReceiver | None = None
+        self._channel: PairChannel | None = None  # this worker's KV-transfer pairs
         self._pending = PendingHandoffs()
         self._in_flight: dict[str, DecodeHandoff] = {}
         self._abort_after_transfer: set[str] = set()
         self._last_keep_alive = 0.0
 
     def start(self) -> None:
-        channel = self.ctx.channel()
+        channel = self._channel = self.ctx.channel()
         if channel is None:
             return
         self.receiver = KVReceiver(
@@ -205,3 +207,5 @@ class DecodeRole:
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+        if self._channel is not None:
+            self._channel.close()

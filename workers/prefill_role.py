@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, PeerDead, Prefilled, RequestFailed
 from transfer.connector import KVSender
+from transfer.pairs import PairChannel
 from workers.request import RequestStatus
 from workers.role import WorkerContext
 
@@ -29,10 +30,11 @@ class PrefillRole:
     def __init__(self, context: WorkerContext) -> None:
         self.ctx = context
         self.sender: KVSender | None = None
+        self._channel: PairChannel | None = None  # this worker's KV-transfer pairs
 
     def start(self) -> None:
         engine, cfg = self.ctx.engine, self.ctx.transfer_config
-        channel = self.ctx.channel()
+        channel = self._channel = self.ctx.channel()
         if channel is None:
             return
         self.sender = KVSender(
@@ -118,3 +120,5 @@ class PrefillRole:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self._channel is not None:
+            self._channel.close()
