@@ -267,7 +267,8 @@ class EngineWorker:
         logger.error("%s: worker failed: %s", self.worker_id, reason)
         self._stats = dataclasses.replace(self._stats, healthy=False)
         try:
-            self._send(WorkerFailed(self.worker_id, reason))
+            # NOTE: flushed before on_fatal, which usually exits the process (a queued frame would die)
+            self._send(WorkerFailed(self.worker_id, reason), flush_timeout_s=2.0)
         except Exception:
             logger.exception("%s: could not send WorkerFailed", self.worker_id)
         self._on_fatal(reason)
