@@ -1,9 +1,11 @@
 """KV-transfer benchmark: handoff latency and throughput vs a raw torch.distributed send/recv.
 
-Two processes (rank 0 = prefill with KVSenders, rank 1 = decode with KVReceivers) on one machine. For
-each prompt length and each repetition, the same number of bytes is first moved with a plain
-`dist.send`/`dist.recv` of one contiguous buffer (the wire alone), then as a full handoff by each
-configuration in turn: ZMQ handshake, gather of non-contiguous blocks into the staging ring, digest,
+Two processes (rank 0 = prefill with KVSenders, rank 1 = decode with KVReceivers) on one machine; this
+process hosts the store their groups rendezvous on (as the router does). For each prompt length and each
+repetition, the same number of bytes is first moved with a plain `send`/`recv` of one contiguous buffer
+over a two-rank group of their own (the wire alone), then as a full handoff by each
+configuration in turn: signed ZMQ handshake, the pair's own group (built in the warm-up), gather of
+non-contiguous blocks into the staging ring, digest,
 channel send, digest check, scatter into other block ids, final ack, pipelined in chunks of `--chunk-mib`
 through `--slots` slots per side (lists sweep every combination, interleaved within each repetition so a
 load that drifts hits them alike). Layout: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, block_size
@@ -26,12 +28,10 @@ shared box run it several times and compare medians; the header prints the load 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -64,23 +64,25 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]], reps: int,
-            configs: list[tuple[int, int]], handoffs: Any, out: Any) -> None:  # fmt: skip
-    import torch.distributed as dist
-
-    from transfer.channel import TORCH_DTYPES, TorchDistChannel
+def _worker(rank: int, store: tuple[str, int], secret: bytes, backend: str, cases: list[tuple[int, KVLayout]],
+            reps: int, configs: list[tuple[int, int]], handoffs: Any, out: Any) -> None:  # fmt: skip
+    from transfer.channel import TORCH_DTYPES
     from transfer.connector import KVReceiver, KVSender
+    from transfer.pairs import PairChannel, build_group
+    from transfer.peers import PeerId
     from transfer.protocol import KVHandoff
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-        timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    channel = TorchDistChannel()
+    group = build_group(store, "bench-transfer/raw/", rank, backend, "127.0.0.1", 600.0, device)
+    channel = PairChannel(store, "127.0.0.1", backend, group_timeout_s=600.0, device=device)
+
+    def barrier() -> None:
+        group.barrier().wait()
+        _sync(device)
+
     rng = random.Random(rank)
     rows: list[dict[str, Any]] = []
     for num_tokens, layout in cases:
@@ -89,12 +91,15 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
         kv = torch.empty(layout.staging_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype], device=device)
         kv.view(torch.uint8).random_()
         sides: list[Any] = []
-        for chunk_bytes, num_slots in configs:
+        for i, (chunk_bytes, num_slots) in enumerate(configs):
+            # NOTE: each configuration is its own couple of peers, so its own pair (built in the warm-up)
+            me = PeerId(f"{'prefill' if rank == 0 else 'decode'}-{num_tokens}-{i}", str(rank))
             if rank == 0:
-                sides.append(KVSender(kv, rank=0, channel=channel, on_sent=lambda r, ok: None, timeout_s=120.0,
-                                      chunk_bytes=chunk_bytes, num_slots=num_slots))  # fmt: skip
+                sides.append(KVSender(kv, me=me, channel=channel, secret=secret, on_sent=lambda r, ok: None,
+                                      timeout_s=120.0, chunk_bytes=chunk_bytes, num_slots=num_slots))  # fmt: skip
             else:
-                sides.append(KVReceiver(kv, rank=1, channel=channel, timeout_s=120.0, num_slots=num_slots))
+                sides.append(KVReceiver(kv, me=me, channel=channel, secret=secret, timeout_s=120.0,
+                                        num_slots=num_slots))  # fmt: skip
             sides[-1].start()
         nbytes = n * layout.bytes_per_block
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -104,19 +109,19 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
         kv_times: list[list[float]] = [[] for _ in configs]
         kv_cpu: list[list[float]] = [[] for _ in configs]
         phases: list[list[list[float]]] = [[] for _ in configs]
-        for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, nccl setup)
-            dist.barrier()
+        for rep in range(reps + 1):  # rep 0 warms up (first touch of staging pages, the pairs' groups)
+            barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             if rank == 0:
-                dist.send(raw, dst=1)
+                group.send([raw], 1, 0).wait()
             else:
-                dist.recv(raw, src=0)
+                group.recv([raw], 0, 0).wait()
             _sync(device)
             if rep:  # NOTE: process CPU (every thread) from barrier to barrier
                 raw_times.append(time.perf_counter() - t0)
                 raw_cpu.append(time.process_time() - c0)
             for i, side in enumerate(sides):
-                dist.barrier()
+                barrier()
                 c0 = time.process_time()
                 request_id = f"r{num_tokens}-{i}-{rep}"
                 if rank == 0:
@@ -129,7 +134,7 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
                     if rep:
                         kv_times[i].append(time.perf_counter() - t0)
                         phases[i].append([getattr(result, p) for p in _RECEIVER_PHASES])
-                dist.barrier()
+                barrier()
                 if rep:
                     kv_cpu[i].append(time.process_time() - c0)
         for i, side in enumerate(sides):
@@ -154,7 +159,7 @@ def _worker(rank: int, port: int, backend: str, cases: list[tuple[int, KVLayout]
         out.put(rows)
     out.close()
     out.join_thread()  # NOTE: os._exit skips the queue's flush; without this a loaded box lost the results
-    dist.barrier()
+    barrier()
     os._exit(0)
 
 
@@ -222,12 +227,13 @@ def main() -> None:
                          f"{budget / 2**30:.1f} GiB (x{args.layers // layers} bytes and ~time for the full model)")  # fmt: skip
         layout = KVLayout(num_layers=layers, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
         cases.append((num_tokens, layout))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from cluster.frames import new_secret
+    from deploy.launch import KVStore
+
+    kv_store = KVStore("127.0.0.1")
     ctx = mp.get_context("spawn")
     handoffs, sender_out, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    common = (port, args.backend, cases, args.reps, configs, handoffs)
+    common = (kv_store.address, new_secret(), args.backend, cases, args.reps, configs, handoffs)
     procs = [
         ctx.Process(target=_worker, args=(0, *common, sender_out)),
         ctx.Process(target=_worker, args=(1, *common, out)),
@@ -244,6 +250,7 @@ def main() -> None:
             p.join(30)
             if p.is_alive():
                 p.terminate()
+        kv_store.close()
     print(f"backend={args.backend} torch={torch.__version__} cpus={os.cpu_count()} Llama-3-8B KV layout "
           f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), median of {args.reps} after 1 "
           f"warm-up; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip

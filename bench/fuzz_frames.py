@@ -1,7 +1,9 @@
 """Seeded malformed control frames (the live fuzz test, the soak benchmark).
 
 Every frame made here must be rejected by its receiver, except the first copy of each replayed frame
-(a harmless signed Abort of a request nobody has), which is accepted once; ``num_bad`` counts the rest.
+(a harmless signed Abort of a request nobody has, or of a KV transfer nobody runs), which is accepted
+once; ``num_bad`` counts the rest. KV senders' handshake sockets (``kv_targets``) are ZMQ ROUTER sockets:
+send to the endpoints in ``FuzzPlan.dealer_endpoints`` from a DEALER socket.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import msgpack
 
 from cluster.frames import FrameSigner, new_secret
 from cluster.wire import EVENTS, OPS, ROUTER_ID
+from transfer.handshake import MessageKind
 
 KINDS = (
     "random_bytes",
@@ -30,6 +33,7 @@ KINDS = (
 @dataclass
 class FuzzPlan:
     frames: list[tuple[str, bytes]] = field(default_factory=list)  # (endpoint, frame)
+    dealer_endpoints: set[str] = field(default_factory=set)  # KV handshake sockets (ZMQ ROUTER)
     num_bad: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -51,18 +55,30 @@ def _random_object(rng: random.Random, depth: int = 0) -> object:
     return {f"k{i}": _random_object(rng, depth + 1) for i in range(rng.randrange(4))}
 
 
-def make_plan(seed: int, num_frames: int, secret: bytes, targets: dict[str, str]) -> FuzzPlan:
-    """``targets``: receiver id (a worker id or ROUTER_ID) -> its PULL endpoint."""
+def make_plan(
+    seed: int,
+    num_frames: int,
+    secret: bytes,
+    targets: dict[str, str],
+    kv_targets: dict[str, str] | None = None,
+) -> FuzzPlan:
+    """``targets``: receiver id (a worker id or ROUTER_ID) -> its PULL endpoint; ``kv_targets``: a KV
+    sender's peer name (``worker_id/incarnation``) -> its handshake endpoint."""
     rng = random.Random(seed)
     signer, stranger = FrameSigner(secret), FrameSigner(new_secret())
+    kv = dict(kv_targets or {})
+    targets = {**targets, **kv}
     ids = sorted(targets)
-    plan = FuzzPlan()
+    plan = FuzzPlan(dealer_endpoints=set(kv.values()))
     step = 0
     while len(plan.frames) < num_frames:
         kind = KINDS[step % len(KINDS)]
         step += 1
         to = ids[rng.randrange(len(ids))]
-        tags = [cls.TAG for cls in (EVENTS if to == ROUTER_ID else OPS)]
+        if to in kv:
+            tags = [k.value for k in MessageKind]
+        else:
+            tags = [cls.TAG for cls in (EVENTS if to == ROUTER_ID else OPS)]
         frames: list[bytes]
         if kind == "random_bytes":
             frames = [rng.randbytes(rng.randrange(512))]
@@ -76,6 +92,12 @@ def make_plan(seed: int, num_frames: int, secret: bytes, targets: dict[str, str]
             if to == ROUTER_ID:  # NOTE: nothing the router accepts is harmless: replay a frame it rejects
                 original = signer.sign(to, "no-such-event", {})
                 frames = [original, original]
+            elif to in kv:  # an abort of a transfer nobody runs
+                original = signer.sign(
+                    to, "abort", {"nonce": rng.randrange(2**40), "error_type": "", "message": ""}
+                )
+                plan.frames.append((targets[to], original))
+                frames = [original] * (1 + rng.randrange(3))
             else:
                 original = signer.sign(to, "abort", {"request_id": f"fuzz-nobody-{to}"})
                 plan.frames.append((targets[to], original))  # accepted once: an abort of nothing

@@ -140,8 +140,9 @@ def _wait_for_nodes(address: str, count: int, timeout_s: float) -> None:
     raise TimeoutError(f"the lab's Ray cluster at {address} did not reach {count} nodes in {timeout_s} s")
 
 
-def start_lab(cpus_per_host: int = 8) -> Lab:
-    """Make the link and the namespace, start both Ray nodes; raise LabUnavailable where refused."""
+def start_lab(cpus_per_host: int = 8, start_ray: bool = True) -> Lab:
+    """Make the link and the namespace, start both Ray nodes (unless told not to: a link-only lab);
+    raise LabUnavailable where refused."""
     refusal = netns_refusal()
     if refusal is not None:
         raise LabUnavailable(refusal)
@@ -159,7 +160,8 @@ def start_lab(cpus_per_host: int = 8) -> Lab:
         _run(*in_ns, "ip", "addr", "add", f"{lab.ip_b}/24", "dev", lab.veth_b)
         _run(*in_ns, "ip", "link", "set", lab.veth_b, "up")
         _run(*in_ns, "ip", "link", "set", "lo", "up")
-        _start_ray(lab, cpus_per_host)
+        if start_ray:
+            _start_ray(lab, cpus_per_host)
     except BaseException:
         lab.stop()
         raise
@@ -197,8 +199,8 @@ def _start_ray(lab: Lab, cpus: int) -> None:
 
 
 @contextlib.contextmanager
-def two_host_lab(cpus_per_host: int = 8) -> Iterator[Lab]:
-    lab = start_lab(cpus_per_host)
+def two_host_lab(cpus_per_host: int = 8, start_ray: bool = True) -> Iterator[Lab]:
+    lab = start_lab(cpus_per_host, start_ray)
     try:
         yield lab
     finally:

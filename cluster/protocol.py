@@ -342,7 +342,10 @@ class WorkerStats:
     latest and /metrics exports it.
 
     healthy: every worker thread is alive and nothing failed; the router adds heartbeat freshness.
-    rejected_frames: control frames this worker dropped, by reason (cluster/frames.py).
+    rejected_frames: control frames this worker dropped, by reason (cluster/frames.py), the KV-transfer
+    handshake's included.
+    broken_peers: KV-transfer peers (``peer_name``) whose pair with this worker is broken (its connection
+    closed, or building it failed): not used until rebuilt, with the next generation, on its next use.
     """
 
     worker_id: str
@@ -352,3 +355,10 @@ class WorkerStats:
     engine: EngineStats = field(default_factory=EngineStats)
     transfer: TransferStats = field(default_factory=TransferStats)
     rejected_frames: dict[str, int] = field(default_factory=dict)
+    broken_peers: list[str] = field(default_factory=list)
+
+
+def peer_name(worker_id: str, incarnation: str) -> str:
+    """One process of a worker (a restarted worker is another peer): names KV-transfer peers and the
+    recipients of their handshake frames."""
+    return f"{worker_id}/{incarnation}"

@@ -56,6 +56,7 @@ from cluster.protocol import (
     TokenDelta,
     WorkerFailedError,
     WorkerStats,
+    peer_name,
     router_error,
 )
 from cluster.wire import (
@@ -95,7 +96,6 @@ class WorkerRef:
 
     info: WorkerInfo
     socket: zmq.asyncio.Socket
-    rank: int | None = None  # torch.distributed rank (None: not in the KV-transfer world)
     state: WorkerState = WorkerState.HEALTHY
     why: str = ""  # why it is not healthy
     stats: WorkerStats | None = None
@@ -119,6 +119,14 @@ class WorkerRef:
     @property
     def healthy(self) -> bool:
         return self.state == WorkerState.HEALTHY
+
+    @property
+    def peer_name(self) -> str:
+        return peer_name(self.info.worker_id, self.info.incarnation)
+
+    def has_broken_pair_with(self, other: WorkerRef) -> bool:
+        """Its last stats say its KV-transfer pair with ``other`` is broken."""
+        return self.stats is not None and other.peer_name in self.stats.broken_peers
 
 
 FlightEvent = Delta | Prefilled | Transferred | RouterError
@@ -190,7 +198,6 @@ class Router:
         self._loops: list[asyncio.Task[None]] = []
         self._watches: dict[str, asyncio.Task[None]] = {}
         self._admitted = asyncio.Event()
-        self._ranks: dict[str, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -327,7 +334,7 @@ class Router:
     def _dispatch(self, flight: _Flight) -> None:
         """Send the flight's current attempt to a worker; raises ClusterUnavailableError if none can."""
         req = flight.req
-        prefills, decodes = self._transfer_ready("prefill"), self._transfer_ready("decode")
+        prefills, decodes = self._healthy("prefill"), self._healthy("decode")
         short = len(req.prompt_token_ids) <= self.config.conditional_max_prompt_tokens
         # NOTE: a migrated request already streaming is finished whole somewhere (prompt + its tokens)
         whole = (
@@ -355,10 +362,6 @@ class Router:
             return pick_least_loaded(self._healthy("prefill"), "prefill")
         raise ClusterUnavailableError("no healthy worker can run the request")
 
-    def _transfer_ready(self, pool: str) -> list[WorkerRef]:
-        """Healthy workers of ``pool`` that can take part in a KV handoff."""
-        return [w for w in self._healthy(pool) if w.rank is not None]
-
     def _send_generate(self, flight: _Flight, w: WorkerRef, hold: bool) -> None:
         req = flight.req
         op = Generate(
@@ -371,10 +374,17 @@ class Router:
         req = flight.req
         if flight.prefill is not None:
             flight.prefill.num_prompt_tokens -= len(req.prompt_token_ids)
-        decodes = self._transfer_ready("decode")
+        decodes = self._healthy("decode")
         if not decodes:
             self._migrate(flight, "no healthy decode worker for the handoff")
             return
+        prefill = flight.prefill
+        if prefill is not None:
+            # NOTE: a broken pair is rebuilt on its next use; take another pair while one exists
+            sound = [
+                d for d in decodes if not (prefill.has_broken_pair_with(d) or d.has_broken_pair_with(prefill))
+            ]
+            decodes = sound or decodes
         w = pick_decode(decodes)
         self._assign(flight, w, "decode", 0)
         first = event.delta.token_ids[0]
@@ -496,7 +506,7 @@ class Router:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(info.request_endpoint)
-        w = WorkerRef(info, sock, rank=self._ranks.get(info.worker_id) if old is None else None)
+        w = WorkerRef(info, sock)
         self._workers[info.worker_id] = w
         self._first_info = first or info
         logger.info(
@@ -505,13 +515,6 @@ class Router:
         )  # fmt: skip
         self._admitted.set()
         return w
-
-    def set_ranks(self, ranks: dict[str, int]) -> None:
-        """KV-transfer ranks of the workers that joined the launch-time world (see deploy/launch.py)."""
-        self._ranks = dict(ranks)
-        for wid, rank in ranks.items():
-            if wid in self._workers:
-                self._workers[wid].rank = rank
 
     def _remove(self, w: WorkerRef) -> None:
         if self._workers.get(w.worker_id) is w:
@@ -671,7 +674,7 @@ class Router:
         # NOTE: peers stop waiting on it at once instead of sitting out transfer timeouts with other
         # workers' transfers queued behind.
         for peer in self._live_peers(w):
-            self._send(peer, PeerDead(w.worker_id, w.rank))
+            self._send(peer, PeerDead(w.worker_id, w.info.incarnation))
 
     def _live_peers(self, w: WorkerRef) -> Sequence[WorkerRef]:
         return [p for p in self._workers.values() if p is not w and p.state != WorkerState.DEAD]

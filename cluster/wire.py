@@ -72,6 +72,7 @@ class WorkerInfo:
     device: str
     pid: int
     cpu_cores: list[int] = dataclasses.field(default_factory=list)  # the process's CPU affinity
+    kv_endpoint: str = ""  # a prefill worker's KV-sender handshake socket (ZMQ ROUTER); "" elsewhere
 
 
 # ---- ops: router -> worker ---------------------------------------------------------------------------
@@ -111,11 +112,12 @@ class Abort:
 
 @dataclass(frozen=True)
 class PeerDead:
-    """A KV-transfer peer died: stop waiting on it at once."""
+    """A KV-transfer peer died: stop waiting on it at once. ``incarnation``: which process of the worker
+    ("" means every one the recipient has seen)."""
 
     TAG: ClassVar[str] = "peer_dead"
     worker_id: str
-    rank: int | None = None
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)

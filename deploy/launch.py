@@ -13,7 +13,10 @@ Python API (tests, benchmarks):
     handle.shutdown()                                   # no actor or thread left
 
 The router runs on an event loop owned by the handle (its own thread); the HTTP server, when asked
-for, is served on that same loop so handlers and router share it.
+for, is served on that same loop so handlers and router share it. The router process also hosts the
+torch.distributed store (``KVStore``) on which each prefill/decode pair builds its own KV-transfer group
+on first use (transfer/pairs.py): there is no launch-time world, so workers added by ``scale`` or
+restarted by Ray move KV like the first ones.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import ray
 
-from cluster.config import ClusterConfig, PoolConfig
+from cluster.config import ClusterConfig, PoolConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.hub import resolve_cluster_model
 from cluster.protocol import (
@@ -75,6 +80,42 @@ class RouterLoop:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+class KVStore:
+    """The torch.distributed TCPStore KV-transfer pairs rendezvous on, served by the router process.
+
+    NOTE: bound to ``host`` only (the router's own address): given no socket, torch's store server
+    listens on every interface, so it gets one already bound and listening (``master_listen_fd``, which
+    the store owns and closes). The store is not authenticated (see the README's trust boundary).
+    """
+
+    def __init__(self, host: str) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(1024)
+            self.address: tuple[str, int] = (host, int(listener.getsockname()[1]))
+            self._store: Any = dist.TCPStore(
+                host,
+                self.address[1],
+                None,
+                True,
+                datetime.timedelta(seconds=60),
+                wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
+            )
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # NOTE: the store owns the descriptor now
+
+    def close(self) -> None:
+        self._store = None
 
 
 class WorkerLauncher:
@@ -150,9 +191,11 @@ class ClusterHandle:
         router_loop: RouterLoop,
         launcher: WorkerLauncher,
         started_ray: bool,
+        kv_store: KVStore | None,
     ) -> None:
         self.config = config
         self.router = router
+        self._kv_store = kv_store
         self._router_loop = router_loop
         self.loop = router_loop.loop
         self._launcher = launcher
@@ -301,6 +344,8 @@ class ClusterHandle:
             logger.exception("router close failed")
         self._launcher.stop_all()
         self._router_loop.stop()
+        if self._kv_store is not None:
+            self._kv_store.close()
         if self._started_ray:
             ray.shutdown()
 
@@ -355,8 +400,8 @@ def _bind_host(cfg: ClusterConfig) -> tuple[str, str]:
 def start_cluster(
     config: ClusterConfig | dict[str, Any] | str, *, fault_injection: bool = False
 ) -> ClusterHandle:
-    """Router -> worker actors (each registers with the router) -> KV-transfer world. See the module
-    docstring. fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
+    """KV store + router -> worker actors (each registers with the router). See the module docstring.
+    fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
     if isinstance(config, str):
         cfg = ClusterConfig.from_yaml(config)
     elif isinstance(config, dict):
@@ -380,8 +425,12 @@ def start_cluster(
         return router
 
     router = router_loop.run(make_router(), timeout=60)
-    control = WorkerControl(router.endpoint, cfg.router.health_interval_s, worker_bind)
-    launcher = WorkerLauncher(cfg, secret, control, fault_injection)
+    kv_store = KVStore(router_host) if cfg.router.mode != "colocated" else None
+    store = kv_store.address if kv_store is not None else None
+    control = WorkerControl(router.endpoint, cfg.router.health_interval_s, worker_bind, store)
+    launcher = WorkerLauncher(
+        replace(cfg, transfer=_resolved_transfer(cfg)), secret, control, fault_injection
+    )
     try:
         if joining:
             device_check.check_remote(cfg)
@@ -395,32 +444,25 @@ def start_cluster(
             )
         except TimeoutError as e:
             raise RuntimeError(f"{e}; Ray resources available: {ray.available_resources()}") from None
-        if cfg.router.mode != "colocated":
-            ranks = _join_transfer_world(cfg, launcher.actors)
-            router_loop.run(_call(router.set_ranks, ranks))
     except BaseException:
         router_loop.run(router.close(), timeout=10)
         launcher.stop_all()
         router_loop.stop()
+        if kv_store is not None:
+            kv_store.close()
         if started_ray:
             ray.shutdown()
         raise
-    return ClusterHandle(cfg, router, router_loop, launcher, started_ray)
+    return ClusterHandle(cfg, router, router_loop, launcher, started_ray, kv_store)
 
 
-def _join_transfer_world(cfg: ClusterConfig, actors: dict[str, Any]) -> dict[str, int]:
-    """Every launch-time worker joins one torch.distributed world for KV transfers; returns the ranks."""
-    handles = list(actors.values())
-    specs = [pc for _, pc in _pools(cfg) for _ in range(pc.num_workers)]
+def _resolved_transfer(cfg: ClusterConfig) -> TransferConfig:
+    """The transfer config every worker gets: backend ``auto`` becomes nccl when every KV pool has GPUs
+    (both ends of a pair must build the same kind of group), else gloo."""
     backend = cfg.transfer.backend
     if backend == "auto":
-        backend = "nccl" if all(pc.num_gpus for pc in specs) else "gloo"
-    master = ray.get(handles[0].rendezvous_address.remote(), timeout=_START_TIMEOUT_S)
-    ray.get(
-        [a.init_process_group.remote(rank, len(handles), master, backend) for rank, a in enumerate(handles)],
-        timeout=_START_TIMEOUT_S,
-    )
-    return {wid: rank for rank, wid in enumerate(actors)}
+        backend = "nccl" if all(pc.num_gpus for _, pc in _pools(cfg)) else "gloo"
+    return replace(cfg.transfer, backend=backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

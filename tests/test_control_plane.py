@@ -55,13 +55,15 @@ def offline() -> LLM:
     return LLM(device="cpu", block_size=4)
 
 
-def send_frames(frames: list[tuple[str, bytes]]) -> None:
+def send_frames(frames: list[tuple[str, bytes]], dealers: frozenset[str] = frozenset()) -> None:
+    """Each frame to its endpoint: from a PUSH socket, or a DEALER one for the ``dealers`` (KV handshake
+    sockets are ZMQ ROUTER sockets)."""
     ctx: zmq.Context[Any] = zmq.Context()
     sockets: dict[str, zmq.Socket[Any]] = {}
     try:
         for endpoint, frame in frames:
             if endpoint not in sockets:
-                sockets[endpoint] = ctx.socket(zmq.PUSH)
+                sockets[endpoint] = ctx.socket(zmq.DEALER if endpoint in dealers else zmq.PUSH)
                 sockets[endpoint].setsockopt(zmq.SNDTIMEO, 30_000)  # NOTE: bounded, never a hang
                 sockets[endpoint].connect(endpoint)
             sockets[endpoint].send(frame)
@@ -87,9 +89,12 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
     reference = [o.token_ids for o in offline.generate(prompts, params)]
     targets = {w.worker_id: w.info.request_endpoint for w in cluster.router.workers}
     targets[ROUTER_ID] = cluster.router.endpoint
-    plan = make_plan(seed=4, num_frames=NUM_FUZZ_FRAMES, secret=cluster.secret, targets=targets)
+    # every KV sender's handshake socket too (the prefill workers')
+    kv_targets = {w.peer_name: w.info.kv_endpoint for w in cluster.router.workers if w.info.kv_endpoint}
+    assert sorted(kv_targets) == [w.peer_name for w in cluster.router.workers if w.pool == "prefill"]
+    plan = make_plan(4, NUM_FUZZ_FRAMES, cluster.secret, targets, kv_targets)
     before = total_rejected(cluster)
-    fuzzer = threading.Thread(target=send_frames, args=(plan.frames,))
+    fuzzer = threading.Thread(target=send_frames, args=(plan.frames, frozenset(plan.dealer_endpoints)))
     fuzzer.start()
     try:
         assert run_concurrently(cluster, prompts, params) == reference
@@ -101,6 +106,7 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
         "replay",
         "wrong_key",
     }
+    assert sum(endpoint in plan.dealer_endpoints for endpoint, _ in plan.frames) > 1000
     wait_for(lambda: total_rejected(cluster) - before == plan.num_bad, 20, "every bad frame counted")
     assert total_rejected(cluster) - before == plan.num_bad
     assert threads_alive(cluster)
@@ -126,8 +132,8 @@ def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: ClusterHandle, of
 
 def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle, offline: LLM) -> None:
     router = cluster.router
-    victim = router.workers[-1]
-    assert victim.pool == "decode" and victim.healthy
+    victim = [w for w in router.workers if w.pool == "decode"][-1]
+    assert victim.healthy
     pid = ray.get(cluster.actors[victim.worker_id].ping.remote(), timeout=30)
     prompts = shared_prefix_prompts(8, seed=5, vocab=VOCAB)
     reference = [o.token_ids for o in offline.generate(prompts, [greedy(6)] * len(prompts))]

@@ -74,10 +74,14 @@ def test_kill9_of_the_decode_worker_under_32_streams(offline: LLM) -> None:
             "the restarted decode worker re-admitted",
         )  # fmt: skip
         assert back
-        out = handle.generate(prompts[0], params[0], timeout_s=120)
-        assert out.token_ids == reference[0]
-        stats = {s.worker_id: s for s in handle.worker_stats()}
-        assert stats["decode-0"].engine.num_generation_tokens > 0  # the new incarnation served it
+        # the new incarnation takes handoffs: its pair with prefill-0 is built on first use
+        assert run_concurrently(handle, prompts[:8], params[:8]) == reference[:8]
+        stats = wait_for(
+            lambda: (s := {s.worker_id: s for s in handle.worker_stats()})["decode-0"].transfer.num_ok > 0 and s,
+            10, "the restarted decode worker's stats",
+        )  # fmt: skip
+        assert stats["decode-0"].engine.num_generation_tokens > 0
+        assert stats["decode-0"].transfer.num_failed == 0 and stats["decode-0"].broken_peers == []
         handle.wait_until_quiet(timeout_s=60)
         assert handle.check_leaks() == {"prefill-0": None, "decode-0": None}
     finally:
@@ -105,9 +109,15 @@ def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
             if steps[0][1] == 2:
                 # the new workers take traffic: handoffs from prefill-1, into decode-1
                 assert run_concurrently(handle, prompts, params) == reference
-                stats = {s.worker_id: s for s in handle.worker_stats()}
-                assert stats["prefill-1"].engine.num_prompt_tokens > 0
-                assert stats["decode-1"].transfer.num_ok > 0
+
+                def new_ones_served() -> bool:  # NOTE: stats arrive with heartbeats
+                    stats = {s.worker_id: s for s in handle.worker_stats()}
+                    return (
+                        stats["prefill-1"].engine.num_prompt_tokens > 0
+                        and stats["decode-1"].transfer.num_ok > 0
+                    )
+
+                wait_for(new_ones_served, 10, "prefill-1 and decode-1 took handoffs")
         assert sorted(w.worker_id for w in handle.router.workers) == ["decode-0", "prefill-0"]
         assert sorted(handle.actors) == ["decode-0", "prefill-0"]
         handle.wait_until_quiet(timeout_s=60)

@@ -1,28 +1,33 @@
-"""KV transfer over gloo between two real processes: byte identity, skips, ordering, and every failure.
+"""KV transfer over gloo between real processes: byte identity, skips, ordering, and every failure.
 
-The test process drives a prefill process (rank 0, KVSender) and a decode process (rank 1, KVReceiver)
-like a router would: it asks rank 0 to offer a request, hands the KVHandoff to rank 1, and checks the
-KV bytes rank 1 ends up with against the same seeded tensors rebuilt here.
+The test process hosts the store (like the router) and drives a prefill process (process 0, KVSenders)
+and a decode process (process 1, KVReceivers) like a router would: it asks process 0 to offer a request,
+hands the KVHandoff to process 1, and checks the KV bytes process 1 ends up with against the same seeded
+tensors rebuilt here. Each side is its own peer (worker id = the side's name), so each sender/receiver
+couple builds its own pair (a two-rank gloo group) on its first transfer.
 """
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import pytest
 import torch
+import zmq
 
+from cluster.frames import FrameSigner, new_secret
+from deploy.launch import KVStore
 from tests.cluster_utils import wait_for
 from transfer.channel import TORCH_DTYPES, Channel, CudaIpcChannel, OpLane, PendingOp
+from transfer.peers import PairKey, PeerId
 from transfer.protocol import KVLayout, TransferError, TransferTimeoutError, handoff_from_dict, to_dict
 from transfer.side import DEFAULT_CHUNK_BYTES, NUM_SLOTS
 from transfer.staging import TRAILER_BYTES
@@ -45,49 +50,83 @@ def as_bytes(kv: torch.Tensor) -> torch.Tensor:
     return kv.reshape(kv.shape[0], kv.shape[1], -1).view(torch.uint8)
 
 
-class FaultyChannel(Channel):
-    """Wraps the real channel; an armed fault applies to one send, the `after`-th from now (0: the next).
-    "stall" never sends the bytes; "blackhole" never sends and never completes (a peer that stopped
-    draining); "corrupt" flips one byte after the chunk was sealed; "swap" exchanges two byte ranges of
-    the payload (args: offset a, offset b, length); "record" keeps a copy of the bytes it sends; "replay"
-    sends the recorded bytes instead. `fired` is set when a fault was applied; `note` says what it did
-    ("swap": whether the ranges differed, "replay": whether the recorded payload equals the replaced one)."""
+class Faults:
+    """One process's fault plan, shared by its channels: an armed fault applies to one send, the
+    `after`-th from now (0: the next). "stall" never sends the bytes; "blackhole" never sends and never
+    completes (a peer that stopped draining); "corrupt" flips one byte after the chunk was sealed; "swap"
+    exchanges two byte ranges of the payload (args: offset a, offset b, length); "record" keeps a copy of
+    the bytes it sends; "replay" sends the recorded bytes instead. `fired` is set when a fault was
+    applied; `note` says what it did ("swap": whether the ranges differed, "replay": whether the recorded
+    payload equals the replaced one)."""
 
-    def __init__(self, inner: Channel) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.armed: tuple[str, int, tuple[Any, ...]] | None = None
         self.fired = threading.Event()
         self.recorded: torch.Tensor | None = None
         self.note: Any = None
-        self.ops: list[PendingOp] = []  # every op posted on the real channel
-        self._lock = threading.Lock()
+        self.ops: list[PendingOp] = []  # every op posted on a real channel
+        self.lock = threading.Lock()
 
     def arm(self, fault: str, after: int, *args: Any) -> None:
-        with self._lock:
+        with self.lock:
             self.armed = (fault, after, args)
             self.fired.clear()
 
-    def staging_device(self, kv_device: torch.device) -> torch.device:
-        return self.inner.staging_device(kv_device)
-
-    def _take(self) -> tuple[str, tuple[Any, ...]] | None:
-        with self._lock:
+    def take(self) -> tuple[str, tuple[Any, ...]] | None:
+        with self.lock:
             if self.armed is None:
                 return None
             fault, after, args = self.armed
             self.armed = (fault, after - 1, args) if after else None
             return None if after else (fault, args)
 
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
-        taken = self._take()
+    def posted(self, op: PendingOp) -> PendingOp:
+        with self.lock:
+            self.ops.append(op)
+        return op
+
+    def num_unfinished(self, since: int) -> int:
+        with self.lock:
+            return sum(not op.is_done() for op in self.ops[since:])
+
+
+class FaultyChannel(Channel):
+    """Wraps a real channel and applies the process's `Faults` to its sends."""
+
+    def __init__(self, inner: Channel, faults: Faults) -> None:
+        self.inner = inner
+        self.faults = faults
+        self.backend = inner.backend
+
+    def staging_device(self, kv_device: torch.device) -> torch.device:
+        return self.inner.staging_device(kv_device)
+
+    def generation(self, prefill: PeerId, decode: PeerId) -> int:
+        return self.inner.generation(prefill, decode)
+
+    def connect(self, key: PairKey, rank: int) -> PendingOp:
+        return self.inner.connect(key, rank)
+
+    def abandon(self, key: PairKey, ops: list[PendingOp]) -> None:
+        self.inner.abandon(key, ops)
+
+    def drop(self, peer: PeerId) -> None:
+        self.inner.drop(peer)
+
+    def broken_pairs(self) -> list[PairKey]:
+        return self.inner.broken_pairs()
+
+    def isend(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp:
+        faults = self.faults
+        taken = faults.take()
         if taken is None:
-            return self._posted(self.inner.isend(buf, dst_rank, tag, lane))
+            return faults.posted(self.inner.isend(buf, key, tag, lane))
         fault, args = taken
         if fault == "stall":
-            self.fired.set()
+            faults.fired.set()
             return _NoOp()
         if fault == "blackhole":
-            self.fired.set()
+            faults.fired.set()
             return _NeverOp()
         flat = buf.view(-1).view(torch.uint8)
         if fault == "corrupt":
@@ -98,28 +137,19 @@ class FaultyChannel(Channel):
             flat = flat.clone()
             first, second = flat[a : a + length].clone(), flat[b : b + length].clone()
             flat[a : a + length], flat[b : b + length] = second, first
-            self.note = not torch.equal(first, second)
+            faults.note = not torch.equal(first, second)
         elif fault == "record":
-            self.recorded = flat.clone()
+            faults.recorded = flat.clone()
         elif fault == "replay":
-            recorded = self.recorded
+            recorded = faults.recorded
             assert recorded is not None and recorded.numel() == flat.numel()
-            self.note = torch.equal(recorded[:-TRAILER_BYTES], flat[:-TRAILER_BYTES])
+            faults.note = torch.equal(recorded[:-TRAILER_BYTES], flat[:-TRAILER_BYTES])
             flat = recorded
-        self.fired.set()
-        return self._posted(self.inner.isend(flat, dst_rank, tag, lane))
+        faults.fired.set()
+        return faults.posted(self.inner.isend(flat, key, tag, lane))
 
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
-        return self._posted(self.inner.irecv(buf, src_rank, tag, lane))
-
-    def _posted(self, op: PendingOp) -> PendingOp:
-        with self._lock:
-            self.ops.append(op)
-        return op
-
-    def num_unfinished(self, since: int) -> int:
-        with self._lock:
-            return sum(not op.is_done() for op in self.ops[since:])
+    def irecv(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp:
+        return self.faults.posted(self.inner.irecv(buf, key, tag, lane))
 
 
 class _NoOp(PendingOp):
@@ -133,22 +163,20 @@ class _NeverOp(PendingOp):
         raise TransferTimeoutError(f"never completes (waited {timeout_s:.3f}s)")
 
 
-def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) -> None:
-    """Hosts the KVSenders / KVReceivers it is told to; each command is answered with ("ok"|"err", value)."""
+def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, replies: Any) -> None:
+    """Hosts the KVSenders / KVReceivers it is told to (each its own peer: its name, incarnation
+    ``p<index>``); each command is answered with ("ok"|"err", value)."""
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from transfer.channel import TorchDistChannel
     from transfer.connector import KVReceiver, KVSender
+    from transfer.pairs import PairChannel
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=600),  # NOTE: far beyond the test; abandoned ops must not expire
-    )
-    channel = FaultyChannel(TorchDistChannel())
+    faults = Faults()
+
+    def channel(group_timeout_s: float) -> FaultyChannel:
+        return FaultyChannel(PairChannel(store, "127.0.0.1", group_timeout_s=group_timeout_s), faults)
+
+    # NOTE: far beyond the tests: abandoned ops must not expire (and break the pair) unless a test says
+    shared = channel(600.0)
     replies.put(("ok", "ready"))
     kvs: dict[str, torch.Tensor] = {}
     sides: dict[str, Any] = {}
@@ -171,14 +199,15 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
 
     def handle(cmd: str, *args: Any) -> Any:
         if cmd == "sender":
-            name, dtype, *rest = args  # then chunk_bytes, timeout_s, num_slots, each optional
-            defaults = (DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS)
-            chunk_bytes, timeout_s, num_slots = (*rest, *defaults[len(rest) :])
+            name, dtype, *rest = args  # then chunk_bytes, timeout_s, num_slots, group_timeout_s (optional)
+            defaults = (DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS, None)
+            chunk_bytes, timeout_s, num_slots, group_timeout_s = (*rest, *defaults[len(rest) :])
             kvs[name] = make_kv(SRC_SEED, dtype)
             sides[name] = KVSender(
                 kvs[name],
-                rank=rank,
-                channel=channel,
+                me=PeerId(name, f"p{index}"),
+                channel=shared if group_timeout_s is None else channel(group_timeout_s),
+                secret=secret,
                 on_sent=on_sent,
                 timeout_s=timeout_s,
                 chunk_bytes=chunk_bytes,
@@ -187,11 +216,16 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
             sides[name].start()
             return sides[name].endpoint
         if cmd == "receiver":
-            name, dtype, head_dim, timeout_s, *slots = args
+            name, dtype, head_dim, timeout_s, *rest = args  # then num_slots, group_timeout_s (optional)
+            num_slots, group_timeout_s = (*rest, *(NUM_SLOTS, None)[len(rest) :])
             kvs[name] = make_kv(DST_SEED, dtype, head_dim)
-            num_slots = slots[0] if slots else NUM_SLOTS
             sides[name] = KVReceiver(
-                kvs[name], rank=rank, channel=channel, timeout_s=timeout_s, num_slots=num_slots
+                kvs[name],
+                me=PeerId(name, f"p{index}"),
+                channel=shared if group_timeout_s is None else channel(group_timeout_s),
+                secret=secret,
+                timeout_s=timeout_s,
+                num_slots=num_slots,
             )
             sides[name].start()
             return None
@@ -209,19 +243,23 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
             return None
         if cmd == "abort":
             return sides[args[0]].abort(args[1])
-        if cmd == "fault":  # (name, after=0, *args): see FaultyChannel
-            channel.arm(args[0], *(args[1:] or (0,)))
+        if cmd == "fault":  # (name, after=0, *args): see Faults
+            faults.arm(args[0], *(args[1:] or (0,)))
             return None
         if cmd == "fault_note":
-            return channel.note
+            return faults.note
         if cmd == "num_ops":  # channel ops posted so far
-            return len(channel.ops)
+            return len(faults.ops)
         if cmd == "unfinished_ops":  # of the channel ops posted since the `num_ops` given
-            return channel.num_unfinished(args[0])
+            return faults.num_unfinished(args[0])
         if cmd == "wait_fault":  # -> whether the fault was applied within the bound
-            return channel.fired.wait(args[0])
-        if cmd == "drop_peer":
-            return sides[args[0]].drop_peer(args[1])
+            return faults.fired.wait(args[0])
+        if cmd == "drop_peer":  # (side, worker id, incarnation or None) -> the peer names dropped
+            return sorted(p.name for p in sides[args[0]].drop_peer(*args[1:]))
+        if cmd == "broken":  # -> the side's broken peers
+            return sides[args[0]].broken_peers()
+        if cmd == "rejected":  # -> the side's rejected handshake frames, by reason
+            return sides[args[0]].rejected_frames()
         if cmd == "submit":  # returns at once; "collect" waits for the outcome
             name, key, handoff, ids = args
             submitted[key] = (sides[name].submit(handoff_from_dict(handoff), ids), time.monotonic())
@@ -259,41 +297,46 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
 
 
 class Pair:
-    """`world_size` worker processes (2 unless told) in one gloo world, driven by commands."""
+    """`num_procs` worker processes (2 unless told), driven by commands; this process hosts their store
+    (as the router does)."""
 
-    def __init__(self, world_size: int = 2) -> None:
+    def __init__(self, num_procs: int = 2) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self._queues = [(ctx.Queue(), ctx.Queue()) for _ in range(world_size)]
+        self.store = KVStore("127.0.0.1")
+        self.secret = new_secret()
+        self.endpoints: dict[str, str] = {}  # handshake sockets of the senders the tests kept
+        self._queues = [(ctx.Queue(), ctx.Queue()) for _ in range(num_procs)]
         self.procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, port, *self._queues[rank]), daemon=True)
-            for rank in range(world_size)
+            ctx.Process(
+                target=_worker, args=(i, self.store.address, self.secret, *self._queues[i]), daemon=True
+            )
+            for i in range(num_procs)
         ]
         for p in self.procs:
             p.start()
-        for rank, (_, replies) in enumerate(self._queues):  # NOTE: spawn + import torch + gloo rendezvous
+        for i, (_, replies) in enumerate(self._queues):  # NOTE: spawn + import torch
             try:
                 assert replies.get(timeout=STARTUP_TIMEOUT_S) == ("ok", "ready")
             except queue.Empty:
                 self.close()
-                raise AssertionError(f"rank {rank} did not start in {STARTUP_TIMEOUT_S}s") from None
+                raise AssertionError(f"process {i} did not start in {STARTUP_TIMEOUT_S}s") from None
 
-    def call(self, rank: int, *cmd: Any) -> Any:
-        commands, replies = self._queues[rank]
+    def call(self, index: int, *cmd: Any) -> Any:
+        commands, replies = self._queues[index]
         commands.put(cmd)
         try:
             status, value = replies.get(timeout=REPLY_TIMEOUT_S)
         except queue.Empty:
-            raise AssertionError(f"rank {rank} gave no answer to {cmd[0]} in {REPLY_TIMEOUT_S}s") from None
+            raise AssertionError(
+                f"process {index} gave no answer to {cmd[0]} in {REPLY_TIMEOUT_S}s"
+            ) from None
         if status == "err":
-            raise AssertionError(f"rank {rank} failed {cmd[0]}:\n{value}")
+            raise AssertionError(f"process {index} failed {cmd[0]}:\n{value}")
         return value
 
-    def kill(self, rank: int) -> None:
-        self.procs[rank].kill()
-        self.procs[rank].join(10)
+    def kill(self, index: int) -> None:
+        self.procs[index].kill()
+        self.procs[index].join(10)
 
     def close(self) -> None:
         for commands, p in zip((q for q, _ in self._queues), self.procs, strict=True):
@@ -305,6 +348,7 @@ class Pair:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+        self.store.close()
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +357,7 @@ def pair() -> Iterator[Pair]:
     p = Pair()
     try:
         for dtype in ("float32", "bfloat16"):
-            p.call(0, "sender", f"S-{dtype}", dtype)
+            p.endpoints[f"S-{dtype}"] = p.call(0, "sender", f"S-{dtype}", dtype)
         p.call(1, "receiver", "R-bfloat16", "bfloat16", HEAD_DIM, 10.0)
         # NOTE: 4 slots (a credit every 2 chunks) against S-chunked's 3: the sides' rings differ
         p.call(1, "receiver", "R-float32", "float32", HEAD_DIM, 10.0, 4)
@@ -331,8 +375,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{next(_ids)}"
 
 
-def read_kv(pair: Pair, rank: int, name: str, like: torch.Tensor) -> torch.Tensor:
-    raw = pair.call(rank, "kv", name)
+def read_kv(pair: Pair, index: int, name: str, like: torch.Tensor) -> torch.Tensor:
+    raw = pair.call(index, "kv", name)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(as_bytes(like).shape)
 
 
@@ -352,7 +396,8 @@ def test_noncontiguous_blocks_arrive_byte_identical(pair: Pair, dtype: str) -> N
     rid = new_id("req")
     src_ids, dst_ids = [3, 17, 5, 30], [8, 2, 25, 11]
     handoff = pair.call(0, "offer", f"S-{dtype}", rid, src_ids, None)
-    assert handoff["num_blocks"] == 4 and handoff["src_rank"] == 0 and handoff["layout"]["dtype"] == dtype
+    assert handoff["num_blocks"] == 4 and handoff["layout"]["dtype"] == dtype
+    assert (handoff["src_worker_id"], handoff["src_incarnation"]) == (f"S-{dtype}", "p0")
     [out] = pair.call(1, "receive", f"R-{dtype}", [(handoff, dst_ids, 0)])
     block_bytes = KVLayout(NUM_LAYERS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, dtype).bytes_per_block
     assert out["ok"] and out["nbytes"] == 4 * block_bytes
@@ -474,23 +519,24 @@ def test_unknown_aborted_and_expired_requests_are_rejected(pair: Pair) -> None:
     assert pair.call(0, "held", "S-float32") == 0
 
 
-def _ipc_worker(rank: int, endpoints: dict[int, str], replies: Any) -> None:
+def _ipc_worker(rank: int, endpoints: dict[str, str], replies: Any) -> None:
     """Rank 0 sends two halves of one buffer (tags 5, 6); rank 1 receives both, then times out on tag 7."""
     try:
-        channel = CudaIpcChannel(rank, endpoints)
+        key = PairKey(PeerId("P", "0"), PeerId("D", "1"), 0)
+        channel = CudaIpcChannel(key.ends[rank], endpoints)
         expected = torch.arange(4096, dtype=torch.int32, device="cuda") * 7
         if rank == 0:
             staging = expected.clone()
-            channel.send(staging[:2048], 1, tag=5, timeout_s=30.0)
-            channel.send(staging[2048:], 1, tag=6, timeout_s=30.0)
+            channel.send(staging[:2048], key, tag=5, timeout_s=30.0)
+            channel.send(staging[2048:], key, tag=6, timeout_s=30.0)
             replies.put(("ok", len(channel._exports)))
         else:
             buf = torch.zeros_like(expected)
-            channel.recv(buf[:2048], 0, tag=5, timeout_s=30.0)
-            channel.recv(buf[2048:], 0, tag=6, timeout_s=30.0)
+            channel.recv(buf[:2048], key, tag=5, timeout_s=30.0)
+            channel.recv(buf[2048:], key, tag=6, timeout_s=30.0)
             start = time.monotonic()
             try:
-                channel.recv(torch.zeros_like(expected), 0, tag=7, timeout_s=0.5)
+                channel.recv(torch.zeros_like(expected), key, tag=7, timeout_s=0.5)
                 replies.put(("err", "recv without a sender returned"))
             except TimeoutError:
                 elapsed = time.monotonic() - start
@@ -504,7 +550,7 @@ def _ipc_worker(rank: int, endpoints: dict[int, str], replies: Any) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_ipc_channel_moves_a_buffer_between_processes_on_one_gpu(tmp_path: Any) -> None:
     ctx = mp.get_context("spawn")
-    endpoints = {r: f"ipc://{tmp_path}/ipc-{r}" for r in range(2)}
+    endpoints = {name: f"ipc://{tmp_path}/ipc-{r}" for r, name in enumerate(("P/0", "D/1"))}
     replies = [ctx.Queue(), ctx.Queue()]
     procs = [ctx.Process(target=_ipc_worker, args=(r, endpoints, replies[r]), daemon=True) for r in range(2)]
     try:
@@ -658,13 +704,14 @@ def test_offer_freezes_the_block_ids_and_checks_them(pair: Pair) -> None:
 
 
 def test_drop_peer_fails_its_transfer_at_once_and_others_go_on() -> None:
-    """Ranks: 0 sender S0; 1 receiver R1 + sender S1 (the peer that dies); 2 receiver R2.
-    1) R2 fetching from a stalled S1 with a fetch from S0 queued behind: R2.drop_peer(1).
-    2) S0 stuck sending to R1 (which is then killed) with R2's fetch queued behind: S0.drop_peer(1).
-    Without drop_peer the queued fetch would wait out the 15 s timeouts and fail."""
+    """Processes: 0 sender S0; 1 receiver R1 + sender S1 (the peer that dies); 2 receiver R2.
+    1) R2 fetching from a stalled S1 with a fetch from S0 queued behind: R2.drop_peer("S1") (every
+       incarnation it saw); a new incarnation of S1 (in process 0) is another peer and serves R2.
+    2) S0 stuck sending to R1 (which is then killed) with R2's fetch queued behind:
+       S0.drop_peer("R1", "p1"). Without drop_peer the queued fetch would wait out the 15 s timeouts."""
     os.environ["OMP_NUM_THREADS"] = "1"
     timeout_s = 15.0
-    trio = Pair(world_size=3)
+    trio = Pair(num_procs=3)
     try:
         trio.call(0, "sender", "S0", "float32", DEFAULT_CHUNK_BYTES, timeout_s)
         trio.call(1, "sender", "S1", "float32", DEFAULT_CHUNK_BYTES, timeout_s)
@@ -680,35 +727,128 @@ def test_drop_peer_fails_its_transfer_at_once_and_others_go_on() -> None:
         trio.call(2, "submit", "R2", "c", stalled, [10, 11])
         assert trio.call(1, "wait_fault", 10.0) is True  # S1 posted its (stalled) send: R2 waits on it
         trio.call(2, "submit", "R2", "d", healthy, [12, 13, 14])
-        trio.call(2, "drop_peer", "R2", 1)
+        assert trio.call(2, "drop_peer", "R2", "S1", None) == ["S1/p1"]
         lost, ok = trio.call(2, "collect", "c"), trio.call(2, "collect", "d")
-        assert (lost["ok"], lost["error_type"]) == (False, "TransferPeerLostError") and "rank 1" in lost[
-            "error"
-        ]
+        assert (lost["ok"], lost["error_type"]) == (False, "TransferPeerLostError")
+        assert "S1/p1" in lost["error"]
         assert ok["ok"] and ok["elapsed"] < timeout_s / 3
         later = trio.call(1, "offer", "S1", "from-1-later", [6], None)
         trio.call(2, "submit", "R2", "e", later, [15])
         rejected = trio.call(2, "collect", "e")
         assert rejected["error_type"] == "TransferPeerLostError" and rejected["elapsed"] < 1.0
         check_blocks(before, read_kv(trio, 2, "R2", like), "float32", {12: 3, 13: 4, 14: 5})
+        trio.call(0, "sender", "S1", "float32", DEFAULT_CHUNK_BYTES, timeout_s)  # S1 "restarted"
+        reborn = trio.call(0, "offer", "S1", "from-1-reborn", [16, 17], None)
+        assert reborn["src_incarnation"] == "p0"
+        [out] = trio.call(2, "receive", "R2", [(reborn, [16, 17], 0)])
+        assert out["ok"]
+        check_blocks(before, read_kv(trio, 2, "R2", like), "float32", {12: 3, 13: 4, 14: 5, 16: 16, 17: 17})
 
         # 2) the sender drops a dead receiver it is sending to
         to_dead = trio.call(0, "offer", "S0", "to-1", [7, 8], None)
         to_live = trio.call(0, "offer", "S0", "to-2", [9, 10, 11], None)
         trio.call(0, "fault", "blackhole")
         trio.call(1, "submit", "R1", "a", to_dead, [20, 21])
-        assert trio.call(0, "wait_fault", 10.0) is True  # S0 is in its channel send to rank 1
+        assert trio.call(0, "wait_fault", 10.0) is True  # S0 is in its channel send to R1
         trio.call(2, "submit", "R2", "b", to_live, [20, 21, 22])
         trio.kill(1)
-        trio.call(0, "drop_peer", "S0", 1)
+        assert trio.call(0, "drop_peer", "S0", "R1", "p1") == ["R1/p1"]
         out = trio.call(2, "collect", "b")
         assert out["ok"] and out["elapsed"] < timeout_s / 3
         assert trio.call(0, "wait_sent", "to-1", 5.0) is False
         assert trio.call(0, "wait_sent", "to-2", 5.0) is True
         [failed] = [r for r in trio.call(0, "results", "S0") if r["request_id"] == "to-1"]
-        assert failed["error_type"] == "TransferPeerLostError" and "rank 1" in failed["error"]
-        check_blocks(
-            before, read_kv(trio, 2, "R2", like), "float32", {12: 3, 13: 4, 14: 5, 20: 9, 21: 10, 22: 11}
-        )
+        assert failed["error_type"] == "TransferPeerLostError" and "R1/p1" in failed["error"]
+        moved = {12: 3, 13: 4, 14: 5, 16: 16, 17: 17, 20: 9, 21: 10, 22: 11}
+        check_blocks(before, read_kv(trio, 2, "R2", like), "float32", moved)
     finally:
         trio.close()
+
+
+def test_a_broken_pair_is_rebuilt_at_the_next_generation_and_carries_the_next_transfer(pair: Pair) -> None:
+    """A recv that never gets its send outlives the group's 4 s timeout: gloo fails it and closes the
+    pair, which the receiver then reports broken. The next transfer asks for generation 1: both ends
+    build it (the sender had not noticed the break) and the bytes arrive exactly."""
+    pair.call(0, "sender", "S-brittle", "float32", DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS, 4.0)
+    pair.call(1, "receiver", "R-brittle", "float32", HEAD_DIM, 3.0, NUM_SLOTS, 4.0)
+    like = make_kv(DST_SEED, "float32")
+    before = read_kv(pair, 1, "R-brittle", like)
+    first = new_id("brittle")
+    [out] = pair.call(
+        1, "receive", "R-brittle", [(pair.call(0, "offer", "S-brittle", first, [1, 2], None), [3, 4], 0)]
+    )
+    assert out["ok"]
+    stalled = new_id("brittle-stall")
+    handoff = pair.call(0, "offer", "S-brittle", stalled, [5, 6], None)
+    pair.call(0, "fault", "stall")
+    [out] = pair.call(1, "receive", "R-brittle", [(handoff, [7, 8], 0)])
+    assert (out["ok"], out["error_type"]) == (False, "TransferTimeoutError")
+    wait_for(lambda: pair.call(1, "broken", "R-brittle") == ["S-brittle/p0"], 30, "the pair reported broken")
+    assert pair.call(0, "broken", "S-brittle") == []  # the sender has no op on it: it has not seen it yet
+
+    after = new_id("brittle-after")
+    handoff = pair.call(0, "offer", "S-brittle", after, [9, 10], None)
+    [out] = pair.call(1, "receive", "R-brittle", [(handoff, [11, 12], 0)])
+    assert out["ok"]
+    check_blocks(before, read_kv(pair, 1, "R-brittle", like), "float32", {3: 1, 4: 2, 11: 9, 12: 10})
+    assert pair.call(0, "wait_sent", after, 10.0) is True
+    generations = {
+        side: {r["request_id"]: r["generation"] for r in pair.call(i, "results", side)}
+        for i, side in ((0, "S-brittle"), (1, "R-brittle"))
+    }
+    assert generations["R-brittle"] == {first: 0, stalled: 0, after: 1}
+    assert generations["S-brittle"] == {first: 0, stalled: 0, after: 1}
+    assert pair.call(1, "broken", "R-brittle") == pair.call(0, "broken", "S-brittle") == []
+
+
+def test_every_handshake_frame_is_authenticated_and_a_bad_one_is_counted_and_dropped(pair: Pair) -> None:
+    """Frames to a sender's handshake socket that fail a check are counted by reason and dropped; the
+    sender serves the next transfer as if nothing happened."""
+    me = "S-float32/p0"
+    signer, stranger = FrameSigner(pair.secret), FrameSigner(new_secret())
+    frames: list[list[bytes]] = [
+        [b"\x00" * 40],  # not a frame
+        [msgpack.packb({"kind": "request", "nonce": 1})],  # the old, unsigned form
+        [stranger.sign(me, "request", {"nonce": 1, "request": {}})],  # another key
+        [signer.sign(me, "request", {"nonce": 1, "request": {"request_id": 5}})],  # bad field
+        [signer.sign(me, "gimme", {"nonce": 1})],  # unknown tag
+        [signer.sign("S-float32/p9", "abort", {"nonce": 1, "error_type": "", "message": ""})],  # misaddressed
+        [b"two", b"parts"],  # a message of the wrong shape
+    ]
+    # NOTE: signed last: a session's counter only grows, so an earlier counter would read as a replay
+    harmless = signer.sign(me, "abort", {"nonce": 7, "error_type": "", "message": ""})  # of no transfer
+    frames += [[harmless], [harmless]]  # accepted once, then replayed
+    expected = {
+        "malformed": 3,
+        "bad_mac": 1,
+        "bad_field": 1,
+        "unknown_tag": 1,
+        "misaddressed": 1,
+        "replayed": 1,
+    }
+    before = pair.call(0, "rejected", "S-float32")
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    try:
+        sock.connect(pair.endpoints["S-float32"])
+        for parts in frames:
+            sock.send_multipart(parts)
+
+        def counted() -> dict[str, int]:
+            now = pair.call(0, "rejected", "S-float32")
+            return {k: now.get(k, 0) - before.get(k, 0) for k in set(now) | set(expected)}
+
+        wait_for(lambda: counted() == expected, 20, "every bad frame counted")
+    finally:
+        sock.close()
+        ctx.term()
+    like = make_kv(DST_SEED, "float32")
+    before_kv = read_kv(pair, 1, "R-float32", like)
+    rid = new_id("after-forgeries")
+    [out] = pair.call(
+        1, "receive", "R-float32", [(pair.call(0, "offer", "S-float32", rid, [6, 7], None), [8, 9], 0)]
+    )
+    assert out["ok"]
+    check_blocks(before_kv, read_kv(pair, 1, "R-float32", like), "float32", {8: 6, 9: 7})
+    assert pair.call(1, "rejected", "R-float32") == {}

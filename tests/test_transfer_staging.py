@@ -1,25 +1,28 @@
-"""KV-transfer pieces that run in one process: the protocol's frames and header checks, chunk plans, the
-keyed chunk digest (what it catches, with the exact error), gather/scatter, and the staging ring."""
+"""KV-transfer pieces that run in one process: the protocol's messages, strict rebuilds and header checks,
+the signed handshake frames, chunk plans, the keyed chunk digest (what it catches, with the exact error),
+gather/scatter, and the staging ring."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
+from cluster.frames import FrameSigner, new_secret
 from transfer.channel import TORCH_DTYPES
+from transfer.handshake import HandshakeFrames, MessageKind, parse_body
 from transfer.protocol import (
     CHECKSUM_SCHEME,
     KVHandoff,
     KVLayout,
-    MessageKind,
     TransferChecksumError,
     TransferError,
     TransferHeader,
     TransferMismatchError,
-    decode_message,
-    encode_message,
+    TransferRequest,
+    request_from_dict,
     tag_for_nonce,
     to_dict,
     validate_header,
@@ -58,8 +61,10 @@ def _header(layout: KVLayout, num_blocks: int = 3, nonce: int = 12345) -> Transf
     return TransferHeader(
         request_id="r",
         nonce=nonce,
-        src_rank=0,
-        dst_rank=1,
+        src_worker_id="prefill-0",
+        dst_worker_id="decode-0",
+        generation=2,
+        backend="gloo",
         layout=layout,
         dtype=layout.dtype,
         shape=layout.layer_shape(num_blocks),
@@ -76,23 +81,39 @@ def test_protocol_round_trips_through_msgpack_and_validates_every_field() -> Non
     layout = KVLayout(NUM_LAYERS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, "bfloat16")
     header = _header(layout)
     assert TransferHeader.from_bytes(header.to_bytes()) == header
-    handoff = KVHandoff("r", 0, "tcp://127.0.0.1:5", layout, 11, 3, 123.5, ["aa", b"\x01"])
+    handoff = KVHandoff("r", "prefill-0", "ab12", "tcp://127.0.0.1:5", layout, 11, 3, 123.5, ["aa", b"\x01"])
     assert KVHandoff.from_bytes(handoff.to_bytes()) == handoff
-    kind, nonce, body = decode_message(encode_message(MessageKind.HEADER, 9, header=header))
-    assert (kind, nonce, body["header"]["layout"]) == (MessageKind.HEADER, 9, to_dict(layout))
+    frames = HandshakeFrames(new_secret(), "decode-0/cd34")
+    assert frames.decode(frames.encode("decode-0/cd34", MessageKind.HEADER, 9, header=header)) == (
+        MessageKind.HEADER,
+        9,
+        {"header": header},
+    )
 
-    expect = dict(request_id="r", nonce=12345, src_rank=0, dst_rank=1, layout=layout, num_blocks=3)
+    expect = dict(
+        request_id="r",
+        nonce=12345,
+        src_worker_id="prefill-0",
+        dst_worker_id="decode-0",
+        min_generation=2,
+        backend="gloo",
+        layout=layout,
+        num_blocks=3,
+    )
     validate_header(header, **expect)  # type: ignore[arg-type]
+    validate_header(header, **{**expect, "min_generation": 1})  # type: ignore[arg-type]
     wrong: list[tuple[str, Any]] = [
         ("request_id", "q"),
         ("nonce", 1),
-        ("src_rank", 2),
-        ("dst_rank", 0),
+        ("src_worker_id", "prefill-1"),
+        ("dst_worker_id", "decode-1"),
+        ("min_generation", 3),  # the header's generation is older than the receiver accepts
+        ("backend", "nccl"),
         ("layout", KVLayout(NUM_LAYERS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, "float16")),
         ("num_blocks", 4),
     ]
     for field_name, value in wrong:
-        with pytest.raises(TransferMismatchError, match=field_name):
+        with pytest.raises(TransferMismatchError, match=field_name.removeprefix("min_")):
             validate_header(header, **{**expect, field_name: value})  # type: ignore[arg-type]
     bad_fields: list[tuple[str, Any]] = [
         ("dtype", "float32"),
@@ -109,10 +130,59 @@ def test_protocol_round_trips_through_msgpack_and_validates_every_field() -> Non
         setattr(bad, field_name, value)
         with pytest.raises(TransferMismatchError, match=field_name):
             validate_header(bad, **expect)  # type: ignore[arg-type]
-    with pytest.raises(TransferError, match="malformed"):
-        decode_message(b"\x93\x01\x02\x03")
+    with pytest.raises(TransferError, match="not a msgpack map"):
+        KVHandoff.from_bytes(b"\x81\x91\x01\x02")  # a map keyed by a list
     with pytest.raises(ValueError, match="dtype"):
         KVLayout(1, 1, 1, 1, "int7")
+
+
+def test_messages_are_rebuilt_strictly() -> None:
+    request = TransferRequest("r", 5, "decode-0", "cd34", 1, 0, 3)
+    assert request_from_dict(to_dict(request)) == request
+    assert parse_body(MessageKind.REQUEST, {"nonce": 5, "request": to_dict(request)}) == (
+        5,
+        {"request": request},
+    )
+    bad: list[tuple[MessageKind, Any, str]] = [
+        (MessageKind.REQUEST, {"nonce": 5, "request": {**to_dict(request), "generation": "1"}}, "generation"),
+        (MessageKind.REQUEST, {"nonce": 5, "request": {**to_dict(request), "extra": 1}}, "unknown"),
+        (MessageKind.REQUEST, {"nonce": 5, "request": {"request_id": "r"}}, "missing"),
+        (MessageKind.ACK, {"nonce": 5, "num_slots": True}, "num_slots"),  # a bool is not an int
+        (MessageKind.CREDIT, {"nonce": 5.0, "chunk": 1}, "nonce"),
+        (MessageKind.DONE, {"nonce": 5, "more": 1}, "fields"),
+        (MessageKind.ABORT, [5], "not a map"),
+    ]
+    for kind, body, what in bad:
+        with pytest.raises(TransferError, match=what):
+            parse_body(kind, body)
+    handoff = to_dict(KVHandoff("r", "p", "ab", "tcp://x:1", KVLayout(1, 1, 1, 1, "uint8"), 1, 1, 1.0))
+    with pytest.raises(TransferError, match=r"KVLayout\.num_layers"):
+        KVHandoff.from_bytes(msgpack.packb({**handoff, "layout": {**handoff["layout"], "num_layers": 1.5}}))
+
+
+def test_handshake_frames_count_what_they_drop() -> None:
+    secret = new_secret()
+    mine, theirs = HandshakeFrames(secret, "prefill-0/ab12"), HandshakeFrames(secret, "decode-0/cd34")
+    good = theirs.encode("prefill-0/ab12", MessageKind.CREDIT, 3, chunk=1)
+    assert mine.decode(good) == (MessageKind.CREDIT, 3, {"chunk": 1})
+    signer = FrameSigner(secret)
+    for frame in (
+        good,  # replayed
+        theirs.encode("prefill-0/ffff", MessageKind.DONE, 3),  # another process of the same worker
+        FrameSigner(new_secret()).sign("prefill-0/ab12", "done", {"nonce": 3}),
+        signer.sign("prefill-0/ab12", "credit", {"nonce": 3, "chunk": "1"}),
+        signer.sign("prefill-0/ab12", "hello", {"nonce": 3}),
+        b"PDC1" + b"\x00" * 8,
+    ):
+        assert mine.decode(frame) is None
+    assert mine.rejected() == {
+        "replayed": 1,
+        "misaddressed": 1,
+        "bad_mac": 1,
+        "bad_field": 1,
+        "unknown_tag": 1,
+        "malformed": 1,
+    }
 
 
 def _seal(

@@ -81,7 +81,7 @@ ALL_OPS = [
     Generate("r1~1", [1, 2, 3], PARAMS, 1e9, output_token_ids=[9, 8]),
     DecodeHandoff("r1", [1, 2, 3], 4, PARAMS, b"\x81\xa1a\x01", 1e9),
     Abort("r1"),
-    PeerDead("prefill-0", 0),
+    PeerDead("prefill-0", "3f2a9c0d1b7e4a55"),
     PeerDead("prefill-0"),
     ExtendLease("r1"),
 ]

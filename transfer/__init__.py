@@ -1,5 +1,6 @@
-"""KV movement between workers: handoff/header messages, channels (torch.distributed, CUDA IPC), and the
-sender/receiver connector that gathers blocks into staging, moves them, verifies and scatters."""
+"""KV movement between workers: handoff/header messages, signed handshake frames, channels (a
+torch.distributed group per prefill/decode pair, CUDA IPC), and the sender/receiver connector that
+gathers blocks into staging, moves them, verifies and scatters."""
 
 from transfer.protocol import (
     KVHandoff,
@@ -8,6 +9,7 @@ from transfer.protocol import (
     TransferError,
     TransferHeader,
     TransferMismatchError,
+    TransferPairError,
     TransferPeerLostError,
     TransferRejectedError,
     TransferTimeoutError,
@@ -20,6 +22,7 @@ __all__ = [
     "TransferError",
     "TransferHeader",
     "TransferMismatchError",
+    "TransferPairError",
     "TransferPeerLostError",
     "TransferRejectedError",
     "TransferTimeoutError",

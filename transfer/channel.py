@@ -1,10 +1,10 @@
-"""Channels: move ONE contiguous staging tensor from one rank to another, with every wait bounded.
+"""Channels: move ONE contiguous staging tensor to or from the other end of a pair, every wait bounded.
 
-`TorchDistChannel` runs over an already-initialised torch.distributed process group (gloo on CPU,
-nccl between GPUs). `CudaIpcChannel` is for a prefill and a decode process that share one GPU (two NCCL
-ranks cannot): the sender exports its staging buffer as a CUDA IPC handle, sent as msgpack bytes over
-ZMQ, and the receiver copies out of it. The connector orders transfers by its handshake, so a channel
-only has to move bytes; each transfer carries its own tag.
+`PairChannel` (transfer/pairs.py) gives each prefill/decode pair its own two-rank torch.distributed
+group (gloo on CPU, nccl between GPUs). `CudaIpcChannel` is for a prefill and a decode process that share
+one GPU (two NCCL ranks cannot): the sender exports its staging buffer as a CUDA IPC handle, sent as
+msgpack bytes over ZMQ, and the receiver copies out of it. The connector orders transfers by its
+handshake, so a channel only has to move bytes; each transfer carries its own tag.
 
 A channel is used by one transfer thread (it is not thread-safe). The chunked staging (gather,
 checksum, scatter) lives in transfer/staging.py.
@@ -21,9 +21,9 @@ from typing import Any
 
 import msgpack
 import torch
-import torch.distributed as dist
 import zmq
 
+from transfer.peers import PairKey, PeerId
 from transfer.protocol import KVLayout, TransferError, TransferTimeoutError
 
 TORCH_DTYPES = {
@@ -104,29 +104,54 @@ class OpLane:
 
 
 class Channel(ABC):
-    """Moves a contiguous tensor between two ranks. Buffers must stay alive until `wait` returned.
+    """Moves a contiguous tensor to or from the other end of a pair (`PairKey`): the side that connected
+    the pair as `rank` talks to rank ``1 - rank``. Buffers must stay alive until `wait` returned.
 
-    `lane` groups the ops of one transfer (see OpLane); channels that wait without threads ignore it.
+    `connect` must be called by both ends of a pair (at the generation they agreed on) before its first
+    op; `generation` says which one to ask for. `lane` groups the ops of one transfer (see OpLane);
+    channels that wait without threads ignore it. Channels without pairs keep the defaults.
     """
+
+    backend: str = ""
 
     @abstractmethod
     def staging_device(self, kv_device: torch.device) -> torch.device:
         """Where the staging buffer for a KV cache on `kv_device` must live for this channel."""
 
-    @abstractmethod
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp: ...
+    def generation(self, prefill: PeerId, decode: PeerId) -> int:
+        """The least generation a new transfer between the two may use (the current pair's, or the next
+        one if that pair is broken)."""
+        return 0
+
+    def connect(self, key: PairKey, rank: int) -> PendingOp:
+        """Join the pair `key` as `rank` (a no-op if it is the current one); the op completes when the
+        pair can carry ops, or raises TransferPairError."""
+        return _DoneOp()
 
     @abstractmethod
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp: ...
+    def isend(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp: ...
 
-    def send(self, buf: torch.Tensor, dst_rank: int, tag: int, timeout_s: float) -> None:
-        self.isend(buf, dst_rank, tag).wait(timeout_s)
+    @abstractmethod
+    def irecv(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp: ...
 
-    def recv(self, buf: torch.Tensor, src_rank: int, tag: int, timeout_s: float) -> None:
-        self.irecv(buf, src_rank, tag).wait(timeout_s)
+    def send(self, buf: torch.Tensor, key: PairKey, tag: int, timeout_s: float) -> None:
+        self.isend(buf, key, tag).wait(timeout_s)
+
+    def recv(self, buf: torch.Tensor, key: PairKey, tag: int, timeout_s: float) -> None:
+        self.irecv(buf, key, tag).wait(timeout_s)
+
+    def abandon(self, key: PairKey, ops: list[PendingOp]) -> None:  # noqa: B027 (optional hook)
+        """A transfer on `key` gave up; some of its `ops` may never complete."""
+
+    def drop(self, peer: PeerId) -> None:  # noqa: B027 (optional hook)
+        """`peer` is dead: forget every pair with it."""
+
+    def broken_pairs(self) -> list[PairKey]:
+        """Current pairs that must be rebuilt before their next use."""
+        return []
 
     def close(self) -> None:  # noqa: B027 (optional hook)
-        """Release sockets; does not destroy a process group the channel did not create."""
+        """Release sockets and process groups."""
 
 
 def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
@@ -135,8 +160,16 @@ def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(-1).view(torch.uint8)
 
 
+class _DoneOp(PendingOp):
+    def is_done(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
 class _GlooOp(PendingOp):
-    """Waits on a gloo Work from a helper thread.
+    """Waits on a gloo Work from a helper thread; a failed op calls `on_error` (the pair is broken).
 
     NOTE: `Work.wait(timeout)` on gloo closes the whole TCP pair when it times out ("Application timeout
     caused pair closure"), which would kill every later transfer between the two ranks. So the blocking
@@ -144,13 +177,22 @@ class _GlooOp(PendingOp):
     the thread (and through it the buffer) stays alive until the peer's matching op arrives, and the
     unique per-transfer tag keeps that late op from matching anything else. Only an op whose peer never
     comes (a dead process) stays pending, and gloo closes the pair at the process-group timeout.
+    `keep` is held until the op ends (the pair's group: gloo's buffers point into it).
     """
 
     def __init__(
-        self, work: Any, what: str, lane: OpLane | None, post: Callable[[], Any] | None = None
+        self,
+        work: Any,
+        what: str,
+        lane: OpLane | None,
+        post: Callable[[], Any] | None = None,
+        on_error: Callable[[str], None] | None = None,
+        keep: Any = None,
     ) -> None:
         self._work = work
-        self._post = post  # NOTE: if set, the waiting thread posts the op first (see TorchDistChannel.isend)
+        self._post = post  # NOTE: if set, the waiting thread posts the op first (see PairChannel.isend)
+        self._on_error = on_error
+        self._keep = keep
         self._what = what
         self._done = threading.Event()
         self._error: Exception | None = None
@@ -168,7 +210,10 @@ class _GlooOp(PendingOp):
             self._work.wait()
         except Exception as e:  # noqa: BLE001 (re-raised as TransferError by wait())
             self._error = e
+            if self._on_error is not None:
+                self._on_error(f"{self._what} failed: {e}")
         finally:
+            self._work = self._keep = None
             self._done.set()
 
     def is_done(self) -> bool:
@@ -184,9 +229,13 @@ class _GlooOp(PendingOp):
 class _PolledOp(PendingOp):
     """Waits on a Work by polling `is_completed()` (nccl: queries the CUDA event, never blocks)."""
 
-    def __init__(self, work: Any, buf: torch.Tensor, what: str) -> None:
+    def __init__(
+        self, work: Any, buf: torch.Tensor, what: str, on_error: Callable[[str], None], keep: Any
+    ) -> None:
         self._work = work
         self._buf = buf  # NOTE: keeps the buffer alive while the collective may still write it
+        self._keep = keep  # and the pair's group
+        self._on_error = on_error
         self._what = what
 
     def is_done(self) -> bool:
@@ -201,62 +250,17 @@ class _PolledOp(PendingOp):
                 raise TransferTimeoutError(f"{self._what} did not complete within {timeout_s:.3f}s")
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
-        self._work.wait()
-
-
-class TorchDistChannel(Channel):
-    """send/recv over an initialised torch.distributed group (global ranks), nccl or gloo.
-
-    gloo stages on CPU; nccl stages on the KV cache's GPU. Tags are honoured by gloo; nccl ignores them
-    and relies on the connector's strict per-pair ordering.
-    """
-
-    def __init__(self, group: Any = None) -> None:
-        if not dist.is_initialized():
-            raise TransferError("TorchDistChannel needs torch.distributed.init_process_group() first")
-        self._group = group
-        self.backend = str(dist.get_backend(group))
-        self.rank = dist.get_rank()
-
-    @property
-    def is_nccl(self) -> bool:
-        return "nccl" in self.backend
-
-    def staging_device(self, kv_device: torch.device) -> torch.device:
-        if self.is_nccl:
-            if kv_device.type != "cuda":
-                raise TransferError("the nccl backend needs the KV cache on a CUDA device")
-            return kv_device
-        return torch.device("cpu")
-
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
-        flat = _as_bytes(buf)
-        what = f"send {flat.numel()} B to rank {dst_rank}"
-        if lane is not None and not self.is_nccl:
-            # NOTE: posting a gloo send writes what fits of it into the socket in the posting thread (after
-            # waiting for the pair's lock, held while the pair reads). Posted from the lane's thread, it
-            # leaves the caller free to prepare the next chunk meanwhile.
-            return _GlooOp(
-                None, what, lane, lambda: dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
-            )
-        work = dist.isend(flat, dst=dst_rank, group=self._group, tag=tag)
-        return self._op(work, flat, what, lane)
-
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
-        flat = _as_bytes(buf)
-        work = dist.irecv(flat, src=src_rank, group=self._group, tag=tag)
-        return self._op(work, flat, f"recv {buf.numel() * buf.element_size()} B from rank {src_rank}", lane)
-
-    def _op(self, work: Any, flat: torch.Tensor, what: str, lane: OpLane | None) -> PendingOp:
-        if work is None:
-            raise TransferError(f"{what}: this rank is not in the channel's process group")
-        return _PolledOp(work, flat, what) if self.is_nccl else _GlooOp(work, what, lane)
+        try:
+            self._work.wait()
+        except Exception as e:
+            self._on_error(f"{self._what} failed: {e}")
+            raise TransferError(f"{self._what} failed: {e}") from e
 
 
 class CudaIpcChannel(Channel):
     """Same-GPU channel: the staging buffer travels as a CUDA IPC handle over ZMQ (PUSH/PULL, msgpack).
 
-    Each rank binds a PULL socket at `endpoints[rank]` and pushes to `endpoints[peer]`. `send` names the
+    Each peer binds a PULL socket at `endpoints[its name]` and pushes to the other end's. `send` names the
     bytes (an exported buffer, an offset, a length) and returns once the receiver said it has copied them
     out (so the caller may reuse or free them); `recv` waits for that, copies into `buf` on the caller's
     current stream, synchronizes that stream, and answers.
@@ -270,18 +274,19 @@ class CudaIpcChannel(Channel):
     _MAX_EXPORTS = 4
 
     def __init__(
-        self, rank: int, endpoints: Mapping[int, str], zmq_context: zmq.Context[Any] | None = None
+        self, me: PeerId, endpoints: Mapping[str, str], zmq_context: zmq.Context[Any] | None = None
     ) -> None:
-        self.rank = rank
+        self.me = me
+        self.backend = "cuda_ipc"
         self._endpoints = dict(endpoints)
         self._ctx = zmq_context or zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self._endpoints[rank])
-        self._push: dict[int, zmq.Socket[Any]] = {}
-        self._stash: dict[tuple[str, int, int], dict[str, Any]] = {}
+        self._pull.bind(self._endpoints[me.name])
+        self._push: dict[str, zmq.Socket[Any]] = {}
+        self._stash: dict[tuple[str, str, int], dict[str, Any]] = {}
         self._exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}  # by storage address
-        self._imports: dict[tuple[int, bytes, int], torch.Tensor] = {}  # by (src, handle, offset)
+        self._imports: dict[tuple[str, bytes, int], torch.Tensor] = {}  # by (src, handle, offset)
 
     def staging_device(self, kv_device: torch.device) -> torch.device:
         if kv_device.type != "cuda":
@@ -315,9 +320,9 @@ class CudaIpcChannel(Channel):
         self._exports[storage.data_ptr()] = (storage, handle)
         return handle
 
-    def _import(self, src_rank: int, h: dict[str, Any]) -> torch.Tensor:
+    def _import(self, src: str, h: dict[str, Any]) -> torch.Tensor:
         """The peer's exported storage as a uint8 tensor, opened on first use."""
-        key = (src_rank, bytes(h["handle"]), int(h["storage_offset"]))
+        key = (src, bytes(h["handle"]), int(h["storage_offset"]))
         shared = self._imports.get(key)
         if shared is None:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -332,46 +337,48 @@ class CudaIpcChannel(Channel):
             self._imports[key] = shared
         return shared
 
-    def isend(self, buf: torch.Tensor, dst_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
+    def isend(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
         if flat.numel() == 0:
             return _CallbackOp(lambda timeout_s: None)
+        dst = key.other(self.me).name
         # NOTE: the caller's current stream (the side's own) holds the writes of these bytes
         torch.cuda.current_stream(flat.device).synchronize()
-        msg = {"kind": "handle", "src": self.rank, "tag": tag, "ipc": self._export(flat)}
-        self._push_to(dst_rank, {**msg, "offset": flat.storage_offset(), "nbytes": flat.numel()})
-        what = f"ipc send {flat.numel()} B to rank {dst_rank}"
-        return _CallbackOp(lambda timeout_s: self._await(("copied", dst_rank, tag), timeout_s, what, flat))
+        msg = {"kind": "handle", "src": self.me.name, "tag": tag, "ipc": self._export(flat)}
+        self._push_to(dst, {**msg, "offset": flat.storage_offset(), "nbytes": flat.numel()})
+        what = f"ipc send {flat.numel()} B to {dst}"
+        return _CallbackOp(lambda timeout_s: self._await(("copied", dst, tag), timeout_s, what, flat))
 
-    def irecv(self, buf: torch.Tensor, src_rank: int, tag: int, lane: OpLane | None = None) -> PendingOp:
+    def irecv(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp:
         flat = _as_bytes(buf)
         if flat.numel() == 0:
             return _CallbackOp(lambda timeout_s: None)
-        what = f"ipc recv {flat.numel()} B from rank {src_rank}"
+        src = key.other(self.me).name
+        what = f"ipc recv {flat.numel()} B from {src}"
 
         def finish(timeout_s: float) -> None:
-            msg = self._await(("handle", src_rank, tag), timeout_s, what, flat)
+            msg = self._await(("handle", src, tag), timeout_s, what, flat)
             offset, nbytes = int(msg["offset"]), int(msg["nbytes"])
-            shared = self._import(src_rank, msg["ipc"])
+            shared = self._import(src, msg["ipc"])
             if nbytes != flat.numel() or not 0 <= offset <= shared.numel() - nbytes:
                 raise TransferError(f"{what}: peer sent {nbytes} B at offset {offset} of {shared.numel()}")
             flat.copy_(shared[offset : offset + nbytes])
             torch.cuda.current_stream(flat.device).synchronize()
-            self._push_to(src_rank, {"kind": "copied", "src": self.rank, "tag": tag})
+            self._push_to(src, {"kind": "copied", "src": self.me.name, "tag": tag})
 
         return _CallbackOp(finish)
 
-    def _push_to(self, rank: int, msg: dict[str, Any]) -> None:
-        sock = self._push.get(rank)
+    def _push_to(self, peer: str, msg: dict[str, Any]) -> None:
+        sock = self._push.get(peer)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._endpoints[rank])
-            self._push[rank] = sock
+            sock.connect(self._endpoints[peer])
+            self._push[peer] = sock
         sock.send(msgpack.packb(msg, use_bin_type=True))
 
     def _await(
-        self, key: tuple[str, int, int], timeout_s: float, what: str, keep_alive: torch.Tensor
+        self, key: tuple[str, str, int], timeout_s: float, what: str, keep_alive: torch.Tensor
     ) -> dict[str, Any]:
         deadline = time.monotonic() + max(timeout_s, 0.0)
         while key not in self._stash:

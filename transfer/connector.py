@@ -7,9 +7,12 @@ on the wire, the receiver verifies and scatters chunk i while chunk i+1 arrives 
 Every wait is bounded by `timeout_s` (and on the receiver by the request's deadline); a side that fails
 sends an `abort` frame so its peer fails at once instead of waiting out its own timeout.
 
-`drop_peer(rank)` (either side, any thread) marks a rank dead: the transfer in flight with it fails within
-one poll interval, queued work for it is dropped, and it is never waited on again, so one dead peer does
-not stall the transfers of every other peer queued behind it.
+Peers are worker processes (worker id + incarnation), not ranks: each prefill/decode pair moves its bytes
+over its own two-rank group, built on first use (transfer/pairs.py), and every handshake frame is signed
+and checked (transfer/handshake.py). `drop_peer(worker_id, incarnation)` (either side, any thread) marks a
+peer dead: the transfer in flight with it fails within one poll interval, queued work for it is dropped,
+and it is never waited on again, so one dead peer does not stall the transfers of every other peer queued
+behind it.
 
 Block ownership: the sender never frees anything; see KVSender for `on_sent`.
 """

@@ -1,14 +1,22 @@
-"""KV-transfer boundary messages: msgpack-able dataclasses, the handshake frames and their checks.
+"""KV-transfer boundary messages: msgpack-able dataclasses, the handshake messages and their checks.
 
 This module imports nothing of the project and not torch, so the router can carry a `KVHandoff`.
-Every frame on a transfer socket is one msgpack map ``{"kind": <MessageKind>, "nonce": int, ...}``;
-never pickle.
+A handshake message is a kind (the frame's tag) and a body ``{"nonce": int, ...}``, carried in a frame
+signed with the cluster's secret (transfer/handshake.py, cluster/frames.py); never pickle. Bodies are
+rebuilt strictly (`parse_body`): unknown or missing fields and wrong types are refused.
+
+Peers are worker processes, named by worker id and incarnation; the bytes move over the pair's own
+two-rank process group (transfer/pairs.py), rank 0 the prefill side, built on first use at the
+pair's `generation` (a broken pair is rebuilt at the next one).
 
 Handshake for one request (decode side D asks prefill side P; see transfer/connector.py):
 
-    D -> P  request  {TransferRequest}       "send R into my blocks, skipping my first k"
+    D -> P  request  {TransferRequest}       "send R into my blocks, skipping my first k" (D's id,
+                                             incarnation, and the least pair generation D accepts)
     P -> D  header   {TransferHeader}        what P will send (layout, shape, bytes, chunking, checksum)
-    D -> P  ack      {num_slots}             header matches what D expects; all D's chunk recvs are posted
+                                             and the pair generation both now use (P joins that pair)
+    D -> P  ack      {num_slots}             header matches what D expects; D joined the pair; all D's
+                                             chunk recvs are posted
     P => D  <num_chunks chunks over the channel, chunk i on tag chunk_tag(tag, i)>
     D -> P  credit   {chunk}                 chunks up to i verified and scattered: their slots may take
                                              chunks up to i + num_slots (P sends a chunk only once the
@@ -28,7 +36,8 @@ so no recv D posted is left without its send; only a dropped (dead) peer is exem
 from __future__ import annotations
 
 import dataclasses
-import enum
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +81,12 @@ class TransferRejectedError(TransferError):
 
 
 class TransferPeerLostError(TransferError):
-    """The peer rank was dropped (`drop_peer`: marked dead); nothing more is sent to or awaited from it."""
+    """The peer was dropped (`drop_peer`: marked dead); nothing more is sent to or awaited from it."""
+
+
+class TransferPairError(TransferError):
+    """The pair's process group could not be built, or its connection broke (it is rebuilt, at the next
+    generation, on the pair's next use)."""
 
 
 _ERROR_TYPES: dict[str, type[TransferError]] = {
@@ -84,6 +98,7 @@ _ERROR_TYPES: dict[str, type[TransferError]] = {
         TransferChecksumError,
         TransferRejectedError,
         TransferPeerLostError,
+        TransferPairError,
     )
 }
 
@@ -91,15 +106,6 @@ _ERROR_TYPES: dict[str, type[TransferError]] = {
 def error_from_remote(error_type: str, message: str) -> TransferError:
     """Rebuild the exception the peer reported in an `abort` frame (unknown names -> TransferError)."""
     return _ERROR_TYPES.get(error_type, TransferError)(f"peer: {message}")
-
-
-class MessageKind(str, enum.Enum):
-    REQUEST = "request"
-    HEADER = "header"
-    ACK = "ack"
-    CREDIT = "credit"
-    DONE = "done"
-    ABORT = "abort"
 
 
 @dataclass(frozen=True)
@@ -143,11 +149,13 @@ class KVHandoff:
 
     The prefill side keeps R's blocks until the decode side's `done`, an abort, or `lease_expiry`
     (time.time() seconds), whichever comes first. `block_hashes` are the chained hashes of R's full
-    blocks (may be empty); the decode side uses them to find its own prefix-cache hit.
+    blocks (may be empty); the decode side uses them to find its own prefix-cache hit. The prefill side
+    is the process (`src_worker_id`, `src_incarnation`) whose handshake socket is `src_endpoint`.
     """
 
     request_id: str
-    src_rank: int
+    src_worker_id: str
+    src_incarnation: str
     src_endpoint: str
     layout: KVLayout
     num_tokens: int
@@ -165,11 +173,14 @@ class KVHandoff:
 
 @dataclass
 class TransferRequest:
-    """The decode side's ask: send `request_id` minus the first `skip_first_n_blocks` blocks."""
+    """The decode side's ask: send `request_id` minus the first `skip_first_n_blocks` blocks to the
+    process (`dst_worker_id`, `dst_incarnation`), over the pair at `generation` or a later one."""
 
     request_id: str
     nonce: int
-    dst_rank: int
+    dst_worker_id: str
+    dst_incarnation: str
+    generation: int
     skip_first_n_blocks: int
     num_dst_blocks: int
 
@@ -181,13 +192,16 @@ class TransferHeader:
     `shape` is the per-layer shape of the gathered blocks. The bytes (layer-major ``[L, n, 2, bs, h, d]``)
     move in `num_chunks` chunks of `chunk_bytes` payload bytes (the last one shorter), a whole number of
     one-layer block rows each; chunk i goes on tag ``chunk_tag(tag, i)`` and ends with its checksum
-    (`checksum` names the scheme; see transfer/staging.py). `tag` derives from the nonce.
+    (`checksum` names the scheme; see transfer/staging.py). `tag` derives from the nonce. The bytes move
+    over the pair of the two workers at `generation` (never below the request's), a `backend` group.
     """
 
     request_id: str
     nonce: int
-    src_rank: int
-    dst_rank: int
+    src_worker_id: str
+    dst_worker_id: str
+    generation: int
+    backend: str
     layout: KVLayout
     dtype: str
     shape: list[int]
@@ -222,6 +236,7 @@ class TransferResult:
     hash_seconds: float = 0.0
     scatter_seconds: float = 0.0
     blocked_seconds: float = 0.0
+    generation: int = -1  # of the pair that carried it (-1: no pair was agreed)
     error: str | None = None
     error_type: str | None = None
 
@@ -250,17 +265,25 @@ def validate_header(
     *,
     request_id: str,
     nonce: int,
-    src_rank: int,
-    dst_rank: int,
+    src_worker_id: str,
+    dst_worker_id: str,
+    min_generation: int,
+    backend: str,
     layout: KVLayout,
     num_blocks: int,
 ) -> None:
     """Raise TransferMismatchError naming the first field that differs from what the receiver expects."""
+    if header.generation < min_generation:
+        raise TransferMismatchError(
+            f"transfer header mismatch for request {header.request_id!r}: generation is "
+            f"{header.generation}, expected >= {min_generation}"
+        )
     expected: dict[str, Any] = {
         "request_id": request_id,
         "nonce": nonce,
-        "src_rank": src_rank,
-        "dst_rank": dst_rank,
+        "src_worker_id": src_worker_id,
+        "dst_worker_id": dst_worker_id,
+        "backend": backend,
         "layout": layout,
         "dtype": layout.dtype,
         "num_blocks": num_blocks,
@@ -293,26 +316,6 @@ def validate_header(
         )
 
 
-def encode_message(kind: MessageKind, nonce: int, **body: Any) -> bytes:
-    """One handshake frame. Dataclass values are flattened to dicts."""
-    payload = {k: to_dict(v) for k, v in body.items()}
-    packed: bytes = msgpack.packb({"kind": kind.value, "nonce": nonce, **payload}, use_bin_type=True)
-    return packed
-
-
-def decode_message(data: bytes) -> tuple[MessageKind, int, dict[str, Any]]:
-    """Inverse of `encode_message`; malformed frames raise TransferError (never a KeyError deep inside)."""
-    try:
-        msg = _unpack(data)
-        kind = MessageKind(msg.pop("kind"))
-        nonce = msg.pop("nonce")
-    except (ValueError, KeyError, TypeError, TransferError, msgpack.UnpackException) as e:
-        raise TransferError(f"malformed transfer frame: {e}") from e
-    if not isinstance(nonce, int):
-        raise TransferError(f"malformed transfer frame: nonce {nonce!r} is not an int")
-    return kind, nonce, msg
-
-
 def to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -321,30 +324,66 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def layout_from_dict(d: dict[str, Any]) -> KVLayout:
+def layout_from_dict(d: Any) -> KVLayout:
     return _build(KVLayout, d)
 
 
-def handoff_from_dict(d: dict[str, Any]) -> KVHandoff:
-    return _build(KVHandoff, {**d, "layout": layout_from_dict(d["layout"])})
+def handoff_from_dict(d: Any) -> KVHandoff:
+    return _build(KVHandoff, d)
 
 
-def request_from_dict(d: dict[str, Any]) -> TransferRequest:
+def request_from_dict(d: Any) -> TransferRequest:
     return _build(TransferRequest, d)
 
 
-def header_from_dict(d: dict[str, Any]) -> TransferHeader:
-    return _build(TransferHeader, {**d, "layout": layout_from_dict(d["layout"])})
+def header_from_dict(d: Any) -> TransferHeader:
+    return _build(TransferHeader, d)
 
 
-def _build(cls: Any, d: dict[str, Any]) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
+def _check(tp: Any, value: Any, path: str) -> Any:
+    """`value` as type `tp` (one of the field types used above), or TransferError naming `path`."""
+    if tp is KVLayout:
+        return _build(KVLayout, value)
+    if tp in (int, str, bool, bytes):
+        if type(value) is not tp:
+            raise TransferError(f"{path} must be {tp.__name__}, got {type(value).__name__}")
+        return value
+    if tp is float:
+        if type(value) not in (int, float) or value != value or value in (float("inf"), float("-inf")):
+            raise TransferError(f"{path} must be a finite number, got {value!r}"[:200])
+        return float(value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        if type(value) is not list:
+            raise TransferError(f"{path} must be a list, got {type(value).__name__}")
+        return [_check(args[0], x, path) for x in value]
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if type(value) is arg:
+                return value
+        raise TransferError(f"{path} must be one of {[a.__name__ for a in args]}, got {type(value).__name__}")
+    raise TypeError(f"no check for {tp!r}")
+
+
+def _build(cls: Any, d: Any) -> Any:
+    if not isinstance(d, dict):
+        raise TransferError(f"{cls.__name__} must be a map, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    unknown = sorted(str(k) for k in d if k not in hints)
     if unknown:
-        raise TransferError(f"unknown {cls.__name__} field(s) {unknown}")
+        raise TransferError(f"unknown {cls.__name__} field(s) {unknown[:8]}")
+    missing = sorted(
+        f.name
+        for f in fields
+        if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise TransferError(f"missing {cls.__name__} field(s) {missing}")
+    kwargs = {k: _check(hints[k], v, f"{cls.__name__}.{k}") for k, v in d.items()}
     try:
-        return cls(**d)
-    except TypeError as e:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
         raise TransferError(f"bad {cls.__name__}: {e}") from e
 
 
@@ -354,7 +393,10 @@ def _pack(obj: Any) -> bytes:
 
 
 def _unpack(data: bytes) -> dict[str, Any]:
-    obj = msgpack.unpackb(data, raw=False)
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise TransferError(f"not a msgpack map: {type(e).__name__}: {e}"[:200]) from None
     if not isinstance(obj, dict):
         raise TransferError(f"expected a msgpack map, got {type(obj).__name__}")
     return obj

@@ -1,7 +1,8 @@
 """KVReceiver (decode side): fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
 
-Per transfer: REQUEST -> sender's HEADER (validated) -> post the recv of every chunk into its slot of a
-staging ring -> ACK -> verify and scatter chunk i while the next chunks arrive, then CREDIT its slot ->
+Per transfer: REQUEST (with the least pair generation this side accepts) -> sender's HEADER (validated)
+-> join the pair at the header's generation (built and warmed up if new) -> post the recv of every chunk
+into its slot of a staging ring -> ACK -> verify and scatter chunk i while the next chunks arrive, then CREDIT its slot ->
 sync the side's stream -> DONE. See transfer/protocol.py and transfer/ring.py.
 """
 
@@ -20,20 +21,18 @@ from typing import Any
 import torch
 import zmq
 
-from transfer.channel import Channel, OpLane
+from transfer.channel import Channel, OpLane, PendingOp
+from transfer.handshake import MessageKind
+from transfer.peers import DECODE_RANK, PairKey, PeerId
 from transfer.protocol import (
     KVHandoff,
-    MessageKind,
     TransferError,
     TransferPeerLostError,
     TransferRequest,
     TransferResult,
     TransferTimeoutError,
     chunk_tag,
-    decode_message,
-    encode_message,
     error_from_remote,
-    header_from_dict,
     tag_for_nonce,
     validate_header,
 )
@@ -54,20 +53,22 @@ class KVReceiver(Side):
     """Decode side: fetches a handoff's KV into blocks the caller reserved, one transfer at a time.
 
     Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; the
-    sender runs up to `num_slots` chunks ahead of the scatter.
+    sender runs up to `num_slots` chunks ahead of the scatter. `me` is this process (the sender addresses
+    its frames to it); every frame is checked against `secret` (transfer/handshake.py).
     """
 
     def __init__(
         self,
         kv: torch.Tensor,
         *,
-        rank: int,
+        me: PeerId,
         channel: Channel,
+        secret: bytes,
         timeout_s: float = 30.0,
         zmq_context: zmq.Context[Any] | None = None,
         num_slots: int = NUM_SLOTS,
     ) -> None:
-        super().__init__(kv, rank, channel, timeout_s, zmq_context, num_slots)
+        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots)
         self._jobs: deque[_Job] = deque()
         self._jobs_cond = threading.Condition(self._lock)
         self._dealers: dict[str, zmq.Socket[Any]] = {}
@@ -83,7 +84,7 @@ class KVReceiver(Side):
 
         The future resolves to a TransferResult or raises a TransferError, either way within `timeout_s`
         of this call (or by `deadline`, time.time() seconds, if sooner; queueing behind other transfers
-        counts), and at once (TransferPeerLostError) if the handoff's rank is or gets dropped. On success
+        counts), and at once (TransferPeerLostError) if the handoff's peer is or gets dropped. On success
         the blocks are written and visible (device synchronized); on failure they may hold partial data
         (chunks verified before the failure; a sender failing mid-transfer may also land junk in a slot
         between its digest check and its scatter) and stay the caller's to free or reuse: never use
@@ -100,7 +101,8 @@ class KVReceiver(Side):
         budget = self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.time())
         job = _Job(handoff, ids, skip_first_n_blocks, time.monotonic() + budget, Future())
         with self._jobs_cond:
-            is_dropped = handoff.src_rank in self._dropped
+            self._seen.add(_src(handoff))
+            is_dropped = _src(handoff) in self._dropped
             if not is_dropped:
                 self._jobs.append(job)
                 self._jobs_cond.notify()
@@ -118,20 +120,20 @@ class KVReceiver(Side):
         """Blocking `submit`: returns the result or raises the TransferError."""
         return self.submit(handoff, dst_block_ids, skip_first_n_blocks, deadline).result()
 
-    def drop_peer(self, rank: int) -> None:
-        """Side.drop_peer, and the queued fetches from `rank` fail at once (TransferPeerLostError)."""
+    def drop_peer(self, worker_id: str, incarnation: str | None = None) -> set[PeerId]:
+        """Side.drop_peer, and the queued fetches from it fail at once (TransferPeerLostError)."""
+        peers = super().drop_peer(worker_id, incarnation)
         with self._jobs_cond:
-            self._dropped.add(rank)
-            dropped_jobs = [j for j in self._jobs if j.handoff.src_rank == rank]
+            dropped_jobs = [j for j in self._jobs if _src(j.handoff) in peers]
             for job in dropped_jobs:
                 self._jobs.remove(job)
         for job in dropped_jobs:
             self._fail_job(job)
+        return peers
 
     def _fail_job(self, job: _Job) -> None:
-        rank = job.handoff.src_rank
         error = TransferPeerLostError(
-            f"peer rank {rank} was dropped (marked dead) by rank {self.rank}: "
+            f"peer {_src(job.handoff).name} was dropped (marked dead) by {self.me.name}: "
             f"not fetching {job.handoff.request_id!r}"
         )
         result = TransferResult(job.handoff.request_id, ok=False, num_blocks=len(job.dst_block_ids))
@@ -178,25 +180,28 @@ class KVReceiver(Side):
             self._dealers[endpoint] = sock
         return sock
 
-    def _poll(self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int) -> tuple[MessageKind, Any] | None:
-        """One frame of this transfer if it comes within `timeout_ms`; raises PeerAbort on `abort`."""
+    def _poll(
+        self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int
+    ) -> tuple[MessageKind, dict[str, Any]] | None:
+        """One frame of this transfer if it comes within `timeout_ms`; raises PeerAbort on `abort`.
+        Frames that fail a check are counted and dropped (transfer/handshake.py)."""
         if not sock.poll(timeout_ms):
             return None
-        try:
-            kind, got_nonce, body = decode_message(sock.recv())
-        except TransferError:
+        message = self._frames.decode(sock.recv())
+        if message is None:
             return None
+        kind, got_nonce, body = message
         if got_nonce != nonce:
             return None  # a late frame of an abandoned transfer
         if kind is MessageKind.ABORT:
-            raise PeerAbort(error_from_remote(body.get("error_type", ""), body.get("message", "")))
+            raise PeerAbort(error_from_remote(body["error_type"], body["message"]))
         return kind, body
 
     def _await(
         self, sock: zmq.Socket[Any], job: _Job, nonce: int, want: MessageKind, deadline: float
     ) -> dict[str, Any]:
         while True:
-            self._check_peer(job.handoff.src_rank)
+            self._check_peer(_src(job.handoff))
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise TransferTimeoutError(f"no {want.value} from the sender before the transfer deadline")
@@ -212,35 +217,49 @@ class KVReceiver(Side):
         t0 = time.monotonic()
         error: TransferError | None = None
         handoff, dst_ids = job.handoff, job.dst_block_ids
-        src_rank = handoff.src_rank
+        src = _src(handoff)
         result = TransferResult(handoff.request_id, ok=False, num_blocks=len(dst_ids))
         sock = self._dealer(handoff.src_endpoint)
         nonce = secrets.randbits(63)
-        request = TransferRequest(handoff.request_id, nonce, self.rank, job.skip_first_n_blocks, len(dst_ids))
+        generation = self._channel.generation(src, self.me)
+        request = TransferRequest(
+            handoff.request_id,
+            nonce,
+            self.me.worker_id,
+            self.me.incarnation,
+            generation,
+            job.skip_first_n_blocks,
+            len(dst_ids),
+        )
+        key: PairKey | None = None
+        ops: list[PendingOp] = []
         is_sent = False
         try:
-            self._check_peer(src_rank)
+            self._check_peer(src)
             if time.monotonic() >= job.deadline:
                 raise TransferTimeoutError(f"deadline passed while {handoff.request_id!r} was queued")
-            sock.send(encode_message(MessageKind.REQUEST, nonce, request=request), zmq.NOBLOCK)
+            self._send(sock, src, MessageKind.REQUEST, nonce, request=request)
             is_sent = True
-            header = header_from_dict(
-                self._await(sock, job, nonce, MessageKind.HEADER, job.deadline)["header"]
-            )
+            header = self._await(sock, job, nonce, MessageKind.HEADER, job.deadline)["header"]
             validate_header(
                 header,
                 request_id=handoff.request_id,
                 nonce=nonce,
-                src_rank=src_rank,
-                dst_rank=self.rank,
+                src_worker_id=src.worker_id,
+                dst_worker_id=self.me.worker_id,
+                min_generation=generation,
+                backend=self._channel.backend,
                 layout=self.layout,
                 num_blocks=len(dst_ids),
             )
-            result.nbytes = header.nbytes
+            result.nbytes, result.generation = header.nbytes, header.generation
+            key = PairKey(src, self.me, header.generation)
+            joined = self._channel.connect(key, DECODE_RANK)
+            self._wait_op(joined, job.deadline, lambda: self._check_and_poll(sock, src, nonce))
             plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
             with self._on_stream():
-                self._receive_chunks(sock, job, nonce, plan, result)
-            sock.send(encode_message(MessageKind.DONE, nonce), zmq.NOBLOCK)
+                self._receive_chunks(sock, job, key, nonce, plan, result, ops)
+            self._send(sock, src, MessageKind.DONE, nonce)
             result.ok = True
         except PeerAbort as e:
             error = e.error
@@ -250,36 +269,50 @@ class KVReceiver(Side):
             fail(result, error)
             if is_sent and not isinstance(error, TransferPeerLostError):
                 with contextlib.suppress(zmq.ZMQError):  # best effort: the sender times out anyway
-                    sock.send(abort_frame(nonce, error), zmq.NOBLOCK)
+                    sock.send(abort_frame(self._frames, src, nonce, error), zmq.NOBLOCK)
         if not result.ok:
             self._drop_staging()
+            if key is not None:
+                self._channel.abandon(key, ops)
         result.seconds = time.monotonic() - t0
         self._record(result)
         return result, error
 
+    def _send(self, sock: zmq.Socket[Any], to: PeerId, kind: MessageKind, nonce: int, **fields: Any) -> None:
+        sock.send(self._frames.encode(to.name, kind, nonce, **fields), zmq.NOBLOCK)
+
+    def _check_and_poll(self, sock: zmq.Socket[Any], src: PeerId, nonce: int) -> None:
+        """Give up on a dropped peer or on its `abort` (PeerAbort); other frames of this transfer wait."""
+        self._check_peer(src)
+        self._poll(sock, nonce, 0)
+
     def _receive_chunks(
-        self, sock: zmq.Socket[Any], job: _Job, nonce: int, plan: ChunkPlan, result: TransferResult
+        self,
+        sock: zmq.Socket[Any],
+        job: _Job,
+        key: PairKey,
+        nonce: int,
+        plan: ChunkPlan,
+        result: TransferResult,
+        ops: list[PendingOp],
     ) -> None:
-        """Post the recv of every chunk into its ring slot, ack, then verify and scatter each chunk as it
-        lands and credit the sender with its slot. Counts the phases' seconds in `result`. Runs on the
-        side's stream."""
-        src_rank = job.handoff.src_rank
+        """Post the recv of every chunk into its ring slot (into `ops`), ack, then verify and scatter each
+        chunk as it lands and credit the sender with its slot. Counts the phases' seconds in `result`.
+        Runs on the side's stream."""
+        src = key.prefill
         num_slots = min(self.num_slots, plan.num_chunks)
         ring = self._ring(plan, nonce, num_slots)
         index = block_index(job.dst_block_ids, self._kv.device)
         tag = tag_for_nonce(nonce)
-        lane = OpLane(f"recv-{src_rank}")
-        what = f"{job.handoff.request_id!r} from rank {src_rank}"
-        ops = [
-            self._channel.irecv(ring.wire(c), src_rank, chunk_tag(tag, c), lane)
-            for c in range(plan.num_chunks)
-        ]
-        sock.send(encode_message(MessageKind.ACK, nonce, num_slots=self.num_slots), zmq.NOBLOCK)
+        lane = OpLane(f"recv-{src.worker_id}")
+        what = f"{job.handoff.request_id!r} from {src.name}"
+        for c in range(plan.num_chunks):
+            ops.append(self._channel.irecv(ring.wire(c), key, chunk_tag(tag, c), lane))
+        self._send(sock, src, MessageKind.ACK, nonce, num_slots=self.num_slots)
         t_wire = time.monotonic()
 
         def check() -> None:
-            self._check_peer(src_rank)
-            self._poll(sock, nonce, 0)
+            self._check_and_poll(sock, src, nonce)
 
         # NOTE: a credit every few chunks (each covers every chunk drained so far): every frame costs a
         # wakeup of both sides' ZMQ threads, and the sender still has `num_slots - credit_every` chunks in
@@ -292,8 +325,12 @@ class KVReceiver(Side):
                 ring.drain(self._rows, index, chunk, what)
                 if chunk <= last_needed and ((chunk + 1) % credit_every == 0 or chunk == last_needed):
                     ring.release(chunk)
-                    sock.send(encode_message(MessageKind.CREDIT, nonce, chunk=chunk), zmq.NOBLOCK)
+                    self._send(sock, src, MessageKind.CREDIT, nonce, chunk=chunk)
             ring.finish()
         finally:
             result.hash_seconds, result.scatter_seconds = ring.hash_seconds, ring.scatter_seconds
         result.wire_seconds = time.monotonic() - t_wire
+
+
+def _src(handoff: KVHandoff) -> PeerId:
+    return PeerId(handoff.src_worker_id, handoff.src_incarnation)

@@ -1,7 +1,8 @@
 """KVSender (prefill side): serves transfer requests for the requests it `offer`ed, one at a time.
 
-Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, digest scheme) ->
-receiver's ACK (all its chunk recvs posted) -> pipelined chunks: gather chunk i into a ring slot and seal
+Per transfer: the receiver's REQUEST -> HEADER (whole transfer: bytes, chunking, digest scheme, the pair's
+generation; the sender joins that pair, building it if new) -> receiver's ACK (it joined the pair too,
+and posted all its chunk recvs) -> pipelined chunks: gather chunk i into a ring slot and seal
 it with its digest while the chunks before it are on the wire, send it once the receiver credited the
 slot it lands in -> receiver's DONE. See transfer/protocol.py and transfer/ring.py.
 """
@@ -19,11 +20,13 @@ from typing import Any
 import torch
 import zmq
 
+from cluster.frames import REASON_BAD_FIELD, REASON_MALFORMED
 from transfer.channel import Channel, OpLane, PendingOp
+from transfer.handshake import Message, MessageKind
+from transfer.peers import PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import (
     CHECKSUM_SCHEME,
     KVHandoff,
-    MessageKind,
     TransferError,
     TransferHeader,
     TransferMismatchError,
@@ -33,10 +36,7 @@ from transfer.protocol import (
     TransferResult,
     TransferTimeoutError,
     chunk_tag,
-    decode_message,
-    encode_message,
     error_from_remote,
-    request_from_dict,
     tag_for_nonce,
 )
 from transfer.side import (
@@ -73,16 +73,19 @@ class KVSender(Side):
 
     `offer` takes the request's block ids and keeps a frozen copy: the transfer thread never reads the
     engine's tables, and the blocks' bytes must not change until `on_sent` (or a withdrawing `abort`). Bind
-    `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`). `chunk_bytes` is the pipelining unit
-    (rounded down to whole block rows); staging holds `num_slots` of them whatever the transfer's size.
+    `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`), the handshake socket, where every
+    frame is checked against `secret` (transfer/handshake.py). `me` is this process (the handoff names it).
+    `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds `num_slots` of
+    them whatever the transfer's size.
     """
 
     def __init__(
         self,
         kv: torch.Tensor,
         *,
-        rank: int,
+        me: PeerId,
         channel: Channel,
+        secret: bytes,
         on_sent: Callable[[str, bool], None],
         endpoint: str = "tcp://127.0.0.1:*",
         timeout_s: float = 30.0,
@@ -91,16 +94,16 @@ class KVSender(Side):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_slots: int = NUM_SLOTS,
     ) -> None:
-        super().__init__(kv, rank, channel, timeout_s, zmq_context, num_slots)
+        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots)
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
         self._leases: dict[str, _Lease] = {}
         self._pending: deque[tuple[bytes, TransferRequest]] = deque()
-        # (ident, nonce) -> (dst_rank, tag, plan) of transfers we gave up on while waiting for the ack
         self._num_posted = 0  # chunks of the transfer in flight posted so far
         self._is_done_early = False  # its `done` came while we waited for our sends to complete
-        self._abandoned: dict[tuple[bytes, int], tuple[int, int, ChunkPlan]] = {}
+        # (ident, nonce) -> (pair, tag, plan) of transfers we gave up on while waiting for the ack
+        self._abandoned: dict[tuple[bytes, int], tuple[PairKey, int, ChunkPlan]] = {}
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
@@ -136,7 +139,8 @@ class KVSender(Side):
             self._leases[request_id] = _Lease(ids, expiry=time.monotonic() + lease, ready=ready)
         return KVHandoff(
             request_id=request_id,
-            src_rank=self.rank,
+            src_worker_id=self.me.worker_id,
+            src_incarnation=self.me.incarnation,
             src_endpoint=self.endpoint,
             layout=self.layout,
             num_tokens=num_tokens,
@@ -180,7 +184,7 @@ class KVSender(Side):
                     elif self._sock.poll(int(POLL_S * 1000)):
                         self._on_frame(self._sock.recv_multipart(), None)
                 except Exception:  # NOTE: e.g. a raising on_sent callback must not stop all transfers
-                    logger.exception("KVSender rank %d: transfer thread error", self.rank)
+                    logger.exception("KVSender %s: transfer thread error", self.me.name)
         finally:
             self._sock.close(linger=0)
 
@@ -193,9 +197,9 @@ class KVSender(Side):
             dropped = set(self._dropped)
         if not dropped:
             return
-        for item in [p for p in self._pending if p[1].dst_rank in dropped]:
+        for item in [p for p in self._pending if _dst(p[1]) in dropped]:
             self._pending.remove(item)
-        for key in [k for k, v in self._abandoned.items() if v[0] in dropped]:
+        for key in [k for k, v in self._abandoned.items() if v[0].decode in dropped]:
             del self._abandoned[key]
 
     def _expire_leases(self) -> None:
@@ -214,48 +218,52 @@ class KVSender(Side):
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer times out anyway
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
 
-    def _on_frame(
-        self, frames: list[bytes], waiting: tuple[bytes, int] | None
-    ) -> tuple[MessageKind, Any] | None:
-        """Queue requests, drop stale frames; return (kind, body) if it answers `waiting` (ident, nonce)."""
+    def _on_frame(self, frames: list[bytes], waiting: tuple[bytes, int] | None) -> Message | None:
+        """Queue requests, drop stale frames; return the message if it answers `waiting` (ident, nonce).
+        Frames that fail a check are counted and dropped (transfer/handshake.py)."""
         if len(frames) != 2:
+            self._frames.reject(REASON_MALFORMED)
             return None
         ident, data = frames
-        try:
-            kind, nonce, body = decode_message(data)
-        except TransferError:
+        message = self._frames.decode(data)
+        if message is None:
             return None
+        kind, nonce, body = message
         if waiting == (ident, nonce):
-            return kind, body
+            return message
         if kind is MessageKind.REQUEST:
+            req = body["request"]
+            if req.nonce != nonce:
+                self._frames.reject(REASON_BAD_FIELD)
+                return None
+            self._see(_dst(req))
             try:
-                req = request_from_dict(body["request"])
-                self._check_peer(req.dst_rank)
+                self._check_peer(_dst(req))
                 self._pending.append((ident, req))
-            except (TransferError, KeyError) as e:
-                self._reply(ident, abort_frame(nonce, as_transfer_error(e)))
+            except TransferError as e:
+                self._reply(ident, abort_frame(self._frames, _dst(req), nonce, e))
         elif kind is MessageKind.ACK and (ident, nonce) in self._abandoned:
             # NOTE: the receiver posted its recvs before acking; feed them junk (its checksum fails) so
             # no recv stays pending forever, which would close the gloo pair at the group timeout.
-            dst_rank, tag, plan = self._abandoned.pop((ident, nonce))
+            key, tag, plan = self._abandoned.pop((ident, nonce))
             try:
-                self._feed_junk(plan, 0, dst_rank, tag)
+                self._feed_junk(plan, 0, key, tag)
             except Exception:  # NOTE: must not fail the transfer this frame interrupted
-                logger.exception("KVSender rank %d: could not feed an abandoned recv", self.rank)
+                logger.exception("KVSender %s: could not feed an abandoned recv", self.me.name)
         elif kind is MessageKind.ABORT:  # the receiver gave up before we served it
             for item in [p for p in self._pending if p[0] == ident and p[1].nonce == nonce]:
                 self._pending.remove(item)
                 self._finish_lease(item[1].request_id, False)
         return None
 
-    def _feed_junk(self, plan: ChunkPlan, first_chunk: int, dst_rank: int, tag: int) -> None:
+    def _feed_junk(self, plan: ChunkPlan, first_chunk: int, key: PairKey, tag: int) -> None:
         if first_chunk >= plan.num_chunks:
             return
         junk = self._scratch(plan.stride)
         junk_chunk(junk)
-        lane = OpLane(f"junk-{dst_rank}")
+        lane = OpLane(f"junk-{key.decode.worker_id}")
         for chunk in range(first_chunk, plan.num_chunks):
-            self._channel.isend(chunk_view(junk, plan, chunk), dst_rank, chunk_tag(tag, chunk), lane)
+            self._channel.isend(chunk_view(junk, plan, chunk), key, chunk_tag(tag, chunk), lane)
 
     def _finish_lease(self, request_id: str, ok: bool) -> None:
         with self._lock:
@@ -263,21 +271,23 @@ class KVSender(Side):
         if lease is not None:
             self._on_sent(request_id, ok)
 
-    def _poll(self, ident: bytes, nonce: int, timeout_ms: int) -> tuple[MessageKind, Any] | None:
+    def _poll(self, ident: bytes, nonce: int, timeout_ms: int) -> tuple[MessageKind, dict[str, Any]] | None:
         """One frame for (ident, nonce) if it comes within `timeout_ms`; raises PeerAbort on `abort`."""
         if not self._sock.poll(timeout_ms):
             return None
         reply = self._on_frame(self._sock.recv_multipart(), (ident, nonce))
-        if reply is not None and reply[0] is MessageKind.ABORT:
-            body = reply[1]
-            raise PeerAbort(error_from_remote(body.get("error_type", ""), body.get("message", "")))
-        return reply
+        if reply is None:
+            return None
+        kind, _, body = reply
+        if kind is MessageKind.ABORT:
+            raise PeerAbort(error_from_remote(body["error_type"], body["message"]))
+        return kind, body
 
     def _await(
         self, ident: bytes, req: TransferRequest, want: MessageKind, deadline: float
     ) -> dict[str, Any]:
         while True:
-            self._check_peer(req.dst_rank)
+            self._check_peer(_dst(req))
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise TransferTimeoutError(f"no {want.value} from the receiver within {self.timeout_s:.3f}s")
@@ -293,37 +303,49 @@ class KVSender(Side):
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         result = TransferResult(req.request_id, ok=False)
+        peer = _dst(req)
         with self._lock:
             lease = self._leases.get(req.request_id)
             if lease is not None:
                 lease.in_flight = True
         plan: ChunkPlan | None = None
+        key: PairKey | None = None
+        ops: list[PendingOp] = []
         self._num_posted = 0
         self._is_done_early = False
         is_acked = False  # NOTE: from the ack on, the receiver's recvs are posted and must all be fed
         try:
             if lease is None:
                 raise TransferRejectedError(
-                    f"rank {self.rank} does not hold request {req.request_id!r} (unknown, aborted or expired)"
+                    f"{self.me.name} does not hold request {req.request_id!r} (unknown, aborted or expired)"
                 )
-            header, plan, block_ids = self._prepare(req, lease)
-            result.num_blocks, result.nbytes = header.num_blocks, header.nbytes
-            self._reply(ident, encode_message(MessageKind.HEADER, req.nonce, header=header))
+            # NOTE: the receiver asks for the least generation it accepts; ours may be later (we saw the
+            # pair break): the header says which one both use, and both join it.
+            generation = max(req.generation, self._channel.generation(self.me, peer))
+            key = PairKey(self.me, peer, generation)
+            header, plan, block_ids = self._prepare(req, lease, key)
+            result.num_blocks, result.nbytes, result.generation = header.num_blocks, header.nbytes, generation
+            self._reply(ident, self._frames.encode(peer.name, MessageKind.HEADER, req.nonce, header=header))
+            joined = self._channel.connect(key, PREFILL_RANK)
             try:
                 ack = self._await(ident, req, MessageKind.ACK, deadline)
             except TransferTimeoutError:
                 if plan.num_chunks:
                     if len(self._abandoned) >= 64:
                         self._abandoned.pop(next(iter(self._abandoned)))
-                    self._abandoned[(ident, req.nonce)] = (req.dst_rank, header.tag, plan)
+                    self._abandoned[(ident, req.nonce)] = (key, header.tag, plan)
                 raise
             is_acked = True
-            recv_slots = ack.get("num_slots")
-            if not isinstance(recv_slots, int) or isinstance(recv_slots, bool) or recv_slots < 1:
+            recv_slots = ack["num_slots"]
+            if recv_slots < 1:
                 raise TransferError(f"the receiver's ack has no valid num_slots: {recv_slots!r}")
+            # NOTE: the receiver acks once it joined the pair, so ours is built by now (or it failed)
+            self._wait_op(joined, deadline, lambda: self._check_peer(peer))
             t_wire = time.monotonic()
             with self._on_stream():
-                self._send_chunks(ident, req, plan, block_ids, lease.ready, recv_slots, deadline, result)
+                self._send_chunks(
+                    ident, req, key, plan, block_ids, lease.ready, recv_slots, deadline, result, ops
+                )
             result.wire_seconds = time.monotonic() - t_wire
             if not self._is_done_early:
                 self._await(ident, req, MessageKind.DONE, deadline)
@@ -334,14 +356,16 @@ class KVSender(Side):
             error = as_transfer_error(e)
             fail(result, error)
             if not isinstance(error, TransferPeerLostError):
-                self._reply(ident, abort_frame(req.nonce, error))
+                self._reply(ident, abort_frame(self._frames, peer, req.nonce, error))
         if not result.ok:
             self._drop_staging()
-            if is_acked and plan is not None and not self.is_dropped(req.dst_rank):
+            if is_acked and key is not None and plan is not None and not self.is_dropped(peer):
                 try:
-                    self._feed_junk(plan, self._num_posted, req.dst_rank, tag_for_nonce(req.nonce))
+                    self._feed_junk(plan, self._num_posted, key, tag_for_nonce(req.nonce))
                 except Exception:  # NOTE: on_sent below must still run
-                    logger.exception("KVSender rank %d: could not feed the receiver's recvs", self.rank)
+                    logger.exception("KVSender %s: could not feed the receiver's recvs", self.me.name)
+            if key is not None:
+                self._channel.abandon(key, ops)
         result.seconds = time.monotonic() - t0
         self._record(result)
         if lease is not None:
@@ -351,24 +375,25 @@ class KVSender(Side):
         self,
         ident: bytes,
         req: TransferRequest,
+        key: PairKey,
         plan: ChunkPlan,
         block_ids: Sequence[int],
         ready: Any,
         recv_slots: int,
         deadline: float,
         result: TransferResult,
+        ops: list[PendingOp],
     ) -> None:
         """Gather, seal and post every chunk through the ring; counts them in `_num_posted` (junk feeds the
         rest if this raises) and the phases' seconds in `result`. Chunk i waits for its own slot (the send
-        of chunk i - num_slots done) and for the receiver's (the credit of chunk i - recv_slots). Runs on
-        the side's stream."""
+        of chunk i - num_slots done) and for the receiver's (the credit of chunk i - recv_slots); `ops`
+        collects the sends. Runs on the side's stream."""
         num_slots = min(self.num_slots, plan.num_chunks)
         ring = self._ring(plan, req.nonce, num_slots)
         ring.start(ready)
         index = block_index(block_ids, self._kv.device)
         tag = tag_for_nonce(req.nonce)
-        lane = OpLane(f"send-{req.dst_rank}")
-        ops: list[PendingOp] = []
+        lane = OpLane(f"send-{key.decode.worker_id}")
         num_credited = 0  # chunks the receiver has drained
 
         def take(timeout_ms: int) -> bool:
@@ -378,7 +403,7 @@ class KVSender(Side):
             if reply is None:
                 return False
             kind, body = reply
-            if kind is MessageKind.CREDIT and isinstance(body.get("chunk"), int):
+            if kind is MessageKind.CREDIT:
                 num_credited = max(num_credited, body["chunk"] + 1)
             elif kind is MessageKind.DONE:  # NOTE: may overtake our wait for the last sends' completion
                 self._is_done_early = True
@@ -387,7 +412,7 @@ class KVSender(Side):
             return True
 
         def check() -> None:
-            self._check_peer(req.dst_rank)
+            self._check_peer(key.decode)
             while take(0):
                 pass
 
@@ -408,7 +433,7 @@ class KVSender(Side):
                 wire = ring.fill(self._rows, index, chunk)
                 if chunk >= recv_slots:  # the receiver's slot is free once it drained its last chunk
                     await_credit(chunk - recv_slots)
-                ops.append(self._channel.isend(wire, req.dst_rank, chunk_tag(tag, chunk), lane))
+                ops.append(self._channel.isend(wire, key, chunk_tag(tag, chunk), lane))
                 self._num_posted = chunk + 1
                 check()
             for op in ops[-num_slots:] if num_slots else []:
@@ -417,7 +442,7 @@ class KVSender(Side):
             result.gather_seconds, result.hash_seconds = ring.gather_seconds, ring.hash_seconds
 
     def _prepare(
-        self, req: TransferRequest, lease: _Lease
+        self, req: TransferRequest, lease: _Lease, key: PairKey
     ) -> tuple[TransferHeader, ChunkPlan, tuple[int, ...]]:
         """Check the request against the blocks we hold and describe the whole transfer."""
         block_ids = lease.block_ids
@@ -436,8 +461,10 @@ class KVSender(Side):
         header = TransferHeader(
             request_id=req.request_id,
             nonce=req.nonce,
-            src_rank=self.rank,
-            dst_rank=req.dst_rank,
+            src_worker_id=self.me.worker_id,
+            dst_worker_id=req.dst_worker_id,
+            generation=key.generation,
+            backend=self._channel.backend,
             layout=self.layout,
             dtype=self.layout.dtype,
             shape=self.layout.layer_shape(num_blocks),
@@ -449,3 +476,7 @@ class KVSender(Side):
             tag=tag_for_nonce(req.nonce),
         )
         return header, plan, block_ids[skip:]
+
+
+def _dst(req: TransferRequest) -> PeerId:
+    return PeerId(req.dst_worker_id, req.dst_incarnation)

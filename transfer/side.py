@@ -1,9 +1,11 @@
 """What KVSender and KVReceiver share: the KV view, channel, staging buffer, the transfer thread, results,
-counters, dropped (dead) peers, and a bounded, interruptible wait on a channel op."""
+counters, signed handshake frames, dropped (dead) peers, and a bounded, interruptible wait on a channel
+op."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -15,17 +17,19 @@ import zmq
 
 from cluster.protocol import TransferStats
 from transfer.channel import Channel, PendingOp, layout_of
+from transfer.handshake import HandshakeFrames, MessageKind
+from transfer.peers import PeerId
 from transfer.protocol import (
-    MessageKind,
     TransferError,
     TransferPeerLostError,
     TransferResult,
     TransferTimeoutError,
-    encode_message,
     row_bytes_of,
 )
 from transfer.ring import StagingRing, on_stream
 from transfer.staging import ChunkPlan, kv_rows
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 # NOTE: 4 slots of 4 MiB bound staging to 16 MiB per side whatever the transfer's size. On the 2-core CPU box
@@ -45,13 +49,14 @@ class PeerAbort(Exception):
 
 class Side:
     """Base of KVSender / KVReceiver: one transfer thread, reused staging buffers, its own CUDA stream,
-    dropped peers."""
+    handshake frames signed with ``secret`` and addressed to ``me`` (this process), dropped peers."""
 
     def __init__(
         self,
         kv: torch.Tensor,
-        rank: int,
+        me: PeerId,
         channel: Channel,
+        secret: bytes,
         timeout_s: float,
         ctx: zmq.Context[Any] | None,
         num_slots: int,
@@ -63,8 +68,9 @@ class Side:
         self.layout = layout_of(kv)
         self._rows = kv_rows(kv)
         self._row_bytes = row_bytes_of(self.layout)
-        self.rank = rank
+        self.me = me
         self._channel = channel
+        self._frames = HandshakeFrames(secret, me.name)
         self._staging_device = channel.staging_device(kv.device)
         self._buffers: dict[str, torch.Tensor] = {}
         # NOTE: the side's own stream: its copies never wait behind the engine's forward, and the host
@@ -74,10 +80,12 @@ class Side:
         self._ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._dropped: set[int] = set()
+        self._dropped: set[PeerId] = set()
+        self._seen: set[PeerId] = set()  # every peer a transfer was asked with (drop_peer by worker id)
         self._history: deque[TransferResult] = deque(maxlen=1024)
         self._stats = TransferStats()
-        self._thread = threading.Thread(target=self._run, name=f"{type(self).__name__}-{rank}", daemon=True)
+        name = f"{type(self).__name__}-{me.worker_id}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -87,24 +95,46 @@ class Side:
         """The transfer thread (its owner watches that it stays alive)."""
         return self._thread
 
-    def drop_peer(self, rank: int) -> None:
-        """Mark `rank` dead, from any thread: the transfer with it in flight fails within one poll
-        interval (TransferPeerLostError), queued work for it is dropped, and it is never waited on again.
+    def drop_peer(self, worker_id: str, incarnation: str | None = None) -> set[PeerId]:
+        """Mark a peer dead, from any thread: that process of the worker (``incarnation``), or every one
+        this side has been asked to transfer with (None). The transfer with it in flight fails within one
+        poll interval (TransferPeerLostError), queued work for it is dropped, it is never waited on again,
+        and its pair is forgotten. A later incarnation of the worker is another peer. Returns the peers.
 
         NOTE: channel ops already posted towards it are abandoned, never waited on; their staging buffer
         is dropped with them (the op may still write into it) and their waiting thread (one per transfer,
         see OpLane) ends when gloo fails the op.
         """
         with self._lock:
-            self._dropped.add(rank)
+            if incarnation is None:
+                peers = {p for p in self._seen if p.worker_id == worker_id}
+            else:
+                peers = {PeerId(worker_id, incarnation)}
+            self._dropped |= peers
+        for peer in peers:
+            self._channel.drop(peer)
+        return peers
 
-    def is_dropped(self, rank: int) -> bool:
+    def is_dropped(self, peer: PeerId) -> bool:
         with self._lock:
-            return rank in self._dropped
+            return peer in self._dropped
 
-    def _check_peer(self, rank: int) -> None:
-        if self.is_dropped(rank):
-            raise TransferPeerLostError(f"peer rank {rank} was dropped (marked dead) by rank {self.rank}")
+    def _see(self, peer: PeerId) -> None:
+        with self._lock:
+            self._seen.add(peer)
+
+    def _check_peer(self, peer: PeerId) -> None:
+        if self.is_dropped(peer):
+            raise TransferPeerLostError(f"peer {peer.name} was dropped (marked dead) by {self.me.name}")
+
+    def broken_peers(self) -> list[str]:
+        """Peers whose pair with this side is broken (rebuilt at the next generation on its next use)."""
+        keys = self._channel.broken_pairs()
+        return sorted(k.other(self.me).name for k in keys if self.me in k.ends)
+
+    def rejected_frames(self) -> dict[str, int]:
+        """Handshake frames this side dropped, by reason (cluster/frames.py)."""
+        return self._frames.rejected()
 
     def _ring(self, plan: ChunkPlan, nonce: int, num_slots: int) -> StagingRing:
         """A staging ring for one transfer, carved from buffers reused across transfers.
@@ -170,6 +200,11 @@ class Side:
             return TransferStats(**vars(self._stats))
 
     def _record(self, result: TransferResult) -> None:
+        if not result.ok:
+            logger.warning(
+                "%s %s: transfer of %r failed: %s: %s",
+                type(self).__name__, self.me.name, result.request_id, result.error_type, result.error,
+            )  # fmt: skip
         with self._lock:
             self._history.append(result)
             if result.ok:
@@ -194,8 +229,10 @@ def as_transfer_error(e: Exception) -> TransferError:
     return error
 
 
-def abort_frame(nonce: int, error: TransferError) -> bytes:
-    return encode_message(MessageKind.ABORT, nonce, error_type=type(error).__name__, message=str(error))
+def abort_frame(frames: HandshakeFrames, to: PeerId, nonce: int, error: TransferError) -> bytes:
+    return frames.encode(
+        to.name, MessageKind.ABORT, nonce, error_type=type(error).__name__, message=str(error)[:2000]
+    )
 
 
 def fail(result: TransferResult, error: BaseException) -> None:

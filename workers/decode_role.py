@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
-from transfer.channel import TorchDistChannel
 from transfer.connector import KVReceiver
+from transfer.pairs import PairChannel
 from transfer.protocol import KVHandoff, TransferError, TransferResult
 from workers.role import WorkerContext
 
@@ -60,16 +60,21 @@ class DecodeRole:
     def __init__(self, context: WorkerContext) -> None:
         self.ctx = context
         self.receiver: KVReceiver | None = None
+        self._channel: PairChannel | None = None  # this worker's KV-transfer pairs
         self._pending = PendingHandoffs()
         self._in_flight: dict[str, DecodeHandoff] = {}
         self._abort_after_transfer: set[str] = set()
         self._last_keep_alive = 0.0
 
-    def start(self, rank: int) -> None:
+    def start(self) -> None:
+        channel = self._channel = self.ctx.channel()
+        if channel is None:
+            return
         self.receiver = KVReceiver(
             self.ctx.engine.runner.kv_cache,
-            rank=rank,
-            channel=TorchDistChannel(),
+            me=self.ctx.me,
+            channel=channel,
+            secret=self.ctx.secret,
             timeout_s=self.ctx.transfer_config.timeout_s,
         )
         self.receiver.start()
@@ -83,9 +88,7 @@ class DecodeRole:
 
     def on_decode(self, op: DecodeHandoff) -> None:
         if self.receiver is None:
-            self._fail(
-                op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (no transfer world)"
-            )
+            self._fail(op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (no KV store)")
             return
         try:
             handoff = KVHandoff.from_bytes(op.handoff)
@@ -173,8 +176,8 @@ class DecodeRole:
         raise RuntimeError("a decode worker holds no prefills")
 
     def on_peer_dead(self, op: PeerDead) -> None:
-        if self.receiver is not None and op.rank is not None:
-            self.receiver.drop_peer(op.rank)
+        if self.receiver is not None:
+            self.receiver.drop_peer(op.worker_id, op.incarnation or None)
 
     # ---- observability --------------------------------------------------------------------------------
     def num_waiting_for_kv(self) -> int:
@@ -182,6 +185,15 @@ class DecodeRole:
 
     def transfer_stats(self) -> TransferStats:
         return self.receiver.stats() if self.receiver is not None else TransferStats()
+
+    def kv_endpoint(self) -> str:
+        return ""
+
+    def broken_peers(self) -> list[str]:
+        return self.receiver.broken_peers() if self.receiver is not None else []
+
+    def rejected_frames(self) -> dict[str, int]:
+        return self.receiver.rejected_frames() if self.receiver is not None else {}
 
     def threads(self) -> list[threading.Thread]:
         return [self.receiver.thread] if self.receiver is not None else []
@@ -195,3 +207,5 @@ class DecodeRole:
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+        if self._channel is not None:
+            self._channel.close()

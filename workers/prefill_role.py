@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, PeerDead, Prefilled, RequestFailed
-from transfer.channel import TorchDistChannel
 from transfer.connector import KVSender
+from transfer.pairs import PairChannel
 from workers.request import RequestStatus
 from workers.role import WorkerContext
 
@@ -30,13 +30,18 @@ class PrefillRole:
     def __init__(self, context: WorkerContext) -> None:
         self.ctx = context
         self.sender: KVSender | None = None
+        self._channel: PairChannel | None = None  # this worker's KV-transfer pairs
 
-    def start(self, rank: int) -> None:
+    def start(self) -> None:
         engine, cfg = self.ctx.engine, self.ctx.transfer_config
+        channel = self._channel = self.ctx.channel()
+        if channel is None:
+            return
         self.sender = KVSender(
             engine.runner.kv_cache,
-            rank=rank,
-            channel=TorchDistChannel(),
+            me=self.ctx.me,
+            channel=channel,
+            secret=self.ctx.secret,
             on_sent=lambda rid, ok: self.ctx.post(_Sent(rid, ok)),
             endpoint=f"tcp://{self.ctx.bind_host}:*",
             timeout_s=cfg.timeout_s,
@@ -53,7 +58,7 @@ class PrefillRole:
                     self.ctx.worker_id,
                     rid,
                     ErrorCode.INTERNAL,
-                    "prefill worker has no KV sender (no transfer world)",
+                    "prefill worker has no KV sender (no KV store)",
                 )
             )
             return
@@ -74,8 +79,8 @@ class PrefillRole:
         return held and self.sender is not None and not self.sender.abort(request_id)
 
     def on_peer_dead(self, op: PeerDead) -> None:
-        if self.sender is not None and op.rank is not None:
-            self.sender.drop_peer(op.rank)
+        if self.sender is not None:
+            self.sender.drop_peer(op.worker_id, op.incarnation or None)
 
     def on_extend_lease(self, request_id: str) -> None:
         if self.sender is not None:
@@ -96,6 +101,15 @@ class PrefillRole:
     def transfer_stats(self) -> TransferStats:
         return self.sender.stats() if self.sender is not None else TransferStats()
 
+    def kv_endpoint(self) -> str:
+        return self.sender.endpoint if self.sender is not None else ""
+
+    def broken_peers(self) -> list[str]:
+        return self.sender.broken_peers() if self.sender is not None else []
+
+    def rejected_frames(self) -> dict[str, int]:
+        return self.sender.rejected_frames() if self.sender is not None else {}
+
     def threads(self) -> list[threading.Thread]:
         return [self.sender.thread] if self.sender is not None else []
 
@@ -106,3 +120,5 @@ class PrefillRole:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self._channel is not None:
+            self._channel.close()

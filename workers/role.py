@@ -15,28 +15,66 @@ from typing import Any, Protocol
 from cluster.config import TransferConfig
 from cluster.protocol import TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, PeerDead
+from transfer.pairs import PairChannel
+from transfer.peers import PeerId
 from workers.engine import Engine
 
 
 @dataclass(frozen=True)
 class WorkerContext:
     """The worker's parts a role uses: its engine (step thread only), ``send`` (an event to the
-    router), ``post`` (a command to the step thread, callable from any thread)."""
+    router), ``post`` (a command to the step thread, callable from any thread). ``store``: where the
+    router hosts the store KV-transfer pairs rendezvous on (None: this worker cannot move KV)."""
 
     worker_id: str
+    incarnation: str
     bind_host: str  # the address this worker's sockets bind (the node's own; loopback on one host)
     engine: Engine
     transfer_config: TransferConfig
+    secret: bytes  # the cluster's: signs and checks the KV handshake's frames
+    store: tuple[str, int] | None
     send: Callable[[Any], None]
     post: Callable[[object], None]
+
+    @property
+    def me(self) -> PeerId:
+        return PeerId(self.worker_id, self.incarnation)
+
+    def channel(self) -> PairChannel | None:
+        """A channel for this worker's KV-transfer pairs (each built on first use), or None without a
+        store."""
+        if self.store is None:
+            return None
+        cfg, runner = self.transfer_config, self.engine.runner
+        backend = cfg.backend
+        if backend == "auto":  # NOTE: launch resolves it for the whole cluster; a lone worker guesses
+            backend = "nccl" if runner.device.type == "cuda" else "gloo"
+        # NOTE: an abandoned op whose match never comes (a dead peer) ends at the group's timeout, which
+        # then breaks the pair; far longer than a transfer, so a slow peer's late ops still land.
+        return PairChannel(
+            self.store,
+            self.bind_host,
+            backend,
+            group_timeout_s=max(60.0, 4 * cfg.timeout_s),
+            device=runner.device if backend == "nccl" else None,
+        )
 
 
 class Role(Protocol):
     holds_prefills: bool  # Generate(hold=True) is allowed here
     accepts_handoffs: bool  # DecodeHandoff is allowed here
 
-    def start(self, rank: int) -> None:
-        """The transfer world is up (this worker is ``rank``): start the KV sender / receiver."""
+    def start(self) -> None:
+        """Start the KV sender / receiver (its pairs are built on first use)."""
+
+    def kv_endpoint(self) -> str:
+        """The KV sender's handshake socket ("" if this role has none)."""
+
+    def broken_peers(self) -> list[str]:
+        """KV-transfer peers whose pair with this worker is broken."""
+
+    def rejected_frames(self) -> dict[str, int]:
+        """KV handshake frames dropped, by reason."""
 
     def on_first_token(self, delta: TokenDelta) -> None:
         """A held request produced its first token (SENDING_KV): offer its KV, tell the router."""

@@ -4,6 +4,9 @@ Threads and what they own:
   - step thread: the Engine (single-threaded by contract), the role's handoff state, the heartbeat;
   - inbound thread: the PULL socket; it verifies and decodes frames (cluster/wire.py) and queues ops;
   - transfer thread(s) (inside the role's KVSender / KVReceiver): KV bytes; callbacks only queue commands.
+    Each prefill/decode pair moves its KV over its own group, built on first use on the store the
+    router hosts (``WorkerControl.store``): no launch-time step, so a restarted or added worker moves KV
+    as soon as it is admitted.
 Every thread runs guarded: if one dies (or a transfer thread is found dead), the worker sends
 ``WorkerFailed`` to the router at once and exits the process (``on_fatal``), so Ray can restart it.
 A bad frame is counted and dropped by the inbound thread; nothing a peer sends can kill a thread.
@@ -19,6 +22,7 @@ Actor methods (stats, ping, check_leaks) never wait behind a forward.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -150,11 +154,26 @@ class EngineWorker:
         self._last_beat = 0.0
         self.failed: str | None = None
         self._fatal_lock = threading.Lock()
+        incarnation = secrets.token_hex(8)
+        context = WorkerContext(
+            worker_id,
+            incarnation,
+            self.node_ip,
+            self.engine,
+            transfer_config,
+            secret,
+            control.store,
+            self._send,
+            self._commands.put,
+        )
+        self.role: Role | None = _make_role(pool, context)
+        if self.role is not None:
+            self.role.start()
         e = self.engine
         self.info = WorkerInfo(
             worker_id=worker_id,
             pool=pool,
-            incarnation=secrets.token_hex(8),
+            incarnation=incarnation,
             request_endpoint=self.request_endpoint,
             node_ip=self.node_ip,
             block_size=e.config.block_size,
@@ -165,11 +184,8 @@ class EngineWorker:
             device=str(e.runner.device),
             pid=os.getpid(),
             cpu_cores=sorted(os.sched_getaffinity(0)),
+            kv_endpoint=self.role.kv_endpoint() if self.role is not None else "",
         )
-        context = WorkerContext(
-            worker_id, self.node_ip, self.engine, transfer_config, self._send, self._commands.put
-        )
-        self.role: Role | None = _make_role(pool, context)
         self._stats = WorkerStats(worker_id, pool)
         self._stats_line = StatsLine(stats_interval_s)  # the periodic INFO line (0: off)
         self._publish_stats()
@@ -221,30 +237,6 @@ class EngineWorker:
         else:
             self._commands.put(_Fault(kind))
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0 publishes where the torch.distributed TCPStore will listen (a free port here)."""
-        import socket
-
-        with socket.socket() as s:
-            s.bind((self.node_ip, 0))
-            return self.node_ip, int(s.getsockname()[1])
-
-    def init_process_group(self, rank: int, world_size: int, master: tuple[str, int], backend: str) -> None:
-        """Join the cluster's torch.distributed world (every worker calls this at launch, together)."""
-        import datetime
-
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master[0]}:{master[1]}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=max(60.0, 4 * self.transfer_config.timeout_s)),
-        )
-        if self.role is not None:
-            self.role.start(rank)
-
     def shutdown(self) -> None:
         self._stop.set()
         for t in self._threads:
@@ -275,7 +267,8 @@ class EngineWorker:
         logger.error("%s: worker failed: %s", self.worker_id, reason)
         self._stats = dataclasses.replace(self._stats, healthy=False)
         try:
-            self._send(WorkerFailed(self.worker_id, reason))
+            # NOTE: flushed before on_fatal, which usually exits the process (a queued frame would die)
+            self._send(WorkerFailed(self.worker_id, reason), flush_timeout_s=2.0)
         except Exception:
             logger.exception("%s: could not send WorkerFailed", self.worker_id)
         self._on_fatal(reason)
@@ -408,8 +401,16 @@ class EngineWorker:
             num_waiting_for_kv=role.num_waiting_for_kv() if role is not None else 0,
             engine=self.engine.stats(),
             transfer=role.transfer_stats() if role is not None else TransferStats(),
-            rejected_frames=self._decoder.rejected(),
+            rejected_frames=self._rejected_frames(),
+            broken_peers=role.broken_peers() if role is not None else [],
         )
+
+    def _rejected_frames(self) -> dict[str, int]:
+        """Control frames and KV handshake frames this worker dropped, by reason."""
+        counts = collections.Counter(self._decoder.rejected())
+        if self.role is not None:
+            counts.update(self.role.rejected_frames())
+        return dict(counts)
 
     def _leak_report(self) -> str | None:
         try:
