@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup run test lint bench-offline clean
+.PHONY: setup run test lint mutation bench-offline clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ run: setup
 
 test: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/pytest -q --durations=15
+
+# Deliberate small bugs in the engine core, one at a time, in a throwaway copy of the tree; prints the
+# mutation score and every survivor (tests/mutation.py lists the modules and their tests).
+mutation: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m tests.mutation
 
 lint: setup
 	$(VENV)/bin/ruff check cluster workers transfer deploy bench tests
