@@ -92,6 +92,7 @@ class Scheduler:
         hit = self.kv.get_computed_blocks(request)
         num_hit = len(hit.block_ids)
         if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit * self.kv.block_size, hit):
+            self.kv.free(request.request_id)  # the lookup's hash state: the request is not admitted
             return None
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_hit * self.kv.block_size
