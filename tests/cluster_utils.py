@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.protocol import SamplingParams
+import ray
+
+from cluster.protocol import SamplingParams, WorkerStats
 from deploy.launch import ClusterHandle
 
 
@@ -58,10 +60,35 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise TimeoutError(f"{what} not reached within {timeout_s} s")
 
 
+def settled_stats(handle: ClusterHandle, timeout_s: float = 30.0) -> dict[str, WorkerStats]:
+    """Each live worker's stats once the cluster is quiet, read from the workers themselves (not the
+    router's periodic copy). Quiet means no request runs, waits or waits for KV anywhere, so the
+    counters cover every request so far: the difference of two calls is exactly the traffic between
+    them, whatever ran before (tests share clusters and run in random order)."""
+    handle.wait_until_quiet(timeout_s=timeout_s)
+    assert handle.router is not None
+    refs = {
+        w.worker_id: handle.actors[w.worker_id].stats.remote() for w in handle.router.workers if w.healthy
+    }
+    return {wid: WorkerStats(**ray.get(ref, timeout=timeout_s)) for wid, ref in refs.items()}
+
+
+def counter_delta(
+    before: dict[str, WorkerStats], after: dict[str, WorkerStats], counter: str, pool: str | None = None
+) -> dict[str, Any]:
+    """Per worker (of ``pool``, or all): ``after.counter - before.counter``."""
+    return {
+        wid: getattr(stats, counter) - getattr(before[wid], counter)
+        for wid, stats in after.items()
+        if pool is None or stats.pool == pool
+    }
+
+
 def cluster_config(model_dir: str, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": {"path": model_dir},
-        "engine": {"block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256},
+        # NOTE: CPU even where CUDA exists: outputs are compared exactly with fp32 CPU transformers.
+        "engine": {"device": "cpu", "block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256},
         "prefill": {"num_workers": 1},
         "decode": {"num_workers": 1},
         "transfer": {"timeout_s": 20.0},

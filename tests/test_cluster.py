@@ -15,10 +15,11 @@ from deploy.launch import ClusterHandle, start_cluster
 from tests.cluster_utils import (
     cluster_config,
     collect,
+    counter_delta,
     greedy,
     run_concurrently,
+    settled_stats,
     shared_prefix_prompts,
-    wait_for,
 )
 from tests.hf_models import hf_greedy, make_random_hf_model
 from workers.llm import LLM
@@ -54,22 +55,21 @@ def assert_no_leaks(handle: ClusterHandle) -> None:
 
 def test_disaggregated_equals_hf_and_colocated(disagg: ClusterHandle, model_dir: str, workload: Any) -> None:
     prompts, max_tokens, reference = workload
-    colocated = LLM(model_dir, block_size=4).generate(prompts, [greedy(m) for m in max_tokens])
+    colocated = LLM(model_dir, device="cpu", block_size=4).generate(prompts, [greedy(m) for m in max_tokens])
     assert [o.token_ids for o in colocated] == reference
+    before = settled_stats(disagg)
     assert run_concurrently(disagg, prompts, [greedy(m) for m in max_tokens]) == reference
-    stats = {s.worker_id: s for s in wait_for(lambda: _stats_after_traffic(disagg), 10, "stats refresh")}
+    after = settled_stats(disagg)
     # every request went through a KV handoff, spread over both decode workers
-    assert stats["decode-0"].num_transfers + stats["decode-1"].num_transfers == NUM_REQUESTS
-    assert stats["decode-0"].num_transfers > 0 and stats["decode-1"].num_transfers > 0
-    assert stats["decode-0"].transfer_bytes + stats["decode-1"].transfer_bytes > 0
+    transfers = counter_delta(before, after, "num_transfers", "decode")
+    assert sum(transfers.values()) == NUM_REQUESTS
+    assert transfers["decode-0"] > 0 and transfers["decode-1"] > 0
+    assert all(n > 0 for n in counter_delta(before, after, "transfer_bytes", "decode").values())
+    assert counter_delta(before, after, "num_failed_transfers") == {wid: 0 for wid in after}
     assert_no_leaks(disagg)
     # the same prompts again: prefix caches on both sides hit, output unchanged
     assert run_concurrently(disagg, prompts, [greedy(m) for m in max_tokens]) == reference
     assert_no_leaks(disagg)
-
-
-def _stats_after_traffic(handle: ClusterHandle) -> Any:
-    return handle.worker_stats() if _decode_transfers(handle) >= NUM_REQUESTS else None
 
 
 def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(disagg: ClusterHandle, workload: Any) -> None:
@@ -130,10 +130,7 @@ def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> 
             for p in prompts[:2]:
                 with pytest.raises(WorkerFailedError, match="KV transfer failed"):
                     handle.generate(p, greedy(6), timeout_s=60)
-        failed = wait_for(
-            lambda: sum(s.num_failed_transfers for s in handle.worker_stats()), 10, "failure counted"
-        )
-        assert failed > 0
+        assert sum(s.num_failed_transfers for s in settled_stats(handle).values()) > 0
         assert_no_leaks(handle)
     finally:
         handle.shutdown()
@@ -147,15 +144,11 @@ def test_conditional_mode_equals_hf(model_dir: str, workload: Any) -> None:
         assert run_concurrently(handle, prompts, [greedy(m) for m in max_tokens]) == reference
         num_long = sum(len(p) > 60 for p in prompts)
         assert 0 < num_long < NUM_REQUESTS
-        wait_for(lambda: _decode_transfers(handle) >= num_long, 10, "stats refresh")
-        assert _decode_transfers(handle) == num_long  # short prompts never left the decode worker
+        # short prompts never left the decode worker
+        assert [s.num_transfers for s in settled_stats(handle).values() if s.pool == "decode"] == [num_long]
         assert_no_leaks(handle)
     finally:
         handle.shutdown()
-
-
-def _decode_transfers(handle: ClusterHandle) -> int:
-    return sum(s.num_transfers for s in handle.worker_stats() if s.pool == "decode")
 
 
 def test_killed_decode_worker_fails_its_requests_only(
