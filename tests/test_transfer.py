@@ -11,7 +11,6 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -118,13 +117,10 @@ def _worker(rank: int, world_size: int, port: int, commands: Any, replies: Any) 
     from transfer.channel import TorchDistChannel
     from transfer.connector import KVReceiver, KVSender
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=600),  # NOTE: far beyond the test; abandoned ops must not expire
-    )
+    timeout = datetime.timedelta(seconds=600)  # NOTE: far beyond the test; abandoned ops must not expire
+    # the rendezvous store is hosted by the test process (port 0, read back: no free-port race)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     channel = FaultyChannel(TorchDistChannel())
     kvs: dict[str, torch.Tensor] = {}
     sides: dict[str, Any] = {}
@@ -224,10 +220,11 @@ class Pair:
     """`world_size` worker processes (2 unless told) in one gloo world, driven by commands."""
 
     def __init__(self, world_size: int = 2) -> None:
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        port = self._store.port
         self._queues = [(ctx.Queue(), ctx.Queue()) for _ in range(world_size)]
         self.procs = [
             ctx.Process(target=_worker, args=(rank, world_size, port, *self._queues[rank]), daemon=True)
