@@ -275,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trees = [pathlib.Path(tmp) / f"tree{i}" for i in range(max(1, args.jobs))]
         for tree in trees:
             copy_tree(tree)
-        timeouts = {m: check_baseline(trees[0], stages[m]) for m in modules}
+        by_stages = {st: check_baseline(trees[0], st) for st in dict.fromkeys(stages.values())}
+        timeouts = {m: by_stages[stages[m]] for m in modules}
         print(f"{len(mutants)} mutants in {modules}; stage timeouts {timeouts}", flush=True)
         free = list(trees)
         outcomes: list[Outcome] = []

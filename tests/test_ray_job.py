@@ -81,7 +81,7 @@ def _start_head(env: dict[str, str], temp_dir: str) -> tuple[subprocess.Popen[by
         url = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", text)
         if head.poll() is not None:
             _stop_head(head, temp_dir)  # whatever it started before failing
-            return text
+            return log_path.read_text(errors="replace")
         if url and "block forever" in text:
             return head, url.group(1)
         time.sleep(0.2)  # NOTE: polling the start log, bounded by the deadline
