@@ -146,10 +146,10 @@ def test_pool_needs_a_usable_block_besides_block_zero() -> None:
 
 
 def test_zero_new_tokens_hold_nothing_but_a_hit_is_still_taken() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     fresh = req("fresh", [1, 2, 3])
     assert kv.allocate_slots(fresh, 0)
-    assert "fresh" not in kv.block_tables and kv.pool.num_free == 7
+    assert "fresh" not in kv.block_tables and kv.pool.num_free == 3
     kv.cache_full_blocks(fresh)  # no blocks: nothing to register
     kv.free("fresh")
     a = req("a", [1, 2, 3, 4, 5])
@@ -157,9 +157,10 @@ def test_zero_new_tokens_hold_nothing_but_a_hit_is_still_taken() -> None:
     a.num_computed_tokens = 5
     kv.cache_full_blocks(a)
     assert kv.block_tables["a"] == [1, 2, 3]
+    assert kv.pool.num_free == 0
     b = req("b", [1, 2, 3, 4, 5])
     hit = kv.get_computed_blocks(b)
-    assert kv.allocate_slots(b, 0, hit)
+    assert kv.allocate_slots(b, 0, hit)  # a's blocks: no free block needed
     assert kv.block_tables["b"] == [1, 2] and kv.pool.ref_counts[1:4] == [2, 2, 1]
     kv.free("a")
     kv.free("b")
