@@ -256,13 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (one tree copy each)")
     parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
     parser.add_argument("--max-stages", type=int, help="run only the first N test stages (quick look)")
+    parser.add_argument("--match", default="", help="only mutants whose name contains this (e.g. 'py:119:')")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.modules) - set(TARGETS))
     if unknown:
         parser.error(f"unknown module(s) {unknown}; known: {sorted(TARGETS)}")
     modules = args.modules or list(TARGETS)
     stages = {m: TARGETS[m][: args.max_stages] for m in modules}
-    mutants = [m for module in modules for m in generate_mutants(module)]
+    mutants = [m for module in modules for m in generate_mutants(module) if args.match in m.name]
     if args.list:
         for m in mutants:
             print(m.name)
