@@ -227,7 +227,7 @@ def check_baseline(tree: pathlib.Path, stages: Sequence[Sequence[str]]) -> list[
         t0 = time.monotonic()
         if run_stage(tree, stage, 1800) != "pass":
             raise RuntimeError(f"the unmutated tree fails {list(stage)}; fix that first")
-        timeouts.append(max(60.0, 5 * (time.monotonic() - t0)))
+        timeouts.append(max(120.0, 10 * (time.monotonic() - t0)))
     return timeouts
 
 
@@ -241,6 +241,8 @@ def run_mutant(
         path.write_text(mutant.source)
         for i, (stage, timeout_s) in enumerate(zip(stages, timeouts, strict=True)):
             result = run_stage(tree, stage, timeout_s)
+            if result == "timeout":  # NOTE: a busy machine can slow a sound run past the bound: retry, longer
+                result = run_stage(tree, stage, 3 * timeout_s)
             if result != "pass":
                 status = "timeout" if result == "timeout" else "killed"
                 return Outcome(mutant, status, i, time.monotonic() - t0)
@@ -256,14 +258,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once (one tree copy each)")
     parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
     parser.add_argument("--max-stages", type=int, help="run only the first N test stages (quick look)")
-    parser.add_argument("--match", default="", help="only mutants whose name contains this (e.g. 'py:119:')")
+    parser.add_argument(
+        "--match", action="append", help="only mutants whose name contains this (e.g. 'py:119:'); repeatable"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.modules) - set(TARGETS))
     if unknown:
         parser.error(f"unknown module(s) {unknown}; known: {sorted(TARGETS)}")
     modules = args.modules or list(TARGETS)
     stages = {m: TARGETS[m][: args.max_stages] for m in modules}
-    mutants = [m for module in modules for m in generate_mutants(module) if args.match in m.name]
+    mutants = [
+        m
+        for module in modules
+        for m in generate_mutants(module)
+        if not args.match or any(text in m.name for text in args.match)
+    ]
     if args.list:
         for m in mutants:
             print(m.name)
