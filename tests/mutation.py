@@ -7,7 +7,9 @@ that cover its module. A mutant the tests still pass is a survivor: a bug class 
 
 Every mutant runs in a throwaway copy of the tree (tracked + untracked-not-ignored files), never in the
 working tree. Stages run in order with ``-x``: a mutant is killed by the first stage that fails (or
-times out); the slower engine stage only runs for mutants the fast unit stage let through.
+times out twice, the second time with a 3x longer bound); the slower engine stage only runs for
+mutants the fast unit stage let through. Survivors are printed for a human to kill with a test or to
+argue equivalent (``# pragma: no mutate`` on a line skips it).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from collections.abc import Iterator, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-# Torch-free unit tests (about a second a run), then engine-level tests against transformers on one
-# architecture (scheduling and block bugs do not depend on it; the full suite covers all four).
+# A stage is pytest arguments (a -k applies to the whole stage). Torch-free unit tests (about a second a
+# run), then engine-level tests against transformers on one architecture (scheduling and block bugs do
+# not depend on it; the full suite covers all four).
 UNIT_STAGE = ("tests/test_block_manager.py", "tests/test_scheduler.py", "tests/test_prefix_cache.py")
 ENGINE_STAGE = ("tests/test_engine_scheduling.py", "tests/test_engine_hf.py", "-k", "scheduling or qwen3")
 CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE)
