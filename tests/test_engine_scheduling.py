@@ -25,29 +25,27 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def test_multi_turn_follow_ups_hit_every_computed_block(model_dir: pathlib.Path) -> None:
+    """Each turn's prompt is the previous prompt + its answer + new text. Its cached prefix is every full
+    block of what the previous turn computed: all of its tokens but the last sampled one (never fed
+    back), including the blocks its decode filled."""
     block_size = 4
     llm = LLM(str(model_dir), device="cpu", block_size=block_size, num_kv_blocks=64)
-    prompt = [11, 48, 301, 7, 250, 99, 3, 480, 17, 64]  # 10 tokens: the prompt ends inside block 2
-    turns: list[tuple[list[int], int]] = []  # (prompt, expected cached tokens)
-    max_tokens = (9, 6, 5)
-    new_text = ([], [5, 77, 402, 18, 260], [90, 91, 92])
+    max_tokens = [9, 6, 5]
+    new_text = [[5, 77, 402, 18, 260], [90, 91, 92]]
+    prompts = [[11, 48, 301, 7, 250, 99, 3, 480, 17, 64]]  # 10 tokens: ends inside block 2
     outputs: list[list[int]] = []
-    for i, (num_new, text) in enumerate(zip(max_tokens, new_text, strict=True)):
-        if i == 0:
-            expected_hit = 0
-        else:
-            # every full block of the previous turn's computed tokens (all but its last sampled token)
-            previous_prompt = turns[-1][0]
-            prompt = previous_prompt + outputs[-1] + text
-            expected_hit = (len(previous_prompt) + len(outputs[-1]) - 1) // block_size * block_size
+    cached: list[int] = []
+    for turn, num_new in enumerate(max_tokens):
+        if turn > 0:
+            prompts.append(prompts[-1] + outputs[-1] + new_text[turn - 1])
         hits_before = llm.stats().prefix_cache_hits
-        out = llm.generate([prompt], greedy(num_new))[0]
-        assert out.num_cached_tokens == expected_hit, f"turn {i}"
-        assert llm.stats().prefix_cache_hits - hits_before == expected_hit
-        turns.append((prompt, expected_hit))
+        out = llm.generate([prompts[-1]], greedy(num_new))[0]
+        assert llm.stats().prefix_cache_hits - hits_before == out.num_cached_tokens
         outputs.append(out.token_ids)
-    assert [hit for _, hit in turns] == [0, 16, 28]
-    assert outputs == hf_greedy(model_dir, [p for p, _ in turns], list(max_tokens))
+        cached.append(out.num_cached_tokens)
+    # (10 + 9 - 1) // 4 = 4 blocks; (24 + 6 - 1) // 4 = 7 blocks
+    assert cached == [0, 16, 28]
+    assert outputs == hf_greedy(model_dir, prompts, max_tokens)
     llm.check_no_leaks()
 
 
