@@ -232,8 +232,18 @@ def test_64_concurrent_streams_equal_offline_tokens_disconnects_and_no_leaks(
     ]
     assert sum(is_disconnect) == NUM_DISCONNECTS
     # every disconnect became an abort at the server (bounded wait: the server notices asynchronously)
-    wait_for(lambda: _abort_count(http) - aborts_before == NUM_DISCONNECTS, 30, "aborts counted")
+    counts: list[float] = []
+
+    def aborts_counted() -> bool:
+        counts.append(_abort_count(http) - aborts_before)
+        return counts[-1] >= NUM_DISCONNECTS
+
+    try:
+        wait_for(aborts_counted, 30, "aborts counted")
+    except TimeoutError:
+        raise AssertionError(f"aborts counted after the disconnects (last polls): {counts[-3:]}") from None
     cluster.wait_until_quiet(timeout_s=30)
+    assert _abort_count(http) - aborts_before == NUM_DISCONNECTS, counts
     assert cluster.check_leaks() == {"prefill-0": None, "decode-0": None}
 
 
