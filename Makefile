@@ -14,7 +14,7 @@ GPU_STAMP := $(VENV)/.pdserve-gpu-installed
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: setup setup-gpu run test lint bench-offline wheel clean
+.PHONY: setup setup-gpu run test lint mutation bench-offline wheel clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ run: setup
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
 	OMP_NUM_THREADS=2 $(VENV)/bin/pytest -q --durations=15
+
+# Deliberate small bugs in the engine core, one at a time, in a throwaway copy of the tree; prints the
+# mutation score and every survivor (tests/mutation.py lists the modules and their tests).
+mutation: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m tests.mutation
 
 lint: setup
 	$(VENV)/bin/ruff check cluster workers transfer deploy bench tests

@@ -61,7 +61,8 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
 def cluster_config(model_dir: str, **overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "model": {"path": model_dir},
-        "engine": {"block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256},
+        # NOTE: CPU even where CUDA exists: outputs are compared exactly with fp32 CPU transformers.
+        "engine": {"device": "cpu", "block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256},
         "prefill": {"num_workers": 1},
         "decode": {"num_workers": 1},
         "transfer": {"timeout_s": 20.0},

@@ -137,3 +137,73 @@ def test_leak_check_reports() -> None:
     assert kv.allocate_slots(req("a", [1, 2, 3]), 3)
     with pytest.raises(AssertionError, match="block tables left"):
         kv.check_no_leaks()
+
+
+def test_pool_needs_a_usable_block_besides_block_zero() -> None:
+    with pytest.raises(ValueError, match="num_kv_blocks must be >= 2"):
+        BlockPool(1, None)
+    pool = BlockPool(2, None)
+    assert (pool.num_usable, pool.allocate(1)) == (1, [1])
+
+
+def test_zero_new_tokens_hold_nothing_but_a_hit_is_still_taken() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    fresh = req("fresh", [1, 2, 3])
+    assert kv.allocate_slots(fresh, 0)
+    assert "fresh" not in kv.block_tables and kv.pool.num_free == 3
+    kv.cache_full_blocks(fresh)  # no blocks: nothing to register
+    kv.free("fresh")
+    a = req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)
+    assert kv.block_tables["a"] == [1, 2, 3]
+    assert kv.pool.num_free == 0
+    b = req("b", [1, 2, 3, 4, 5])
+    hit = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 0, hit)  # a's blocks: no free block needed
+    assert kv.block_tables["b"] == [1, 2] and kv.pool.ref_counts[1:4] == [2, 2, 1]
+    kv.free("a")
+    kv.free("b")
+    kv.check_no_leaks()
+
+
+def test_hit_on_blocks_in_use_takes_no_free_block() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = req("a", [1, 2, 3, 4])
+    assert kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    kv.cache_full_blocks(a)
+    assert kv.pool.num_free == 1
+    b = req("b", [1, 2, 3, 4, 5])  # hits a's 2 blocks (held by a) and needs 1 more: the last free one
+    hit = kv.get_computed_blocks(b)
+    assert hit.block_ids == [1, 2]
+    assert kv.allocate_slots(b, 1, hit)
+    assert kv.block_tables["b"] == [1, 2, 3] and kv.pool.num_free == 0
+    assert kv.usage == 1.0
+    kv.free("a")
+    kv.free("b")
+    kv.check_no_leaks()
+
+
+def test_usage_counts_blocks_with_a_user() -> None:
+    kv = KVCacheManager(num_blocks=9, block_size=2, enable_prefix_caching=False)
+    assert kv.usage == 0.0
+    assert kv.allocate_slots(req("a", [1, 2, 3]), 3)
+    assert kv.usage == 2 / 8
+    kv.free("a")
+    assert kv.usage == 0.0
+
+
+def test_leak_check_names_each_kind_of_leak() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    kv.get_computed_blocks(req("looked-up", [1, 2, 3]))  # a lookup leaves hash state until free()
+    with pytest.raises(AssertionError, match=r"^KV leak: per-request hash state left$"):
+        kv.check_no_leaks()
+    kv.free("looked-up")
+    kv.check_no_leaks()
+    [block] = kv.pool.allocate(1)  # a block with a user and no table
+    with pytest.raises(AssertionError, match=r"^KV leak: blocks with users: \[1\]; 2 of 3 blocks free$"):
+        kv.check_no_leaks()
+    kv.pool.free([block])
+    kv.check_no_leaks()

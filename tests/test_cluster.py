@@ -54,7 +54,7 @@ def assert_no_leaks(handle: ClusterHandle) -> None:
 
 def test_disaggregated_equals_hf_and_colocated(disagg: ClusterHandle, model_dir: str, workload: Any) -> None:
     prompts, max_tokens, reference = workload
-    colocated = LLM(model_dir, block_size=4).generate(prompts, [greedy(m) for m in max_tokens])
+    colocated = LLM(model_dir, device="cpu", block_size=4).generate(prompts, [greedy(m) for m in max_tokens])
     assert [o.token_ids for o in colocated] == reference
     # NOTE: the cluster is the module's (tests run in random order): count this test's transfers only
     assert_no_leaks(disagg)

@@ -28,7 +28,12 @@ pytestmark = pytest.mark.slow
 
 # NOTE: the offline LLM gets exactly the workers' engine options, so greedy outputs must match token for
 # token (cluster_config's defaults; see tests/cluster_utils.py).
-ENGINE_OPTIONS: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256}
+ENGINE_OPTIONS: dict[str, Any] = {
+    "device": "cpu",
+    "block_size": 4,
+    "num_kv_blocks": 512,
+    "max_num_batched_tokens": 256,
+}
 PROMPTS = ["Once upon a time", "The little robot", "One day, a girl named Lily"]
 CHAT_TEXT = "Tell me a story about a cat."
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": CHAT_TEXT}]
@@ -64,9 +69,14 @@ def oai(http: HttpServerHandle) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline() -> dict[str, RequestOutput]:
+def offline_llm() -> LLM:
+    return LLM(BUNDLED_MODEL, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def offline(offline_llm: LLM) -> dict[str, RequestOutput]:
     """Greedy outputs (with 3 logprobs) of the offline engine for PROMPTS and the CHAT conversation."""
-    llm = LLM(BUNDLED_MODEL, **ENGINE_OPTIONS)
+    llm = offline_llm
     chat_ids = llm.tokenizer.encode_chat([{"role": "user", "content": CHAT_TEXT}], True)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=3)
     outs = llm.generate([llm.tokenizer.encode(p) for p in PROMPTS] + [chat_ids], params)
@@ -176,41 +186,64 @@ def _abort_count(http: HttpServerHandle) -> float:
     )
 
 
-def test_64_concurrent_streams_exact_counts_disconnects_and_no_leaks(
-    cluster: ClusterHandle, http: HttpServerHandle
+def test_64_concurrent_streams_equal_offline_tokens_disconnects_and_no_leaks(
+    cluster: ClusterHandle, http: HttpServerHandle, offline_llm: LLM
 ) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(10, 600) for _ in range(rng.randint(4, 80))] for _ in range(NUM_STREAMS)]
-    max_tokens = [400 if i % 10 == 0 else 4 + i % 13 for i in range(NUM_STREAMS)]
+    is_disconnect = [i % 10 == 0 for i in range(NUM_STREAMS)]
+    max_tokens = [400 if gone else 4 + i % 13 for i, gone in enumerate(is_disconnect)]
+    # NOTE: greedy continuations are prefixes of each other, so 8 offline tokens cover a disconnect's 3
+    offline_outs = offline_llm.generate(
+        prompts,
+        [SamplingParams(max_tokens=8 if gone else m, temperature=0.0, ignore_eos=True)
+         for gone, m in zip(is_disconnect, max_tokens, strict=True)],
+    )  # fmt: skip
+    expected = [
+        (o.token_ids[:3] if gone else o.token_ids)
+        for gone, o in zip(is_disconnect, offline_outs, strict=True)
+    ]
     aborts_before = _abort_count(http)
 
-    async def one(client: AsyncClient, i: int) -> tuple[int, str | None]:
+    async def one(client: AsyncClient, i: int) -> tuple[list[int], str | None]:
         stream = await client.completions.create(
             prompt=prompts[i], max_tokens=max_tokens[i], temperature=0, ignore_eos=True, stream=True
         )
-        if i % 10 == 0:
-            seen = 0
-            async for _ in stream:
-                seen += 1
-                if seen == 3:
-                    break
-            await stream.aclose()  # disconnect mid-stream
-            return -seen, None
-        async for _ in stream:
-            pass
-        return len(stream.result.token_ids), stream.result.finish_reason
+        tokens: list[int] = []
+        num_chunks = 0
+        async for delta in stream:
+            tokens += delta.token_ids
+            num_chunks += 1
+            if is_disconnect[i] and num_chunks == 3:
+                await stream.aclose()  # disconnect mid-stream
+                return tokens, None
+        assert tokens == stream.result.token_ids
+        return tokens, stream.result.finish_reason
 
-    async def main() -> list[tuple[int, str | None]]:
+    async def main() -> list[tuple[list[int], str | None]]:
         async with AsyncClient(http.url, max_retries=0, timeout=120) as client:
             return list(await asyncio.gather(*(one(client, i) for i in range(NUM_STREAMS))))
 
     results = asyncio.run(main())
-    expected = [(-3, None) if i % 10 == 0 else (max_tokens[i], "length") for i in range(NUM_STREAMS)]
-    assert results == expected
-    assert sum(i % 10 == 0 for i in range(NUM_STREAMS)) == NUM_DISCONNECTS
+    assert [tokens for tokens, _ in results] == expected
+    assert [reason for _, reason in results] == [None if gone else "length" for gone in is_disconnect]
+    assert [len(tokens) for tokens in expected] == [
+        3 if gone else m for gone, m in zip(is_disconnect, max_tokens, strict=True)
+    ]
+    assert sum(is_disconnect) == NUM_DISCONNECTS
     # every disconnect became an abort at the server (bounded wait: the server notices asynchronously)
-    wait_for(lambda: _abort_count(http) - aborts_before == NUM_DISCONNECTS, 30, "aborts counted")
+    counts: list[float] = []
+
+    def aborts_counted() -> bool:
+        counts.append(_abort_count(http) - aborts_before)
+        return counts[-1] >= NUM_DISCONNECTS
+
+    try:
+        wait_for(aborts_counted, 30, "aborts counted")
+    except TimeoutError:
+        raise AssertionError(f"aborts counted after the disconnects (last polls): {counts[-3:]}") from None
     cluster.wait_until_quiet(timeout_s=30)
+    assert _abort_count(http) - aborts_before == NUM_DISCONNECTS, counts
     assert cluster.check_leaks() == {"prefill-0": None, "decode-0": None}
 
 
