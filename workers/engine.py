@@ -14,7 +14,7 @@ from cluster.config import EngineConfig
 from cluster.protocol import EngineStats, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, detokenizes_on_step_thread
 from workers.model_runner import ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -31,10 +31,15 @@ class Engine:
     step N's tokens, and returns step N's deltas (``AsyncScheduler``); the first call returns none, and
     ``has_unfinished()`` stays true until the last launched step is resolved. Tokens, stops, aborts (no
     delta for a request after ``abort``), holds and handoffs behave exactly as in the synchronous mode.
+
+    ``detokenize=False`` leaves the text of most requests to a ``DetokenizerStage`` on another thread:
+    their deltas carry token ids and ``text=""``; the engine still detokenizes the requests whose text
+    decides their end (``detokenizes_on_step_thread``: stop strings, held prefills).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
+        self.detokenize = detokenize
         self.model_dir = config.model.path or BUNDLED_MODEL
         self.runner = ModelRunner(config, self.model_dir)
         self.arch = self.runner.arch
@@ -82,7 +87,7 @@ class Engine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (self.detokenize or detokenizes_on_step_thread(params, hold)):
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.stop
             )
