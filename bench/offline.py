@@ -114,44 +114,71 @@ def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> 
 def host_overhead(
     model: str, options: dict[str, Any], num_running: int, num_steps: int, seed: int
 ) -> dict[str, float]:
-    """Median ms per decode-only step with ``num_running`` requests running, on the step thread:
+    """Per decode-only step with ``num_running`` requests running, on the step thread, in ms:
 
-    * ``host``: the wall time of ``Engine.step()`` minus the runner's forward (model + logits +
-      sampling); what is left is scheduling, input preparation, turning sampled tokens into request
-      updates and ``TokenDelta`` objects, and detokenization when it runs on the step thread;
-    * ``schedule+update``, ``prepare``, ``detokenize``: the engine's own split of it (EngineStats).
+    * ``host`` / ``host_cpu``: the wall / thread CPU time of ``Engine.step()`` minus that of the
+      runner's forward, logits and sampling (``forward_time_total_s`` / ``forward_cpu_total_s``). What
+      is left: scheduling, input preparation (numpy arrays, tensors, attention metadata), turning the
+      sampled tokens into request updates, stop checks and ``TokenDelta`` objects, the engine's
+      bookkeeping, and detokenization where it runs on the step thread. Medians, and the CPU minimum;
+    * ``schedule+update``, ``prepare``, ``detokenize``: the engine's own split (EngineStats);
+    * ``stage``: with detokenization off the step thread, a ``DetokenizerStage`` thread is fed the
+      deltas as the offline LLM does: its CPU time per step (on its own thread, not in ``host``).
     """
     opts = {**options, "max_num_seqs": num_running, "max_num_batched_tokens": max(2048, num_running * 16)}
     llm = LLM(model, **opts)
     engine = llm.engine
+    runner = engine.runner
     w = make_workload(num_running, (16, 16), (num_steps + 8, num_steps + 8), engine.vocab_size, seed)
+    stage = None
+    if not getattr(engine, "detokenize", True) and engine.tokenizer is not None:
+        from workers.detokenizer import DetokenizerStage
+
+        stage = DetokenizerStage(engine.tokenizer, lambda deltas: None, name="bench-detokenizer")
     for i, p in enumerate(w.prompts):
         engine.add_request(f"h{i}", p, w.params()[i])
-    engine.step()  # every prefill in one step
-    engine.step()
-    split: dict[str, list[float]] = {"host": [], "schedule+update": [], "prepare": [], "detokenize": []}
-    runner = engine.runner
+        if stage is not None:
+            stage.add_request(f"h{i}", p, w.params()[i])
+    for _ in range(2):  # every prefill in one step, then one decode step
+        deltas = engine.step()
+        if stage is not None:
+            stage.submit(deltas)
+    if stage is not None:
+        stage.flush(60.0)
+    stage_before = stage.busy_time_s if stage is not None else 0.0
+    split: dict[str, list[float]] = {
+        k: [] for k in ("host", "host_cpu", "schedule+update", "prepare", "detokenize")
+    }
     for _ in range(num_steps):
         before = engine.stats()
-        forward_before = getattr(runner, "forward_time_total_s", None)
-        t0 = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - t0
+        fwd, fwd_cpu = (
+            getattr(runner, "forward_time_total_s", 0.0),
+            getattr(runner, "forward_cpu_total_s", 0.0),
+        )
+        t0, c0 = time.perf_counter(), time.thread_time()
+        deltas = engine.step()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        if stage is not None:
+            stage.submit(deltas)
         after = engine.stats()
-        if forward_before is not None:
-            forward = runner.forward_time_total_s - forward_before
-        else:  # older engines: forward_time_s includes the result conversion
-            forward = after.forward_time_s - before.forward_time_s
-        split["host"].append(wall - forward)
+        if hasattr(runner, "forward_time_total_s"):
+            split["host"].append(wall - (runner.forward_time_total_s - fwd))
+            split["host_cpu"].append(cpu - (runner.forward_cpu_total_s - fwd_cpu))
+        else:  # an engine without the runner's counters: its forward_time_s includes more than forward
+            split["host"].append(wall - (after.forward_time_s - before.forward_time_s))
         split["schedule+update"].append(after.schedule_time_s - before.schedule_time_s)
         split["prepare"].append(after.prepare_time_s - before.prepare_time_s)
         split["detokenize"].append(after.detokenize_time_s - before.detokenize_time_s)
+    result = {k: statistics.median(v) * 1e3 for k, v in split.items() if v}
+    if split["host_cpu"]:
+        result["host_cpu_min"] = min(split["host_cpu"]) * 1e3
+    if stage is not None:
+        stage.flush(60.0)
+        result["stage"] = (stage.busy_time_s - stage_before) / num_steps * 1e3
+        stage.close(60.0)
     for i in range(num_running):
         engine.abort(f"h{i}")
-    close = getattr(llm, "close", None)
-    if close is not None:
-        close()
-    return {k: statistics.median(v) * 1e3 for k, v in split.items()}
+    return result
 
 
 def _pct(flops: ModelFlops, seconds: float, gflops: float) -> float:
@@ -222,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "output tok/s per wall second (median and each run) and per CPU second (median); % of the roofline "
         "from the wall-time median"
     )
-    for v in variants:
+    for v in variants if args.repeats else []:
         runs = [n_out / s for s in v.seconds]
         results["variants"][v.name] = {
             "options": v.options,
@@ -234,10 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"CPU {n_out / statistics.median(v.cpu_seconds):8.1f}  "
             f"{_pct(flops, statistics.median(v.seconds), roof):5.1f}% of roofline  ({v.steps} steps; {v.options})"
         )
-    best_pd = min(statistics.median(v.seconds) for v in variants)
-    best_pd_cpu = min(statistics.median(v.cpu_seconds) for v in variants)
-
-    if not args.skip_hf:
+    if args.repeats and not args.skip_hf:
+        best_pd = min(statistics.median(v.seconds) for v in variants)
+        best_pd_cpu = min(statistics.median(v.cpu_seconds) for v in variants)
         model = hf_peer.load_model(args.model, dummy)
         hf_peer.run_static(model, w.prompts[:4], [4] * 4, 4, "arrival")  # warm-up
         sweep = hf_peer.sweep_static(model, w.prompts, w.output_lens, args.hf_batch_sizes)
@@ -287,11 +313,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for v in variants:
         for n in args.overhead_running:
             o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed)
-            results["variants"][v.name][f"host_ms_{n}"] = o
+            results["variants"].setdefault(v.name, {})[f"host_ms_{n}"] = o
+            cpu = (
+                f"; thread CPU {o['host_cpu']:.3f} median, {o['host_cpu_min']:.3f} min"
+                if "host_cpu" in o
+                else ""
+            )
+            stage = f"; detokenizer thread {o['stage']:.3f} ms/step of its own CPU" if "stage" in o else ""
             print(
-                f"host overhead {v.name}, {n:3d} running: {o['host']:.3f} ms/step median, forward excluded "
-                f"(engine split: schedule+update {o['schedule+update']:.3f}, input prep {o['prepare']:.3f}, "
-                f"detokenize on the step thread {o['detokenize']:.3f})"
+                f"host overhead {v.name}, {n:3d} running: {o['host']:.3f} ms/step wall median{cpu}, forward "
+                f"excluded (engine split: schedule+update {o['schedule+update']:.3f}, input prep "
+                f"{o['prepare']:.3f}, detokenize on the step thread {o['detokenize']:.3f}){stage}"
             )
     if args.json:
         with open(args.json, "w") as f:

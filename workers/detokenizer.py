@@ -22,6 +22,11 @@ from cluster.tokenizer import Tokenizer
 # space or a character split across the prompt/output boundary renders as it does in the full text.
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# NOTE: the stage thread is pure Python and shares the GIL with the step thread. A thread that wants the
+# GIL back (the step thread, after a torch op) waits for the holder's switch interval (5 ms) unless the
+# holder lets go; the stage lets go every this many deltas (~0.1 ms of work), so the step thread waits
+# no longer than that.
+_YIELD_EVERY = 16
 
 
 class IncrementalDetokenizer:
@@ -130,7 +135,7 @@ class DetokenizerStage:
         self._emit = emit
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.busy_time_s = 0.0  # time the stage spent producing text
+        self.busy_time_s = 0.0  # CPU time the stage thread spent producing text
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -194,9 +199,9 @@ class DetokenizerStage:
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == "deltas":
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             self._detokenize(item[1])
-            self.busy_time_s += time.perf_counter() - t0
+            self.busy_time_s += time.thread_time() - t0
             self._emit(item[1])
         elif kind == "add":
             _, request_id, prompt_token_ids, params, output_token_ids = item
@@ -214,7 +219,9 @@ class DetokenizerStage:
 
     def _detokenize(self, deltas: list[TokenDelta]) -> None:
         detokenizers = self._detokenizers
-        for delta in deltas:
+        for i, delta in enumerate(deltas):
+            if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                time.sleep(0)  # hand the GIL over (see _YIELD_EVERY)
             detok = detokenizers.get(delta.request_id)
             if detok is None:
                 continue

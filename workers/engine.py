@@ -186,7 +186,7 @@ class Engine:
         st = self._stats
         st.num_steps += 1
         st.num_mixed_steps += out.is_mixed
-        st.num_prompt_tokens += sum(len(s.token_ids) for s in out.scheduled if not s.is_decode)
+        st.num_prompt_tokens += out.num_prompt_tokens
         st.prepare_time_s += self.runner.prepare_time_s
 
     def _count_times(self, schedule_s: float, forward_s: float, detokenize_s: float) -> None:
@@ -208,16 +208,17 @@ class Engine:
         logprobs = (
             [request.logprobs[-1]] if request.params.logprobs is not None and request.logprobs else None
         )
+        finish_reason = request.status.finish_reason
         delta = TokenDelta(
             request_id=request.request_id,
             token_ids=[token_id],
             text=text,
             logprobs=logprobs,
-            finish_reason=request.status.finish_reason,
+            finish_reason=finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             scheduled_time=request.first_scheduled_time if index == 0 else None,
         )
-        if request.status.is_finished:
+        if finish_reason is not None:
             self._drop(request.request_id)
         return delta
 
@@ -266,8 +267,9 @@ class Engine:
                 "a launched step was never resolved (step() until has_unfinished() is false)"
             )
         self.scheduler.check_no_leaks()
-        if self.detokenizers or self.runner.generators:
+        if self.detokenizers or self.runner.generators or self.runner.block_tables.num_requests:
             raise AssertionError(
                 f"per-request state left: detokenizers {sorted(self.detokenizers)}, "
-                f"generators {sorted(self.runner.generators)}"
+                f"generators {sorted(self.runner.generators)}, "
+                f"block-table rows {self.runner.block_tables.num_requests}"
             )

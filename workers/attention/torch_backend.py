@@ -38,12 +38,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, index: int) -> torch.Tensor:
     """[B, nb] block ids -> [B, nb * block_size, kv_heads, head_dim] of K (index 0) or V (index 1)."""
+    return _gather_rows(kv_cache, block_tables.long() * 2 + index)
+
+
+def _gather_rows(kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, nb] indices into the cache seen as [num_blocks * 2, block of K or V] (``2 * block`` is its K,
+    ``2 * block + 1`` its V) -> [B, nb * block_size, kv_heads, head_dim]."""
     num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    # NOTE: an embedding lookup over flattened blocks is a row gather, several times faster on CPU than
-    # advanced indexing of the 5-D cache.
-    rows = kv_cache[:, index].reshape(num_blocks, block_size * num_kv_heads * head_dim)
-    gathered = F.embedding(block_tables.long(), rows)
-    return gathered.view(block_tables.shape[0], -1, num_kv_heads, head_dim)
+    # NOTE: an embedding lookup is a row gather, several times faster on CPU than advanced indexing of
+    # the 5-D cache, and ~2x faster from the whole (contiguous) cache than from its strided K or V half.
+    flat = kv_cache.reshape(num_blocks * 2, block_size * num_kv_heads * head_dim)  # a view: contiguous
+    gathered = F.embedding(rows, flat)
+    return gathered.view(rows.shape[0], -1, num_kv_heads, head_dim)
 
 
 def _attend(
@@ -101,6 +107,7 @@ class _StepPlan:
     kv_rows: torch.Tensor | None = None  # [T'] rows of the cache viewed as [blocks * 2 * bs, Hkv * D]
     valid_tokens: torch.Tensor | None = None  # [T'] tokens with a slot (None: all of them)
     decode_blocks: int = 0
+    decode_rows: torch.Tensor | None = None  # [N, decode_blocks] 2 * block id: the decodes' K rows
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
 
 
@@ -115,6 +122,7 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     plan.kv_rows = torch.div(slots, block_size, rounding_mode="floor") * (2 * block_size) + slots % block_size
     if meta.num_decodes:
         plan.decode_blocks = -(-max(plan.seq_lens[: meta.num_decodes]) // block_size)
+        plan.decode_rows = meta.block_tables[: meta.num_decodes, : plan.decode_blocks].long() * 2
     return plan
 
 
@@ -229,8 +237,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [N, H, D] float32
         """One SDPA call for every decode: the ``H / Hkv`` query heads of a KV head are its queries."""
         num_decodes, num_heads, head_dim = q.shape
-        tables = meta.block_tables[:num_decodes, : plan.decode_blocks]
-        keys, values = _gather(kv_cache, tables, 0), _gather(kv_cache, tables, 1)  # [N, L, Hkv, D]
+        rows = plan.decode_rows
+        if rows is None:
+            raise RuntimeError("a decode attention call in a step the plan saw no decodes in")
+        keys, values = _gather_rows(kv_cache, rows), _gather_rows(kv_cache, rows + 1)  # [N, L, Hkv, D]
         group = num_heads // spec.num_kv_heads
         out = F.scaled_dot_product_attention(
             q.float().reshape(num_decodes, spec.num_kv_heads, group, head_dim),
