@@ -49,6 +49,7 @@ from workers.step_inputs import (
     StepInputs,
     build_step_arrays,
     placeholder_sources,
+    sort_decodes_by_length,
 )
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,8 @@ class ModelRunner:
         non-blocking copies from pinned staging; a decode-only step that fits a captured graph is
         padded to that graph's size and laid out where the graph reads. Placeholder tokens are then
         filled in on the device from the previous step's sampled tokens."""
+        if self.config.attention_backend == "torch":
+            out = sort_decodes_by_length(out)  # NOTE: the torch backend pads decodes per length bucket
         arrays = build_step_arrays(out.scheduled, self.block_size, self.block_tables)
         buffers = self.buffers
         num_seqs, num_tokens = len(arrays.seq_lens), len(arrays.input_ids)

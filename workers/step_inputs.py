@@ -8,6 +8,7 @@ on the device before the forward (``placeholder_sources``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 
 from cluster.protocol import SamplingParams
 from workers.attention import AttentionMetadata
-from workers.scheduler import ScheduledRequest
+from workers.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -183,6 +184,17 @@ class StepInputs:
     sample_params: list[SamplingParams]
     sample_num_outputs: list[int]
     graph_size: int | None = None  # the captured batch size this step is padded to
+
+
+def sort_decodes_by_length(out: SchedulerOutput) -> SchedulerOutput:
+    """``out`` with its leading one-token sequences ordered by length (a shallow copy; ``out`` is left as
+    the scheduler made it): the torch attention backend pads decodes per bucket of similar length."""
+    num_decodes = out.num_decodes
+    if num_decodes < 2:
+        return out
+    sched = out.scheduled
+    decodes = sorted(sched[:num_decodes], key=_start_position)
+    return dataclasses.replace(out, scheduled=decodes + sched[num_decodes:])
 
 
 def placeholder_sources(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,13 @@ from workers.attention.base import AttentionBackend, AttentionMetadata, Attentio
 
 # Bound on one prefill chunk's score matrix (queries x heads x keys, float32): 16 Mi elements = 64 MiB.
 _MAX_SCORE_ELEMENTS = 1 << 24
+# Decodes are padded to the longest one in their SDPA call. Rows ordered by length (the model runner
+# sorts them for this backend) are split into up to this many contiguous buckets, each padded to its
+# own longest, when a split saves >= _MIN_BUCKET_SAVING of the padded keys of the range it splits and
+# leaves >= _MIN_BUCKET_ROWS rows on each side (a bucket costs a few more ops per layer).
+_MAX_DECODE_BUCKETS = 4
+_MIN_BUCKET_ROWS = 16
+_MIN_BUCKET_SAVING = 0.2
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -98,6 +106,46 @@ def _mask_bias(
 
 
 @dataclass
+class _DecodeBucket:
+    """Decode rows ``[start, end)`` padded to ``num_blocks`` blocks: K rows of the cache (2 * block id)
+    and the key mask per sliding window."""
+
+    start: int
+    end: int
+    num_blocks: int
+    rows: torch.Tensor  # [end - start, num_blocks]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+
+def decode_buckets(block_counts: np.ndarray) -> list[tuple[int, int]]:
+    """Contiguous row ranges covering ``block_counts`` (blocks each decode reads), split greedily where
+    padding every row of a range to the range's maximum wastes most (see _MAX_DECODE_BUCKETS)."""
+    ranges = [(0, len(block_counts))]
+    while len(ranges) < _MAX_DECODE_BUCKETS:
+        best: tuple[int, int, int] | None = None  # (saving, range index, split row)
+        for index, (start, end) in enumerate(ranges):
+            n = end - start
+            if n < 2 * _MIN_BUCKET_ROWS:
+                continue
+            counts = block_counts[start:end]
+            head_max = np.maximum.accumulate(counts)
+            tail_max = np.maximum.accumulate(counts[::-1])[::-1]
+            splits = np.arange(_MIN_BUCKET_ROWS, n - _MIN_BUCKET_ROWS + 1)
+            costs = splits * head_max[splits - 1] + (n - splits) * tail_max[splits]
+            i = int(np.argmin(costs))
+            whole = n * int(head_max[-1])
+            saving = whole - int(costs[i])
+            if saving >= _MIN_BUCKET_SAVING * whole and (best is None or saving > best[0]):
+                best = (saving, index, start + int(splits[i]))
+        if best is None:
+            break
+        _, index, split = best
+        start, end = ranges[index]
+        ranges[index : index + 1] = [(start, split), (split, end)]
+    return ranges
+
+
+@dataclass
 class _StepPlan:
     """What every layer of one step shares; built at the step's first layer (see the module docstring)."""
 
@@ -106,9 +154,8 @@ class _StepPlan:
     seq_lens: list[int]
     kv_rows: torch.Tensor | None = None  # [T'] rows of the cache viewed as [blocks * 2 * bs, Hkv * D]
     valid_tokens: torch.Tensor | None = None  # [T'] tokens with a slot (None: all of them)
-    decode_blocks: int = 0
-    decode_rows: torch.Tensor | None = None  # [N, decode_blocks] 2 * block id: the decodes' K rows
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by sliding window
+    decode_blocks: int = 0  # blocks of the longest decode
+    decode_buckets: list[_DecodeBucket] = field(default_factory=list)
 
 
 def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
@@ -120,9 +167,14 @@ def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
         plan.valid_tokens = torch.nonzero(slots >= 0).flatten()
         slots = slots[plan.valid_tokens]
     plan.kv_rows = torch.div(slots, block_size, rounding_mode="floor") * (2 * block_size) + slots % block_size
-    if meta.num_decodes:
-        plan.decode_blocks = -(-max(plan.seq_lens[: meta.num_decodes]) // block_size)
-        plan.decode_rows = meta.block_tables[: meta.num_decodes, : plan.decode_blocks].long() * 2
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        counts = -(-np.array(plan.seq_lens[:num_decodes]) // block_size)
+        plan.decode_blocks = int(counts.max())
+        rows = meta.block_tables[:num_decodes].long() * 2
+        for start, end in decode_buckets(counts):
+            num_blocks = int(counts[start:end].max())
+            plan.decode_buckets.append(_DecodeBucket(start, end, num_blocks, rows[start:end, :num_blocks]))
     return plan
 
 
@@ -213,18 +265,19 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
     @staticmethod
-    def _decode_mask(plan: _StepPlan, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
-        """[N, 1, 1, L] bool, True where decode n may attend key position l (shared by every layer)."""
-        window = spec.sliding_window
-        mask = plan.decode_masks.get(window)
+    def _decode_mask(bucket: _DecodeBucket, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+        """[n, 1, 1, L] float32 bias, 0 where the bucket's decode i may attend key position l and -inf
+        elsewhere, shared by every layer of the step (SDPA would turn a bool mask into this per call)."""
+        mask = bucket.masks.get(window)
         if mask is None:
-            n = plan.meta.num_decodes
-            lens = plan.meta.seq_lens[:n].to(torch.int64).view(n, 1, 1, 1)
-            key_pos = torch.arange(plan.decode_blocks * plan.meta.block_size, device=device)
-            mask = key_pos < lens
+            lens = meta.seq_lens[bucket.start : bucket.end].to(torch.int64).view(-1, 1, 1, 1)
+            key_pos = torch.arange(bucket.num_blocks * meta.block_size, device=lens.device)
+            allowed = key_pos < lens
             if window is not None:
-                mask &= key_pos > lens - 1 - window
-            plan.decode_masks[window] = mask
+                allowed &= key_pos > lens - 1 - window
+            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=lens.device)
+            mask.masked_fill_(~allowed, float("-inf"))
+            bucket.masks[window] = mask
         return mask
 
     def _decode_sdpa(
@@ -235,20 +288,26 @@ class TorchAttentionBackend(AttentionBackend):
         spec: AttentionSpec,
         plan: _StepPlan,
     ) -> torch.Tensor:  # [N, H, D] float32
-        """One SDPA call for every decode: the ``H / Hkv`` query heads of a KV head are its queries."""
+        """One SDPA call per bucket of decodes: the ``H / Hkv`` query heads of a KV head are its
+        queries (grouped-query attention folded into the query length)."""
         num_decodes, num_heads, head_dim = q.shape
-        rows = plan.decode_rows
-        if rows is None:
+        q4 = q.float().reshape(num_decodes, spec.num_kv_heads, num_heads // spec.num_kv_heads, head_dim)
+        out = None if len(plan.decode_buckets) == 1 else q4.new_empty(q4.shape)
+        for bucket in plan.decode_buckets:
+            keys = _gather_rows(kv_cache, bucket.rows)  # [n, L, Hkv, D]
+            values = _gather_rows(kv_cache, bucket.rows + 1)
+            part = F.scaled_dot_product_attention(
+                q4[bucket.start : bucket.end],
+                keys.float().transpose(1, 2),
+                values.float().transpose(1, 2),
+                attn_mask=self._decode_mask(bucket, meta, spec.sliding_window),
+                scale=spec.scale,
+            )
+            if out is None:
+                return part.view(num_decodes, num_heads, head_dim)
+            out[bucket.start : bucket.end] = part
+        if out is None:
             raise RuntimeError("a decode attention call in a step the plan saw no decodes in")
-        keys, values = _gather_rows(kv_cache, rows), _gather_rows(kv_cache, rows + 1)  # [N, L, Hkv, D]
-        group = num_heads // spec.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q.float().reshape(num_decodes, spec.num_kv_heads, group, head_dim),
-            keys.float().transpose(1, 2),
-            values.float().transpose(1, 2),
-            attn_mask=self._decode_mask(plan, spec, q.device),
-            scale=spec.scale,
-        )
         return out.view(num_decodes, num_heads, head_dim)
 
     @staticmethod
