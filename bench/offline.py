@@ -1,29 +1,44 @@
-"""Offline throughput: pdserve's engine vs transformers `generate` on the same requests, same run.
+"""Offline throughput: pdserve's engine vs transformers' strongest configuration, same requests, same run.
 
     pdserve bench offline [--num-requests 128] [--prompt-len 16 128] [--output-len 16 128] [--seed 0]
+                          [--repeats 3] [--threads N] [--variant NAME:key=value,...] [--load-format dummy]
 
 Requests: prompt and output lengths drawn uniformly from the ranges with the seed, random token ids,
-EOS ignored (every request produces exactly its output length). transformers runs static batches of
-`--hf-batch-size` (left-padded, each batch runs to its longest request; only requested tokens count).
-Also prints the engine's host overhead per step (scheduling + input preparation, forward excluded) with
-64 and 256 requests running.
+EOS ignored (every request produces exactly its output length). Printed, all measured in this process:
+
+* the CPU roofline: model FLOPs of the workload (``bench/roofline.py``) and the fp32 matmul rate at
+  2048^3 and at the model's own weight shapes;
+* pdserve: each ``--variant`` (LLM options; default: one variant with the defaults) ``--repeats`` times,
+  variants interleaved round-robin so load drifts hit them alike; a fresh LLM per run (no prefix-cache
+  hits from an earlier run), warmed up with a few other requests; median output tok/s and % of roofline;
+* transformers (``bench/hf_peer.py``): static ``generate`` batches of every ``--hf-batch-sizes``, in
+  arrival order and sorted by output length, then the best of them ``--repeats`` times in all (median);
+  its continuous-batching manager when the installed version has one;
+* host overhead per decode step with 64 and 256 requests running (see ``host_overhead``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import gc
+import json
+import os
 import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from bench import hf_peer
+from bench.roofline import ModelFlops, measure_rates, workload_flops
 from cluster.protocol import SamplingParams
 from workers.engine import BUNDLED_MODEL
 from workers.llm import LLM
+from workers.models.arch import ArchConfig
 
 
 @dataclass
@@ -35,6 +50,13 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def params(self) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in self.output_lens]
+
 
 def make_workload(
     n: int, prompt_len: Sequence[int], output_len: Sequence[int], vocab: int, seed: int
@@ -44,105 +66,268 @@ def make_workload(
     return Workload(prompts, [rng.randint(*output_len) for _ in range(n)])
 
 
-def run_pdserve(llm: LLM, w: Workload) -> float:
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in w.output_lens]
-    t0 = time.perf_counter()
-    outs = llm.generate(w.prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - t0
-    assert sum(len(o.token_ids) for o in outs) == w.num_output_tokens
-    return elapsed
+@dataclass
+class Variant:
+    name: str
+    options: dict[str, Any]
+    seconds: list[float] = field(default_factory=list)  # wall
+    cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU time, every thread
+    steps: int = 0
 
 
-def run_transformers(model_dir: str, w: Workload, batch_size: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = 0
-    t0 = time.perf_counter()
-    for start in tqdm(range(0, len(w.prompts), batch_size), desc="transformers"):
-        batch = w.prompts[start : start + batch_size]
-        longest = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (longest - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
-        new = max(w.output_lens[start : start + batch_size])
-        with torch.inference_mode():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=pad,
-                eos_token_id=None,
-            )
-    return time.perf_counter() - t0
+def parse_variant(text: str) -> Variant:
+    """``NAME:key=value,key=value`` (values are Python literals; bare words are strings)."""
+    name, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, raw = item.partition("=")
+        try:
+            options[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            options[key.strip()] = raw.strip()
+    return Variant(name, options)
 
 
-def host_overhead_ms(
-    model_dir: str, num_running: int, num_steps: int, seed: int
-) -> tuple[float, float, float]:
-    """Median per-step host times in ms with `num_running` decoding: schedule+update, input prep, and
-    (reported apart: not scheduling) detokenization."""
-    llm = LLM(model_dir, max_num_seqs=num_running, max_num_batched_tokens=max(2048, num_running * 16))
+def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, engine steps) of one generate() over the workload on a fresh,
+    warmed-up LLM."""
+    llm = LLM(model, **options)
+    warm = make_workload(4, (8, 16), (4, 8), llm.engine.vocab_size, seed + 1000)
+    llm.generate(warm.prompts, warm.params())
+    steps_before = llm.stats().num_steps
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = llm.generate(w.prompts, w.params())
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    produced = sum(len(o.token_ids) for o in outs)
+    if produced != w.num_output_tokens:
+        raise RuntimeError(f"pdserve made {produced} tokens, {w.num_output_tokens} asked")
+    steps = llm.stats().num_steps - steps_before
+    llm.check_no_leaks()
+    close = getattr(llm, "close", None)
+    if close is not None:
+        close()
+    del llm
+    gc.collect()
+    return elapsed, cpu, steps
+
+
+def host_overhead(
+    model: str, options: dict[str, Any], num_running: int, num_steps: int, seed: int
+) -> dict[str, float]:
+    """Per decode-only step with ``num_running`` requests running, on the step thread, in ms:
+
+    * ``host`` / ``host_cpu``: the wall / thread CPU time of ``Engine.step()`` minus that of the
+      runner's forward, logits and sampling (``forward_time_total_s`` / ``forward_cpu_total_s``). What
+      is left: scheduling, input preparation (numpy arrays, tensors, attention metadata), turning the
+      sampled tokens into request updates, stop checks and ``TokenDelta`` objects, the engine's
+      bookkeeping, and detokenization where it runs on the step thread. Medians, and the CPU minimum;
+    * ``schedule+update``, ``prepare``, ``detokenize``: the engine's own split (EngineStats);
+    * ``stage``: with detokenization off the step thread, a ``DetokenizerStage`` thread is fed the
+      deltas as the offline LLM does: its CPU time per step (on its own thread, not in ``host``).
+    """
+    opts = {**options, "max_num_seqs": num_running, "max_num_batched_tokens": max(2048, num_running * 16)}
+    llm = LLM(model, **opts)
     engine = llm.engine
+    runner = engine.runner
     w = make_workload(num_running, (16, 16), (num_steps + 8, num_steps + 8), engine.vocab_size, seed)
+    stage = None
+    if not getattr(engine, "detokenize", True) and engine.tokenizer is not None:
+        from workers.detokenizer import DetokenizerStage
+
+        stage = DetokenizerStage(engine.tokenizer, lambda deltas: None, name="bench-detokenizer")
     for i, p in enumerate(w.prompts):
-        engine.add_request(
-            f"h{i}", p, SamplingParams(max_tokens=w.output_lens[i], temperature=0.0, ignore_eos=True)
-        )
-    engine.step()  # all prefills in one step
-    sched, prep, detok = [], [], []
+        engine.add_request(f"h{i}", p, w.params()[i])
+        if stage is not None:
+            stage.add_request(f"h{i}", p, w.params()[i])
+    for _ in range(2):  # every prefill in one step, then one decode step
+        deltas = engine.step()
+        if stage is not None:
+            stage.submit(deltas)
+    if stage is not None:
+        stage.flush(60.0)
+    stage_before = stage.busy_time_s if stage is not None else 0.0
+    split: dict[str, list[float]] = {
+        k: [] for k in ("host", "host_cpu", "schedule+update", "prepare", "detokenize")
+    }
     for _ in range(num_steps):
         before = engine.stats()
-        engine.step()
+        fwd, fwd_cpu = (
+            getattr(runner, "forward_time_total_s", 0.0),
+            getattr(runner, "forward_cpu_total_s", 0.0),
+        )
+        t0, c0 = time.perf_counter(), time.thread_time()
+        deltas = engine.step()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        if stage is not None:
+            stage.submit(deltas)
         after = engine.stats()
-        sched.append(after.schedule_time_s - before.schedule_time_s)
-        prep.append(after.prepare_time_s - before.prepare_time_s)
-        detok.append(after.detokenize_time_s - before.detokenize_time_s)
+        if hasattr(runner, "forward_time_total_s"):
+            split["host"].append(wall - (runner.forward_time_total_s - fwd))
+            split["host_cpu"].append(cpu - (runner.forward_cpu_total_s - fwd_cpu))
+        else:  # an engine without the runner's counters: its forward_time_s includes more than forward
+            split["host"].append(wall - (after.forward_time_s - before.forward_time_s))
+        split["schedule+update"].append(after.schedule_time_s - before.schedule_time_s)
+        split["prepare"].append(after.prepare_time_s - before.prepare_time_s)
+        split["detokenize"].append(after.detokenize_time_s - before.detokenize_time_s)
+    result = {k: statistics.median(v) * 1e3 for k, v in split.items() if v}
+    if split["host_cpu"]:
+        result["host_cpu_min"] = min(split["host_cpu"]) * 1e3
+    if stage is not None:
+        stage.flush(60.0)
+        result["stage"] = (stage.busy_time_s - stage_before) / num_steps * 1e3
+        stage.close(60.0)
     for i in range(num_running):
         engine.abort(f"h{i}")
-    return statistics.median(sched) * 1e3, statistics.median(prep) * 1e3, statistics.median(detok) * 1e3
+    return result
+
+
+def _pct(flops: ModelFlops, seconds: float, gflops: float) -> float:
+    return 100.0 * flops.total / seconds / (gflops * 1e9)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=BUNDLED_MODEL)
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 128))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...")
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf-cb", action="store_true")
+    ap.add_argument("--hf-cb-timeout", type=float, default=900.0)
+    ap.add_argument("--overhead-running", type=int, nargs="*", default=[64, 256])
     ap.add_argument("--overhead-steps", type=int, default=20)
+    ap.add_argument("--no-roofline", action="store_true", help="skip the matmul-rate measurement")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
-    w = make_workload(args.num_requests, args.prompt_len, args.output_len, llm.engine.vocab_size, args.seed)
+    dummy = args.load_format == "dummy"
+    variants = [parse_variant(v) for v in args.variant] or [Variant("pdserve", {})]
+    for v in variants:
+        if dummy:
+            v.options.setdefault("load_format", "dummy")
+    arch = ArchConfig.from_pretrained(args.model)
+    w = make_workload(args.num_requests, args.prompt_len, args.output_len, arch.vocab_size, args.seed)
+    flops = workload_flops(arch, [len(p) for p in w.prompts], w.output_lens)
     print(
-        f"workload: {args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len}, "
-        f"seed {args.seed}; {w.num_output_tokens} output tokens; torch threads {torch.get_num_threads()}"
+        f"model {args.model} ({arch.architecture}, {'random' if dummy else 'checkpoint'} weights); "
+        f"torch threads {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs"
     )
-    t_pd = run_pdserve(llm, w)
-    st = llm.stats()
     print(
-        f"pdserve      : {w.num_output_tokens / t_pd:9.1f} output tok/s ({t_pd:.2f} s, {st.num_steps} steps, "
-        f"{st.num_mixed_steps} mixed, {st.num_preemptions} preemptions)"
+        f"workload: {args.num_requests} requests, prompt {tuple(args.prompt_len)}, output "
+        f"{tuple(args.output_len)}, seed {args.seed}: {w.num_prompt_tokens} prompt + {w.num_output_tokens} "
+        f"output tokens; model math {flops.total / 1e9:.1f} GFLOP (layers {flops.layers / 1e9:.1f}, "
+        f"attention {flops.attention / 1e9:.1f}, logits {flops.logits / 1e9:.1f})"
     )
-    if not args.skip_hf:
-        t_hf = run_transformers(args.model, w, args.hf_batch_size)
+    rates = [] if args.no_roofline else measure_rates(arch)
+    for r in rates:
+        print(f"fp32 matmul, {r.label:26s}: {r.best_gflops:7.1f} GFLOP/s best, {r.median_gflops:7.1f} median")
+    roof = max((r.best_gflops for r in rates), default=float("nan"))
+    print(f"roofline: {roof:.1f} GFLOP/s (the best of the above)")
+
+    n_out = w.num_output_tokens
+    for _ in range(args.repeats):
+        for v in variants:
+            seconds, cpu, v.steps = run_pdserve(args.model, v.options, w, args.seed)
+            v.seconds.append(seconds)
+            v.cpu_seconds.append(cpu)
+            print(
+                f"  run {v.name:16s}: {n_out / seconds:9.1f} output tok/s ({seconds:.2f} s, CPU {cpu:.2f} s)",
+                flush=True,
+            )
+    results: dict[str, Any] = {"roofline_gflops": roof, "variants": {}}
+    print(
+        "output tok/s per wall second (median and each run) and per CPU second (median); % of the roofline "
+        "from the wall-time median"
+    )
+    for v in variants if args.repeats else []:
+        runs = [n_out / s for s in v.seconds]
+        results["variants"][v.name] = {
+            "options": v.options,
+            "tok_s": runs,
+            "cpu_tok_s": [n_out / s for s in v.cpu_seconds],
+        }
         print(
-            f"transformers : {w.num_output_tokens / t_hf:9.1f} output tok/s ({t_hf:.2f} s, static batches "
-            f"of {args.hf_batch_size})"
+            f"pdserve {v.name:20s}: {statistics.median(runs):8.1f} [{' '.join(f'{r:.0f}' for r in runs)}]  "
+            f"CPU {n_out / statistics.median(v.cpu_seconds):8.1f}  "
+            f"{_pct(flops, statistics.median(v.seconds), roof):5.1f}% of roofline  ({v.steps} steps; {v.options})"
         )
-        print(f"ratio        : {t_hf / t_pd:.2f}x")
-    for n in (64, 256):
-        sched_ms, prep_ms, detok_ms = host_overhead_ms(args.model, n, args.overhead_steps, args.seed)
+    if args.repeats and not args.skip_hf:
+        best_pd = min(statistics.median(v.seconds) for v in variants)
+        best_pd_cpu = min(statistics.median(v.cpu_seconds) for v in variants)
+        model = hf_peer.load_model(args.model, dummy)
+        hf_peer.run_static(model, w.prompts[:4], [4] * 4, 4, "arrival")  # warm-up
+        sweep = hf_peer.sweep_static(model, w.prompts, w.output_lens, args.hf_batch_sizes)
+        for run in sweep:
+            print(
+                f"transformers static b{run.batch_size:<4d} {run.order:8s}: {n_out / run.seconds:8.1f} output "
+                f"tok/s ({run.seconds:.2f} s), CPU {n_out / run.cpu_seconds:8.1f}"
+            )
+        best = min(sweep, key=lambda r: r.seconds)
+        reruns = [
+            hf_peer.run_static(model, w.prompts, w.output_lens, best.batch_size, best.order)
+            for _ in range(args.repeats - 1)
+        ]
+        best_s = [best.seconds] + [r[0] for r in reruns]
+        best_cpu = [best.cpu_seconds] + [r[1] for r in reruns]
+        hf_s, hf_cpu = statistics.median(best_s), statistics.median(best_cpu)
         print(
-            f"host overhead, {n:3d} running: {sched_ms + prep_ms:.3f} ms/step median "
-            f"(schedule+update {sched_ms:.3f}, input prep {prep_ms:.3f}); detokenize {detok_ms:.3f} ms"
+            f"transformers best (static b{best.batch_size} {best.order}): {n_out / hf_s:8.1f} "
+            f"[{' '.join(f'{n_out / s:.0f}' for s in best_s)}]  CPU {n_out / hf_cpu:8.1f}  "
+            f"{_pct(flops, hf_s, roof):5.1f}% of roofline"
         )
+        results["transformers_static"] = {f"b{r.batch_size}-{r.order}": n_out / r.seconds for r in sweep}
+        results["transformers_best"] = {
+            "tok_s": [n_out / s for s in best_s],
+            "cpu_tok_s": [n_out / s for s in best_cpu],
+        }
+        for v in variants:
+            print(
+                f"ratio pdserve {v.name} / transformers best: {hf_s / statistics.median(v.seconds):.2f}x wall, "
+                f"{hf_cpu / statistics.median(v.cpu_seconds):.2f}x CPU"
+            )
+        if not args.skip_hf_cb and hf_peer.has_continuous_batching(model):
+            cb_s, cb_cpu = hf_peer.run_continuous(
+                model, w.prompts, w.output_lens, 2048, min(256, len(w.prompts)), 16, args.hf_cb_timeout
+            )
+            results["transformers_cb"] = {"tok_s": n_out / cb_s, "cpu_tok_s": n_out / cb_cpu}
+            print(
+                f"transformers continuous batching (page 16, 2048 tokens/batch): {n_out / cb_s:8.1f} output "
+                f"tok/s ({cb_s:.2f} s), CPU {n_out / cb_cpu:8.1f}; pdserve best / it: {cb_s / best_pd:.2f}x wall, "
+                f"{cb_cpu / best_pd_cpu:.2f}x CPU"
+            )
+        elif not args.skip_hf_cb:
+            print("transformers continuous batching: not in the installed transformers")
+        del model
+        gc.collect()
+
+    for v in variants:
+        for n in args.overhead_running:
+            o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed)
+            results["variants"].setdefault(v.name, {})[f"host_ms_{n}"] = o
+            cpu = (
+                f"; thread CPU {o['host_cpu']:.3f} median, {o['host_cpu_min']:.3f} min"
+                if "host_cpu" in o
+                else ""
+            )
+            stage = f"; detokenizer thread {o['stage']:.3f} ms/step of its own CPU" if "stage" in o else ""
+            print(
+                f"host overhead {v.name}, {n:3d} running: {o['host']:.3f} ms/step wall median{cpu}, forward "
+                f"excluded (engine split: schedule+update {o['schedule+update']:.3f}, input prep "
+                f"{o['prepare']:.3f}, detokenize on the step thread {o['detokenize']:.3f}){stage}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 

@@ -37,7 +37,7 @@ def json_spec(schema: dict[str, Any]) -> StructuredOutput:
 
 
 def make_engine(is_async: bool = False, **options: Any) -> Engine:
-    return LLM(block_size=4, async_scheduling=is_async, **options).engine
+    return LLM(block_size=4, async_scheduling=is_async, detokenize_thread=False, **options).engine
 
 
 def drive(engine: Engine, on_delta: Callable[[TokenDelta], None] | None = None) -> dict[str, TokenDelta]:
@@ -240,7 +240,7 @@ def test_preempted_requests_resume_their_grammar(is_async: bool) -> None:
 
 
 def test_bad_specs_are_value_errors_and_aborts_free_the_matcher() -> None:
-    llm = LLM(block_size=4)
+    llm = LLM(block_size=4, detokenize_thread=False)  # driven directly below: its deltas carry text
     engine = llm.engine
     prompt = engine.tokenizer.encode(PROMPT)
     good = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "a+"))

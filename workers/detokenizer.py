@@ -9,12 +9,24 @@ ended inside a multi-byte character, so we emit nothing and wait for the bytes t
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cluster.protocol import SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 
 # NOTE: the first output tokens are decoded with a few prompt tokens in front of them so a leading
 # space or a character split across the prompt/output boundary renders as it does in the full text.
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# NOTE: the stage thread is pure Python and shares the GIL with the step thread. A thread that wants the
+# GIL back (the step thread, after a torch op) waits for the holder's switch interval (5 ms) unless the
+# holder lets go; the stage lets go every this many deltas (~0.1 ms of work), so the step thread waits
+# no longer than that.
+_YIELD_EVERY = 16
 
 
 class IncrementalDetokenizer:
@@ -93,3 +105,128 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._num_returned : end]
         self._num_returned = end
         return delta
+
+
+def detokenizes_on_step_thread(params: SamplingParams, hold_after_prefill: bool) -> bool:
+    """Whether a request's text is produced by the engine even when detokenization runs elsewhere.
+
+    Stop strings decide when a request ends, so their matching stays where the decision is taken (the
+    step thread): such a request ends on exactly the token it ends on when everything is detokenized
+    inline. A prefill worker's held request sends its one token's text with the handoff.
+    """
+    return hold_after_prefill or any(params.stop)
+
+
+class DetokenizerStage:
+    """Produces the text of the engine's token deltas on its own thread (``thread``), in order.
+
+    The step thread calls ``add_request`` when it adds a request to the engine (with the tokens already
+    streamed, for a resumed one), ``submit`` with each step's deltas, and ``drop`` when a request ends
+    without a final delta (abort); everything is queued, so the step thread never decodes. The stage
+    fills in ``delta.text`` of the requests it owns (those ``detokenizes_on_step_thread`` leaves to it)
+    and hands every delta, in submission order, to ``emit`` on its thread; other requests' deltas pass
+    through as they are. ``call(fn)`` runs ``fn`` on the stage after everything queued before it, for
+    messages that must stay ordered with the deltas. A request's detokenizer lives from ``add_request``
+    until its final delta or ``drop``. An error on the stage thread is raised again by ``flush``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, emit: Callable[[list[TokenDelta]], None], name: str) -> None:
+        self.tokenizer = tokenizer
+        self._emit = emit
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.busy_time_s = 0.0  # CPU time the stage thread spent producing text
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    # ---- step thread ---------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        hold_after_prefill: bool = False,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        if not detokenizes_on_step_thread(params, hold_after_prefill):
+            self._queue.put(("add", request_id, prompt_token_ids, params, output_token_ids))
+
+    def submit(self, deltas: list[TokenDelta]) -> None:
+        if deltas:
+            self._queue.put(("deltas", deltas))
+
+    def drop(self, request_id: str) -> None:
+        self._queue.put(("drop", request_id))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        self._queue.put(("call", fn))
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until everything queued so far went through ``emit``; raise the stage's error if any."""
+        done = threading.Event()
+        self._queue.put(("call", done.set))
+        if not done.wait(timeout_s) and self.error is None:
+            raise TimeoutError(f"detokenizer stage did not drain in {timeout_s} s")
+        if self.error is not None:
+            raise RuntimeError("detokenizer stage failed") from self.error
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the thread after what is queued; per-request state left behind is discarded."""
+        self._queue.put(("stop",))
+        self.thread.join(timeout_s)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._detokenizers)
+
+    # ---- stage thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            kind = item[0]
+            if kind == "stop":
+                return
+            if self.error is not None:
+                if kind == "call":
+                    item[1]()  # NOTE: keep waking flushers so they see the error
+                continue
+            try:
+                self._handle(item)
+            except BaseException as e:  # noqa: BLE001 - kept and raised again on the step thread
+                self.error = e
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == "deltas":
+            t0 = time.thread_time()
+            self._detokenize(item[1])
+            self.busy_time_s += time.thread_time() - t0
+            self._emit(item[1])
+        elif kind == "add":
+            _, request_id, prompt_token_ids, params, output_token_ids = item
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            if output_token_ids:
+                detok.update(output_token_ids)
+                detok.get_delta(finished=False)  # that text was streamed before (a resumed request)
+            self._detokenizers[request_id] = detok
+        elif kind == "drop":
+            self._detokenizers.pop(item[1], None)
+        elif kind == "call":
+            item[1]()
+        else:
+            raise RuntimeError(f"detokenizer stage: unknown item {kind!r}")
+
+    def _detokenize(self, deltas: list[TokenDelta]) -> None:
+        detokenizers = self._detokenizers
+        for i, delta in enumerate(deltas):
+            if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                time.sleep(0)  # hand the GIL over (see _YIELD_EVERY)
+            detok = detokenizers.get(delta.request_id)
+            if detok is None:
+                continue
+            detok.update(delta.token_ids)
+            finished = delta.finish_reason is not None
+            delta.text = detok.get_delta(finished=finished)
+            if finished:
+                del detokenizers[delta.request_id]

@@ -14,7 +14,7 @@ from cluster.config import EngineConfig
 from cluster.protocol import EngineStats, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, detokenizes_on_step_thread
 from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -39,10 +39,15 @@ class Engine:
     step's token, so under asynchronous scheduling a step that samples a constrained request whose
     previous token is still on the device is launched in two halves: the forward before waiting for
     the previous step, the mask and the sampling after resolving it.
+
+    ``detokenize=False`` leaves the text of most requests to a ``DetokenizerStage`` on another thread:
+    their deltas carry token ids and ``text=""``; the engine still detokenizes the requests whose text
+    decides their end (``detokenizes_on_step_thread``: stop strings, held prefills).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         self.config = config
+        self.detokenize = detokenize
         self.model_dir = config.model.path or BUNDLED_MODEL
         self.runner = ModelRunner(config, self.model_dir)
         self.arch = self.runner.arch
@@ -104,7 +109,7 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold)
         if params.structured is not None:
             self.structured.add(request_id, params.structured, output_token_ids or [])
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (self.detokenize or detokenizes_on_step_thread(params, hold)):
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.stop
             )
@@ -230,7 +235,7 @@ class Engine:
         st = self._stats
         st.num_steps += 1
         st.num_mixed_steps += out.is_mixed
-        st.num_prompt_tokens += sum(len(s.token_ids) for s in out.scheduled if not s.is_decode)
+        st.num_prompt_tokens += out.num_prompt_tokens
         st.prepare_time_s += self.runner.prepare_time_s
 
     def _count_times(self, schedule_s: float, forward_s: float, detokenize_s: float) -> None:
@@ -260,17 +265,18 @@ class Engine:
         logprobs = (
             [request.logprobs[-1]] if request.params.logprobs is not None and request.logprobs else None
         )
+        finish_reason = request.status.finish_reason
         delta = TokenDelta(
             request_id=request.request_id,
             token_ids=[token_id],
             text=text,
             logprobs=logprobs,
-            finish_reason=request.status.finish_reason,
+            finish_reason=finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             scheduled_time=request.first_scheduled_time if index == 0 else None,
         )
-        if request.status.is_finished:
+        if finish_reason is not None:
             self._drop(request.request_id)
         return delta
 
@@ -320,8 +326,14 @@ class Engine:
                 "a launched step was never resolved (step() until has_unfinished() is false)"
             )
         self.scheduler.check_no_leaks()
-        if self.detokenizers or self.runner.generators or len(self.structured):
+        if (
+            self.detokenizers
+            or self.runner.generators
+            or len(self.structured)
+            or self.runner.block_tables.num_requests
+        ):
             raise AssertionError(
                 f"per-request state left: detokenizers {sorted(self.detokenizers)}, "
-                f"generators {sorted(self.runner.generators)}, grammars {sorted(self.structured)}"
+                f"generators {sorted(self.runner.generators)}, grammars {sorted(self.structured)}, "
+                f"block-table rows {self.runner.block_tables.num_requests}"
             )

@@ -9,17 +9,29 @@ from typing import Any
 from tqdm import tqdm
 
 from cluster.config import EngineConfig
-from cluster.protocol import EngineStats, RequestOutput, SamplingParams
+from cluster.protocol import EngineStats, RequestOutput, SamplingParams, TokenDelta
+from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
+
+# NOTE: bounds the wait for the detokenizer thread at the end of generate(); it trails the engine by
+# at most the deltas of the last few steps.
+_DRAIN_TIMEOUT_S = 60.0
 
 
 class LLM:
     """Batch generation over one Engine. ``engine_options`` are EngineConfig / ModelConfig fields
     (block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-    attention_backend, dtype, max_model_len, device, ...); unknown names are an error."""
+    attention_backend, dtype, max_model_len, device, ...); unknown names are an error.
 
-    def __init__(self, model: str = "", **engine_options: Any) -> None:
-        self.engine = Engine(EngineConfig.from_options(model, **engine_options))
+    ``detokenize_thread`` (default on): the text of each output is produced on a ``DetokenizerStage``
+    thread that lives for one ``generate`` call, not between the engine's steps; off, the engine
+    detokenizes inline. Outputs are the same either way.
+    """
+
+    def __init__(self, model: str = "", *, detokenize_thread: bool = True, **engine_options: Any) -> None:
+        config = EngineConfig.from_options(model, **engine_options)
+        self.engine = Engine(config, detokenize=not detokenize_thread)
+        self.detokenize_thread = detokenize_thread and self.engine.tokenizer is not None
         self._counter = 0
 
     @property
@@ -45,20 +57,41 @@ class LLM:
 
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for tokens, p in zip(token_prompts, param_list, strict=True):
-            request_id = f"llm-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(request_id, tokens, p)
-            outputs[request_id] = RequestOutput.start(request_id, tokens, p, time.time())
-            order.append(request_id)
+        bar = tqdm(total=len(token_prompts), desc="generate", disable=not use_tqdm)
 
-        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                outputs[delta.request_id].apply(delta, time.time())
+        def apply(deltas: list[TokenDelta]) -> None:
+            now = time.time()
+            for delta in deltas:
+                outputs[delta.request_id].apply(delta, now)
                 if delta.finish_reason is not None:
                     bar.update(1)
-        bar.close()
+
+        stage = None
+        if self.detokenize_thread and self.engine.tokenizer is not None:
+            stage = DetokenizerStage(self.engine.tokenizer, apply, name="llm-detokenizer")
+        try:
+            for tokens, p in zip(token_prompts, param_list, strict=True):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, tokens, p)
+                outputs[request_id] = RequestOutput.start(request_id, tokens, p, time.time())
+                order.append(request_id)
+                if stage is not None:
+                    stage.add_request(request_id, tokens, p)
+            while self.engine.has_unfinished():
+                deltas = self.engine.step()
+                if stage is None:
+                    apply(deltas)
+                else:
+                    stage.submit(deltas)
+                    if stage.error is not None:
+                        stage.flush(_DRAIN_TIMEOUT_S)  # raises the stage's error
+            if stage is not None:
+                stage.flush(_DRAIN_TIMEOUT_S)
+        finally:
+            if stage is not None:
+                stage.close(_DRAIN_TIMEOUT_S)
+            bar.close()
         return [outputs[r] for r in order]
 
     def _tokens(self, prompt: str | list[int]) -> list[int]:

@@ -11,6 +11,7 @@ step's tokens first (asynchronous scheduling).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -45,7 +46,14 @@ from workers.sampler import (
     is_greedy,
 )
 from workers.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from workers.step_inputs import StepArrays, StepInputs, build_step_arrays, placeholder_sources
+from workers.step_inputs import (
+    PersistentBlockTables,
+    StepArrays,
+    StepInputs,
+    build_step_arrays,
+    placeholder_sources,
+    sort_decodes_by_length,
+)
 from workers.structured import StepMask
 
 # The structured-output mask of a step, given its sampled request ids in row order (None: unconstrained).
@@ -63,6 +71,10 @@ _GRAPH_ALLOWANCE_BYTES = 4 << 20
 _FIELD_DTYPES = {"query_start_loc": np.int32, "seq_lens": np.int32, "block_tables": np.int32}
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+_request_id = operator.attrgetter("request_id")
+_params = operator.attrgetter("params")
+_num_output_tokens = operator.attrgetter("num_output_tokens")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -133,6 +145,7 @@ class ModelRunner:
         # NOTE: the same bound the engine applies (a sequence can never outgrow the KV pool).
         self.max_model_len = min(self.configured_max_len, (self.num_blocks - 1) * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.block_tables = PersistentBlockTables(config.max_num_seqs, self.max_blocks_per_seq)
         self.buffers: InputBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         self.graph_memory_bytes = 0  # device memory the captured graphs took (measured)
@@ -151,6 +164,10 @@ class ModelRunner:
             self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             logger.info("CUDA graphs hold %.1f MiB", self.graph_memory_bytes / 2**20)
         self.prepare_time_s = 0.0
+        # Wall and calling-thread CPU seconds of every launch's forward, logits and sampling (on CUDA:
+        # enqueueing them), summed: what benchmarks subtract from a step to get its host overhead.
+        self.forward_time_total_s = 0.0
+        self.forward_cpu_total_s = 0.0
         # Set to a list to time every step on the device: (start, end) CUDA events around its forward,
         # logits and sampling are appended.
         self.forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -211,7 +228,9 @@ class ModelRunner:
         non-blocking copies from pinned staging; a decode-only step that fits a captured graph is
         padded to that graph's size and laid out where the graph reads. Placeholder tokens are then
         filled in on the device from the previous step's sampled tokens."""
-        arrays = build_step_arrays(out.scheduled, self.block_size)
+        if self.config.attention_backend == "torch":
+            out = sort_decodes_by_length(out)  # NOTE: the torch backend pads decodes per length bucket
+        arrays = build_step_arrays(out.scheduled, self.block_size, self.block_tables)
         buffers = self.buffers
         num_seqs, num_tokens = len(arrays.seq_lens), len(arrays.input_ids)
         if (
@@ -263,7 +282,7 @@ class ModelRunner:
     def _upload_fresh(self, name: str, values: np.ndarray) -> torch.Tensor:
         """A new tensor per step (the CPU path, the profile, and any step larger than the buffers)."""
         host = torch.from_numpy(np.ascontiguousarray(values, dtype=_FIELD_DTYPES.get(name, np.int64)))
-        return host.to(self.device, non_blocking=True)
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
 
     def _step_inputs(
         self,
@@ -295,14 +314,16 @@ class ModelRunner:
                 max_seq_len=int(arrays.seq_lens.max()),
                 block_size=self.block_size,
             )
+        rows = arrays.sample_rows
+        sampled = sched if len(rows) == len(sched) else [sched[i] for i in rows]
         return StepInputs(
             input_ids=input_ids,
             positions=positions,
             meta=meta,
             logits_indices=upload("logits_indices", arrays.logits_indices),
-            sample_ids=[sched[i].request_id for i in arrays.sample_rows],
-            sample_params=[sched[i].params for i in arrays.sample_rows],
-            sample_num_outputs=[sched[i].num_output_tokens for i in arrays.sample_rows],
+            sample_ids=list(map(_request_id, sampled)),
+            sample_params=list(map(_params, sampled)),
+            sample_num_outputs=list(map(_num_output_tokens, sampled)),
             graph_size=graph_size,
         )
 
@@ -330,6 +351,7 @@ class ModelRunner:
         if self.forward_events is not None:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
+        t_forward, c_forward = time.perf_counter(), time.thread_time()
         if inputs.graph_size is not None and self.graphs is not None:
             hidden = self.graphs.replay(inputs.graph_size)
         else:
@@ -337,8 +359,14 @@ class ModelRunner:
                 raise RuntimeError("an eager step needs attention metadata")
             with self.forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
-        # NOTE: gathered now (a copy): a graph's output buffer is reused by the next replay.
-        hidden_rows = hidden[inputs.logits_indices] if inputs.sample_ids else None
+        hidden_rows = None
+        if inputs.sample_ids:
+            # NOTE: a graph's output buffer is reused by the next replay: its rows are gathered (a copy).
+            # An eager decode-only step samples every row, in order: its hidden states are the rows.
+            every_row = len(inputs.sample_ids) == hidden.shape[0] and inputs.graph_size is None
+            hidden_rows = hidden if every_row else hidden[inputs.logits_indices]
+        self.forward_time_total_s += time.perf_counter() - t_forward
+        self.forward_cpu_total_s += time.thread_time() - c_forward
         return ForwardStep(inputs, hidden_rows, events)
 
     @torch.inference_mode()
@@ -347,12 +375,15 @@ class ModelRunner:
         the copy of the tokens back, enqueued."""
         inputs = forward.inputs
         pending = PendingStep([], [], None)
+        t_sample, c_sample = time.perf_counter(), time.thread_time()
         if forward.hidden_rows is not None:
             sampled = self._sample(forward.hidden_rows, inputs, mask)
             if self.config.async_scheduling:
                 self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
             pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy())
         events = forward.events
+        self.forward_time_total_s += time.perf_counter() - t_sample
+        self.forward_cpu_total_s += time.thread_time() - c_sample
         if events is not None and self.forward_events is not None:
             events[1].record()
             self.forward_events.append(events)
@@ -391,6 +422,7 @@ class ModelRunner:
 
     def remove(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.block_tables.remove(request_id)
 
 
 @dataclass
@@ -419,6 +451,4 @@ class PendingStep:
         if self.copy is None:
             return {}
         token_ids, logprobs = self.copy.wait(self.sample_params)
-        return {
-            rid: SampledToken(t, lp) for rid, t, lp in zip(self.sample_ids, token_ids, logprobs, strict=True)
-        }
+        return dict(zip(self.sample_ids, map(SampledToken, token_ids, logprobs), strict=True))

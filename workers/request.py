@@ -24,13 +24,17 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
 
+    # NOTE: read for every request on every step; set once per member below, since Enum's own hash
+    # (a Python-level function) would make a dict lookup cost a call.
+    _finish_reason: FinishReason | None
+
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._finish_reason is not None
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self)
+        return self._finish_reason
 
 
 _FINISH_REASONS = {
@@ -39,9 +43,13 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+for _status in RequestStatus:
+    _status._finish_reason = _FINISH_REASONS.get(_status)
 
 
-@dataclass
+# NOTE: eq=False: requests are compared by identity (``running.remove(request)`` must not compare every
+# field of every running request).
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -85,11 +93,13 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop after appending a token: EOS / stop_token_ids / max_tokens / max_model_len."""
-        last = self.output_token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+        outputs, params = self.output_token_ids, self.params
+        last = outputs[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if last in self.params.stop_token_ids:
+        if params.stop_token_ids and last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        num_outputs = len(outputs)
+        if num_outputs >= params.max_tokens or len(self.prompt_token_ids) + num_outputs >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

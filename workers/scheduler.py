@@ -36,10 +36,16 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # sequences with one query token first
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
+    # NOTE: counts the scheduler knows while it schedules, so consumers need no pass over `scheduled`;
+    # None (an output built elsewhere): derived from `scheduled` when asked.
+    num_one_token_seqs: int | None = None
+    num_decode_seqs: int | None = None
 
     @property
     def num_decodes(self) -> int:
         """Leading sequences with exactly one query token (decode-like for the attention kernels)."""
+        if self.num_one_token_seqs is not None:
+            return self.num_one_token_seqs
         n = 0
         for s in self.scheduled:
             if len(s.token_ids) != 1:
@@ -47,10 +53,19 @@ class SchedulerOutput:
             n += 1
         return n
 
+    def _num_decode_seqs(self) -> int:
+        if self.num_decode_seqs is not None:
+            return self.num_decode_seqs
+        return sum(1 for s in self.scheduled if s.is_decode)
+
     @property
     def is_mixed(self) -> bool:
-        kinds = {s.is_decode for s in self.scheduled}
-        return len(kinds) == 2
+        return 0 < self._num_decode_seqs() < len(self.scheduled)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens computed this step that are not decodes (prompt chunks, recomputed outputs)."""
+        return self.num_batched_tokens - self._num_decode_seqs()
 
     @property
     def is_empty(self) -> bool:
@@ -72,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._waiting_for_kv: set[str] = set()
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,6 +113,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_hit * self.kv.block_size
         self.requests[request.request_id] = request
+        self._waiting_for_kv.add(request.request_id)
         return self.kv.block_tables[request.request_id], num_hit
 
     def commit_prefilled(self, request_id: str) -> None:
@@ -107,31 +124,48 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request)
         request.status = RequestStatus.RUNNING
+        self._waiting_for_kv.discard(request_id)
         self.running.append(request)
 
     def _num_waiting_for_kv(self) -> int:
-        return sum(1 for r in self.requests.values() if r.status == RequestStatus.WAITING_FOR_KV)
+        return len(self._waiting_for_kv)
 
     # ---- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        # NOTE: one-token sequences first is the kernels' contract; two lists keep each kind in running
+        # order (what a stable sort would give) without sorting.
+        ones: list[ScheduledRequest] = []
+        others: list[ScheduledRequest] = []
+        num_decode_seqs = 0
         preempted: list[str] = []
 
         i = 0
         kv = self.kv
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
+        tables = kv.block_tables
+        block_size = kv.block_size
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
+            if num_new > budget:
+                num_new = budget
+            table = tables.get(request.request_id)
+            # NOTE: most steps of a decode fit the tokens in the blocks it holds: no allocation call.
+            if table is None or computed + num_new > len(table) * block_size:
+                while not kv.allocate_slots(request, num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                if request.status != RequestStatus.RUNNING:
                     break
-            if request.status != RequestStatus.RUNNING:
-                break
-            scheduled.append(self._scheduled(request, num_new))
+                table = tables[request.request_id]
+            s = self._scheduled(request, num_new, table)
+            (ones if num_new == 1 else others).append(s)
+            num_decode_seqs += s.is_decode
             budget -= num_new
             i += 1
 
@@ -156,29 +190,36 @@ class Scheduler:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = time.time()
                 self.running.append(request)
-                scheduled.append(self._scheduled(request, num_new))
+                s = self._scheduled(request, num_new, self.kv.block_tables[request.request_id])
+                (ones if num_new == 1 else others).append(s)
+                num_decode_seqs += s.is_decode
                 budget -= num_new
 
-        # NOTE: stable sort keeps running order; one-token sequences first is the kernels' contract.
-        scheduled.sort(key=lambda s: len(s.token_ids) != 1)
-        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(
+            ones + others,
+            self.config.max_num_batched_tokens - budget,
+            preempted,
+            num_one_token_seqs=len(ones),
+            num_decode_seqs=num_decode_seqs,
+        )
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    @staticmethod
+    def _scheduled(request: Request, num_new: int, table: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         num_prompt = len(request.prompt_token_ids)
-        num_output = len(request.output_token_ids)
-        if num_new == 1 and start >= num_prompt:  # decode: the newest token, no slicing
-            token_ids = [request.output_token_ids[start - num_prompt]]
-        else:
-            token_ids = request.token_slice(start, end)
+        outputs = request.output_token_ids
+        num_output = len(outputs)
+        is_decode = num_new == 1 and start >= num_prompt
+        # a decode reads the newest token, no slicing
+        token_ids = [outputs[start - num_prompt]] if is_decode else request.token_slice(start, end)
         return ScheduledRequest(
             request.request_id,
             token_ids,
             start,
-            self.kv.block_tables[request.request_id],
+            table,
             end == num_prompt + num_output,
-            num_new == 1 and start >= num_prompt,
+            is_decode,
             request.params,
             num_output,
         )
@@ -200,8 +241,10 @@ class Scheduler:
         updated: list[Request] = []
         block_size = self.kv.block_size
         running = RequestStatus.RUNNING
+        requests = self.requests
+        max_model_len = self.max_model_len
         for s in output.scheduled:
-            request = self.requests.get(s.request_id)
+            request = requests.get(s.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
             num_new = len(s.token_ids)
@@ -218,7 +261,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append(request)
-            stop = request.check_stop(self.max_model_len)
+            stop = request.check_stop(max_model_len)
             if stop is not None:
                 self.finish_request(request.request_id, stop)
             elif request.hold_after_prefill:
@@ -237,6 +280,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_KV:
+            self._waiting_for_kv.discard(request_id)
         request.status = status
         request.finish_time = time.time()
         del self.requests[request_id]

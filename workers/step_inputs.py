@@ -8,7 +8,9 @@ on the device before the forward (``placeholder_sources``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 
 from cluster.protocol import SamplingParams
 from workers.attention import AttentionMetadata
-from workers.scheduler import ScheduledRequest
+from workers.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -34,33 +36,118 @@ class StepArrays:
     max_query_len: int
 
 
-def build_step_arrays(sched: list[ScheduledRequest], block_size: int) -> StepArrays:
-    """Flat ragged batch of ``sched`` with numpy: no per-token Python loop."""
+_token_ids = operator.attrgetter("token_ids")
+_start_position = operator.attrgetter("start_position")
+_block_ids = operator.attrgetter("block_ids")
+_needs_sample = operator.attrgetter("needs_sample")
+_first = operator.itemgetter(0)
+
+
+class PersistentBlockTables:
+    """Every scheduled request's block table as a row of one numpy array kept across steps (the block
+    tables of vLLM's persistent InputBatch): a step copies into a row only the block ids its request
+    gained since the last step, instead of flattening every request's whole table again (at long
+    contexts, thousands of ids per step).
+
+    A row is tied to the request's block list object: the scheduler's table list only ever grows while
+    the request holds blocks, and a preempted / resumed request gets a new list, which rewrites the row.
+    ``remove`` frees a request's row (the runner calls it when the request ends).
+    """
+
+    def __init__(self, num_rows: int, max_blocks: int) -> None:
+        self.table = np.zeros((max(1, num_rows), max(1, max_blocks)), np.int32)
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+        self._source: list[list[int] | None] = [None] * self.table.shape[0]
+        self._num_ids = [0] * self.table.shape[0]
+
+    def rows(self, sched: list[ScheduledRequest]) -> np.ndarray:
+        """The row of each scheduled request, with every row brought up to date."""
+        row_of, source, num_ids, table = self._row_of, self._source, self._num_ids, self.table
+        rows = []
+        for s in sched:
+            row = row_of.get(s.request_id)
+            if row is None:
+                row = self._new_row(s.request_id)
+                table = self.table
+            ids = s.block_ids
+            n = len(ids)
+            if source[row] is not ids or num_ids[row] != n:
+                start = num_ids[row] if source[row] is ids else 0
+                if n > table.shape[1]:
+                    table = self._widen(n)
+                table[row, start:n] = ids[start:]
+                source[row], num_ids[row] = ids, n
+            rows.append(row)
+        return np.array(rows, dtype=np.int64)
+
+    def remove(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._source[row] = None
+            self._num_ids[row] = 0
+            self._free_rows.append(row)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._row_of)
+
+    def _new_row(self, request_id: str) -> int:
+        if not self._free_rows:  # more requests than rows: grow (held / waiting-for-KV ones keep rows)
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self._source += [None] * old
+            self._num_ids += [0] * old
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        row = self._free_rows.pop()
+        self._row_of[request_id] = row
+        return row
+
+    def _widen(self, num_blocks: int) -> np.ndarray:
+        wider = np.zeros((self.table.shape[0], max(num_blocks, 2 * self.table.shape[1])), np.int32)
+        wider[:, : self.table.shape[1]] = self.table
+        self.table = wider
+        return wider
+
+
+def build_step_arrays(
+    sched: list[ScheduledRequest], block_size: int, tables: PersistentBlockTables | None = None
+) -> StepArrays:
+    """Flat ragged batch of ``sched`` with numpy: no per-token Python loop. With ``tables`` the block
+    tables come from its persistent rows (updated in place) instead of being flattened again.
+
+    NOTE: every per-sequence column is read with ``map`` over attrgetters (C-level iteration): at 256
+    sequences a step does several such passes, and generator expressions cost ~2x as much."""
     num_seqs = len(sched)
     bs = block_size
-    q_lens = np.fromiter((len(s.token_ids) for s in sched), np.int64, num_seqs)
-    starts = np.fromiter((s.start_position for s in sched), np.int64, num_seqs)
+    q_lens = np.fromiter(map(len, map(_token_ids, sched)), np.int64, num_seqs)
+    starts = np.fromiter(map(_start_position, sched), np.int64, num_seqs)
     num_tokens = int(q_lens.sum())
-    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in sched), np.int64, num_tokens)
-    cu_q = np.zeros(num_seqs + 1, np.int64)
-    np.cumsum(q_lens, out=cu_q[1:])
-    seq_idx = np.repeat(np.arange(num_seqs), q_lens)
-    positions = np.arange(num_tokens) - cu_q[seq_idx] + starts[seq_idx]
+    if num_tokens == num_seqs:  # one token per sequence (decodes): no ragged arithmetic
+        input_ids = np.fromiter(map(_first, map(_token_ids, sched)), np.int64, num_tokens)
+        cu_q = np.arange(num_seqs + 1, dtype=np.int64)
+        seq_idx = cu_q[:-1]
+        positions = starts
+    else:
+        input_ids = np.fromiter(itertools.chain.from_iterable(map(_token_ids, sched)), np.int64, num_tokens)
+        cu_q = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(num_tokens) - cu_q[seq_idx] + starts[seq_idx]
     seq_lens = starts + q_lens
     num_blocks = -(-seq_lens // bs)
-    block_tables = np.zeros((num_seqs, int(num_blocks.max())), np.int32)
-    # NOTE: one fromiter + one masked store instead of a numpy call per row (256 rows: ~0.3 ms saved)
-    flat = np.fromiter(
-        itertools.chain.from_iterable(
-            s.block_ids[:n] for s, n in zip(sched, num_blocks.tolist(), strict=True)
-        ),
-        np.int32,
-        int(num_blocks.sum()),
-    )
-    block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = flat
+    width = int(num_blocks.max())
+    if tables is not None:
+        rows = tables.rows(sched)  # NOTE: before reading `tables.table`, which rows() may replace
+        block_tables = tables.table[rows, :width]
+        # NOTE: zero the ids past each sequence's own blocks, as the flattened path leaves them
+        block_tables[np.arange(width) >= num_blocks[:, None]] = 0
+    else:
+        block_tables = _flat_block_tables(sched, num_blocks, width)
     slots = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-    sample_rows = [i for i, s in enumerate(sched) if s.needs_sample]
-    logits_indices = cu_q[1:][sample_rows] - 1
+    needs = np.fromiter(map(_needs_sample, sched), np.bool_, num_seqs)
+    sample_rows = np.flatnonzero(needs).tolist()
+    logits_indices = cu_q[1:][needs] - 1
     return StepArrays(
         input_ids,
         positions,
@@ -74,6 +161,19 @@ def build_step_arrays(sched: list[ScheduledRequest], block_size: int) -> StepArr
     )
 
 
+def _flat_block_tables(sched: list[ScheduledRequest], num_blocks: np.ndarray, width: int) -> np.ndarray:
+    table_lens = np.fromiter(map(len, map(_block_ids, sched)), np.int64, len(sched))
+    block_tables = np.zeros((len(sched), width), np.int32)
+    # NOTE: one fromiter + one masked store instead of a numpy call per row (256 rows: ~0.3 ms saved);
+    # the whole tables are read (no per-row slice) and the blocks past each sequence's end dropped.
+    flat = np.fromiter(itertools.chain.from_iterable(map(_block_ids, sched)), np.int32, int(table_lens.sum()))
+    if not np.array_equal(table_lens, num_blocks):
+        held = np.arange(int(table_lens.max())) < table_lens[:, None]
+        flat = flat[(np.arange(held.shape[1]) < num_blocks[:, None])[held]]
+    block_tables[np.arange(width) < num_blocks[:, None]] = flat
+    return block_tables
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
@@ -84,6 +184,17 @@ class StepInputs:
     sample_params: list[SamplingParams]
     sample_num_outputs: list[int]
     graph_size: int | None = None  # the captured batch size this step is padded to
+
+
+def sort_decodes_by_length(out: SchedulerOutput) -> SchedulerOutput:
+    """``out`` with its leading one-token sequences ordered by length (a shallow copy; ``out`` is left as
+    the scheduler made it): the torch attention backend pads decodes per bucket of similar length."""
+    num_decodes = out.num_decodes
+    if num_decodes < 2:
+        return out
+    sched = out.scheduled
+    decodes = sorted(sched[:num_decodes], key=_start_position)
+    return dataclasses.replace(out, scheduled=decodes + sched[num_decodes:])
 
 
 def placeholder_sources(

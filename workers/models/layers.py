@@ -74,6 +74,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gemma and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # NOTE: one op; in float32 it equals HF's op-by-op form bit for bit (checked in tests).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
@@ -175,23 +178,41 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
         ctx = get_forward_context()
         if ctx.fused_ops:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             # NOTE: in place on the fresh qkv projection output; q/k stay views into it.
             q_w = None if self.q_norm is None else self.q_norm.weight
             k_w = None if self.k_norm is None else self.k_norm.weight
             eps = 0.0 if self.q_norm is None else self.q_norm.eps
             triton_ops().rotary_qk_(q, k, cos, sin, q_w, k_w, eps)
         else:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k = self._norm_rotary_qk(qkv, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+    def _norm_rotary_qk(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k norm and RoPE of the torch path over q and k at once: they are adjacent in ``qkv``, so
+        [T, heads + kv heads, head_dim] is a view, and every op is per head (the same values as two
+        passes, in half the ops)."""
+        num_tokens, num_q = qkv.shape[0], self.num_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_q + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            weight = torch.cat(
+                (self.q_norm.weight.expand(num_q, -1), self.k_norm.weight.expand(self.num_kv_heads, -1))
+            )
+            qk32 = qk.float()
+            normed = qk32 * torch.rsqrt(qk32.pow(2).mean(-1, keepdim=True) + self.q_norm.eps)
+            qk = weight * normed.to(qk.dtype)  # HF: weight * normed, in the input dtype
+        qk = apply_rotary(qk, cos, sin)
+        return qk[:, :num_q], qk[:, num_q:]
 
 
 class GatedMLP(nn.Module):
