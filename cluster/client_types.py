@@ -108,7 +108,9 @@ class ServerTimings:
     def from_dict(cls, d: dict[str, Any] | None) -> ServerTimings | None:
         if d is None:
             return None
-        seconds = {k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__ and k != "num_migrations"}
+        seconds = {
+            k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__ and k != "num_migrations"
+        }
         return cls(**seconds, num_migrations=int(d.get("num_migrations", 0)))
 
 

@@ -195,7 +195,6 @@ class Attention(nn.Module):
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, self.spec)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-
     def _norm_rotary_qk(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
