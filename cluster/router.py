@@ -185,6 +185,7 @@ class Router:
         self.served_model_name = served_model_name
         self._workers: dict[str, WorkerRef] = {}
         self._first_info: WorkerInfo | None = None
+        self._retired: set[str] = set()  # incarnations drained by scale-down: never re-admitted
         self._actors: dict[str, Any] = {}
         self._flights: dict[str, _Flight] = {}  # by the caller's request id
         self._by_wire: dict[str, _Flight] = {}  # by the current attempt's wire id
@@ -536,6 +537,7 @@ class Router:
         for flight in [f for f in self._flights.values() if f.prefill is w or f.decode is w]:
             self._migrate(flight, f"worker {worker_id} drained")
         self.unwatch(worker_id)
+        self._retired.add(w.info.incarnation)
         self._set_state(w, WorkerState.DEAD, "removed")
         self._tell_peers_dead(w)
         self._remove(w)
@@ -616,8 +618,8 @@ class Router:
             return
         w = self._workers.get(info.worker_id)
         if w is None or w.info.incarnation != info.incarnation:
-            if w is not None and w.state == WorkerState.DRAINING:
-                return
+            if (w is not None and w.state == WorkerState.DRAINING) or info.incarnation in self._retired:
+                return  # NOTE: a drained process beats until its actor is stopped: never re-admitted
             w = self._admit(info)
             if w is None:
                 return

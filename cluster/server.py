@@ -28,7 +28,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -269,6 +269,9 @@ class ServerState:
     # NOTE: validation, tokenization and chat templates run here, off the event loop, so a huge prompt
     # does not stall every other stream's tokens (the tokenizer releases the GIL while it works).
     pool: concurrent.futures.ThreadPoolExecutor
+    scaler: Scaler | None = None
+    # NOTE: one scale operation at a time; a second one while it runs is a 409, never queued.
+    scaling: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def authorize(self, request: Request) -> None:
         if self.expected_auth is None:
@@ -413,6 +416,55 @@ async def metrics_endpoint(request: Request) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
+MAX_POOL_WORKERS = 256  # NOTE: an upper bound for one pool asked of the admin route (a typo guard)
+
+
+class Scaler(Protocol):
+    """Grows or shrinks a pool of a running cluster (``deploy.launch.ClusterHandle``); blocking."""
+
+    @property
+    def pools(self) -> list[str]: ...
+
+    def scale(self, pool: str, num_workers: int) -> list[str]: ...
+
+
+def parse_scale(body: dict[str, Any], pools: list[str]) -> tuple[str, int]:
+    """``{"pool": ..., "num_workers": N}`` of the admin scale route; 400 naming the field otherwise."""
+    unknown = sorted(set(body) - {"pool", "num_workers"})
+    if unknown:
+        raise ApiError(
+            400, f"unknown field {unknown[0]!r}; the fields are 'pool' and 'num_workers'", unknown[0]
+        )
+    pool, num = body.get("pool"), body.get("num_workers")
+    if pool not in pools:
+        raise ApiError(400, f"pool must be one of {pools}, got {pool!r}", "pool")
+    if type(num) is not int or not 0 <= num <= MAX_POOL_WORKERS:
+        raise ApiError(
+            400, f"num_workers must be an integer in [0, {MAX_POOL_WORKERS}], got {num!r}", "num_workers"
+        )
+    return pool, num
+
+
+@routes.post("/v1/pdserve/scale")
+async def scale(request: Request) -> dict[str, Any]:
+    """Admin: grow or shrink a pool (``pdserve scale``); answers once the pool has its new size. Needs
+    the API key when one is set; 409 while another scale runs."""
+    state = _state(request)
+    state.authorize(request)
+    scaler = state.scaler
+    if scaler is None:
+        raise ApiError(
+            404, "this server cannot scale its cluster (not started by pdserve serve)", code="not_found"
+        )
+    pool, num = parse_scale(parse_body(await read_body(request, state.max_body_bytes)), scaler.pools)
+    if state.scaling.locked():
+        raise ApiError(409, "another scale operation is running; retry when it is done", code="conflict")
+    async with state.scaling:
+        # NOTE: scale() blocks (it waits for admission and drains); the router's loop must stay free.
+        workers = await asyncio.get_running_loop().run_in_executor(None, scaler.scale, pool, num)
+    return {"pool": pool, "num_workers": len(workers), "workers": workers}
+
+
 RETRY_AFTER_S = 1  # NOTE: 429 (queue full) and 503 (no healthy worker) are worth retrying soon
 
 
@@ -457,13 +509,15 @@ def create_app(
     num_tokenizer_threads: int = 2,
     structured_outputs: bool = False,
     metrics_compat: str = "none",
+    scaler: Scaler | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
 
     tokenizer None serves token-id prompts only (text prompts and chat answer 400). default_timeout_s
     bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any.
     structured_outputs: the workers apply structured-output masks (else such requests are a 400).
-    metrics_compat "vllm" also exports the ``vllm:*`` metric names.
+    metrics_compat "vllm" also exports the ``vllm:*`` metric names. scaler: enables the admin route
+    ``POST /v1/pdserve/scale`` (a cluster's handle).
     """
     info = router.model_info
     names = list(dict.fromkeys([served_model_name or info.name, info.name]))
@@ -482,6 +536,7 @@ def create_app(
         expected_auth=f"Bearer {api_key}".encode() if api_key is not None else None,
         max_body_bytes=max_body_bytes,
         pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),
+        scaler=scaler,
     )
     app.include_router(routes)
     app.add_exception_handler(ApiError, _on_api_error)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -174,6 +175,39 @@ def _bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
+def _scale(args: argparse.Namespace) -> int:
+    """POST /v1/pdserve/scale on a running server; prints the pool's workers, or the server's error."""
+    import httpx
+
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"pool": args.pool, "num_workers": args.workers}
+    # NOTE: a scale-down waits for the drain (router.drain_timeout_s) before it answers.
+    timeout = httpx.Timeout(args.timeout, connect=10.0)
+    base = args.url.rstrip("/").removesuffix("/v1")
+    try:
+        reply = httpx.post(f"{base}/v1/pdserve/scale", json=body, headers=headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        print(f"pdserve scale: {args.url} did not answer: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if reply.status_code != 200:
+        print(f"pdserve scale: HTTP {reply.status_code}: {reply.text[:500]}", file=sys.stderr)
+        return 1
+    result = reply.json()
+    print(f"{result['pool']}: {result['num_workers']} workers: {' '.join(result['workers'])}")
+    return 0
+
+
+def _add_scale(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    scale = sub.add_parser("scale", help="grow or shrink a pool of a running server (admin route)")
+    scale.add_argument("--pool", required=True, help="prefill, decode, or colocated")
+    scale.add_argument("--workers", type=int, required=True, help="the pool's new number of workers")
+    scale.add_argument("--url", default=os.environ.get("PDSERVE_BASE_URL", "http://127.0.0.1:8000"))
+    scale.add_argument("--api-key", default=None, help="the server's API key (default: $PDSERVE_API_KEY)")
+    scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    scale.set_defaults(func=_scale)
+
+
 def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen = sub.add_parser("generate", help="offline generation with one engine (bundled model by default)")
     gen.add_argument("prompts", nargs="+")
@@ -207,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_scale(sub)
 
     srv = sub.add_parser(
         "serve",

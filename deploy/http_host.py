@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 def create_cluster_app(handle: ClusterHandle) -> FastAPI:
     """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer;
-    client deadlines are capped at the router's ``request_timeout_s``. Structured outputs are on: every
+    client deadlines are capped at the router's ``request_timeout_s``; ``POST /v1/pdserve/scale`` scales
+    its pools. Structured outputs are on: every
     worker's engine masks constrained requests (workers/structured.py)."""
     cfg = handle.config.server
     return create_app(
@@ -45,6 +46,7 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         max_timeout_s=handle.config.router.request_timeout_s,
         metrics_compat=cfg.metrics_compat,
         structured_outputs=True,
+        scaler=handle,
     )
 
 

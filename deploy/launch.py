@@ -272,6 +272,11 @@ class ClusterHandle:
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(router.abort(rid), self.loop))
 
     # ---- elasticity -----------------------------------------------------------------------------------
+    @property
+    def pools(self) -> list[str]:
+        """The pools ``scale`` accepts."""
+        return [p for p, _ in _pools(self.config)]
+
     def scale(self, pool: str, num_workers: int, *, timeout_s: float = _START_TIMEOUT_S) -> list[str]:
         """Grow or shrink ``pool`` to ``num_workers`` live workers; returns the pool's worker ids.
 
@@ -279,8 +284,8 @@ class ClusterHandle:
         (nothing new is routed to them; their requests finish or migrate within ``drain_timeout_s``),
         then stops them, which returns their resources to Ray. Never call it on the router's loop.
         """
-        if pool not in {p for p, _ in _pools(self.config)}:
-            raise ValueError(f"pool must be one of {[p for p, _ in _pools(self.config)]}, got {pool!r}")
+        if pool not in self.pools:
+            raise ValueError(f"pool must be one of {self.pools}, got {pool!r}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         live = self._live(pool)

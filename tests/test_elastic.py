@@ -4,6 +4,8 @@ scale up and down under load, and every output stays exact with no leaked block.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import signal
 import threading
@@ -12,6 +14,8 @@ from typing import Any
 import pytest
 
 from cluster.protocol import SamplingParams
+from deploy.cli import main as cli_main
+from deploy.http_host import start_http
 from deploy.launch import ClusterHandle, start_cluster
 from tests.cluster_utils import (
     cluster_config,
@@ -91,12 +95,22 @@ def test_kill9_of_the_decode_worker_under_32_streams(offline: LLM) -> None:
 def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
     prompts, params, reference = workload(12, offline)
     handle = start_cluster(cluster_config("", router={**HEALTH, "drain_timeout_s": 60.0}))
+    http = start_http(handle, port=0)
     try:
         for steps in ((("decode", 2), ("prefill", 2)), (("decode", 1), ("prefill", 1))):
             sizes: list[list[str]] = []
 
             def scale(steps: tuple[tuple[str, int], ...] = steps, sizes: list[list[str]] = sizes) -> None:
-                sizes.extend(handle.scale(pool, n) for pool, n in steps)
+                if steps[0][1] == 2:  # up through the handle, down through `pdserve scale` (the admin route)
+                    sizes.extend(handle.scale(pool, n) for pool, n in steps)
+                    return
+                for pool, n in steps:
+                    out = io.StringIO()
+                    with contextlib.redirect_stdout(out):
+                        assert (
+                            cli_main(["scale", "--url", http.url, "--pool", pool, "--workers", str(n)]) == 0
+                        )
+                    sizes.append(out.getvalue().split(": ", 2)[2].split())
 
             scaler = threading.Thread(target=scale)
             scaler.start()
@@ -123,6 +137,7 @@ def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
         handle.wait_until_quiet(timeout_s=60)
         assert handle.check_leaks() == {"prefill-0": None, "decode-0": None}
     finally:
+        http.stop()
         handle.shutdown()
 
 

@@ -100,7 +100,7 @@ def test_ray_job_submit_onto_the_two_node_cluster(lab: Lab, offline: LLM, tmp_pa
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": lab.dashboard_url}
     done = subprocess.run(
         [str(Path(sys.executable).with_name("ray")), "job", "submit", "--working-dir", str(ROOT),
-         "--", "python", "-m", "deploy.launch", "--config", str(config), "--prompt", prompt, "--max-tokens", "12"],
+         "--", sys.executable, "-m", "deploy.launch", "--config", str(config), "--prompt", prompt, "--max-tokens", "12"],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
