@@ -191,9 +191,12 @@ def _start_ray(lab: Lab, cpus: int) -> None:
         break
     node = subprocess.Popen(
         ["ip", "netns", "exec", lab.ns, _RAY, "start", "--block", f"--address={lab.address}",
-         f"--node-ip-address={lab.ip_b}", f"--num-cpus={cpus}", '--resources={"host_b": 64}'],
+         f"--node-ip-address={lab.ip_b}", f"--num-cpus={cpus}", '--resources={"host_b": 64}',
+         f"--temp-dir={os.path.join(lab.temp_dir, 'host_b')}"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    # NOTE: host B has a temp dir of its own, as a real host would: sharing the head's session dir, both
+    # nodes' runtime-env agents unpack and delete the same working_dir package under a running job.
     lab.processes.append(node)
     _wait_for_nodes(lab.address, 2, _START_TIMEOUT_S)
 
