@@ -11,7 +11,9 @@ get the local snapshot directory. This module imports no torch and no ray.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -89,6 +91,21 @@ def weight_files(model_dir: str | Path) -> list[str]:
     if (model_dir / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
     return sorted(p.name for p in model_dir.glob("*.safetensors"))
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """What identifies a checkpoint wherever it lies: a hash of its config.json bytes and of its weight
+    files' names and sizes. Two hosts serving one model from different paths (a Ray working_dir, a hub
+    cache) agree on it; a different checkpoint or config does not. "" for a random-weight model dir."""
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    if not config.is_file():
+        return ""
+    h = hashlib.blake2b(config.read_bytes(), digest_size=16)
+    with contextlib.suppress(ValueError, OSError):
+        for name in weight_files(model_dir):
+            h.update(f"\0{name}\0{(model_dir / name).stat().st_size}".encode())
+    return h.hexdigest()
 
 
 def _download(repo_id: str, revision: str | None, patterns: list[str]) -> str:

@@ -493,10 +493,11 @@ class Router:
     def _admit(self, info: WorkerInfo) -> WorkerRef | None:
         """Register a worker (or a new incarnation of one); None if it cannot join this cluster."""
         first = self._first_info
-        if first is not None and (info.model_dir, info.vocab_size) != (first.model_dir, first.vocab_size):
+        if first is not None and _model_identity(info) != _model_identity(first):
             logger.error(
-                "router: refused %s: it serves %s (vocab %d), the cluster serves %s (vocab %d)",
-                info.worker_id, info.model_dir, info.vocab_size, first.model_dir, first.vocab_size,
+                "router: refused %s: it serves %s (vocab %d, fingerprint %r), the cluster serves %s "
+                "(vocab %d, fingerprint %r)", info.worker_id, info.model_dir, info.vocab_size,
+                info.model_fingerprint, first.model_dir, first.vocab_size, first.model_fingerprint,
             )  # fmt: skip
             self.decoder.verifier.reject("refused_worker")
             return None
@@ -680,3 +681,10 @@ class Router:
 
     def _live_peers(self, w: WorkerRef) -> Sequence[WorkerRef]:
         return [p for p in self._workers.values() if p is not w and p.state != WorkerState.DEAD]
+
+
+def _model_identity(info: WorkerInfo) -> tuple[str, int]:
+    """What workers of one cluster must agree on: the checkpoint (by fingerprint: its path differs
+    between hosts, e.g. each node's copy of a Ray working_dir) and the vocabulary."""
+    return (info.model_fingerprint or info.model_dir, info.vocab_size)
+

@@ -73,6 +73,7 @@ class WorkerInfo:
     pid: int
     cpu_cores: list[int] = dataclasses.field(default_factory=list)  # the process's CPU affinity
     kv_endpoint: str = ""  # a prefill worker's KV-sender handshake socket (ZMQ ROUTER); "" elsewhere
+    model_fingerprint: str = ""  # cluster.hub.model_fingerprint: the checkpoint, whatever its path here
 
 
 # ---- ops: router -> worker ---------------------------------------------------------------------------

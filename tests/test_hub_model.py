@@ -4,6 +4,7 @@ revisions resolve to snapshots, the served name is the repo id, and only the ind
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from cluster.config import ClusterConfig, ModelConfig, ServerConfig
 from cluster.hub import (
     ModelNotFoundError,
     cache_repo_name,
+    model_fingerprint,
     resolve_cluster_model,
     resolve_model,
     weight_files,
@@ -20,6 +22,7 @@ from cluster.hub import (
 from cluster.protocol import SamplingParams
 from tests.hf_models import make_random_hf_model
 from tests.hub_cache import make_hub_cache
+from workers.engine import BUNDLED_MODEL
 from workers.llm import LLM
 
 REPO_ID = "pdserve-test/tiny-qwen3"
@@ -100,3 +103,18 @@ def test_the_snapshot_generates_like_the_original_checkpoint(hub: tuple[Path, Pa
     ours = [o.token_ids for o in LLM(str(main), **options).generate(prompts, params)]
     reference = [o.token_ids for o in LLM(str(source), **options).generate(prompts, params)]
     assert ours == reference and all(len(ids) == 8 for ids in ours)
+
+
+def test_a_checkpoint_has_one_fingerprint_wherever_it_lies(tmp_path: Path) -> None:
+    """Workers on two hosts hold one model at two paths (each node's copy of a Ray working_dir): the
+    router admits both by the fingerprint; another config or other weights is another model."""
+    bundled = Path(BUNDLED_MODEL)
+    a, b = shutil.copytree(bundled, tmp_path / "a"), shutil.copytree(bundled, tmp_path / "b")
+    assert model_fingerprint(a) == model_fingerprint(b) == model_fingerprint(bundled) != ""
+    config = Path(b) / "config.json"
+    config.write_text(config.read_text().replace("}", ', "unused": 1}', 1))
+    assert model_fingerprint(b) != model_fingerprint(a)
+    with open(Path(a) / "model.safetensors", "ab") as f:
+        f.write(b"\0")
+    assert model_fingerprint(a) not in (model_fingerprint(bundled), model_fingerprint(b))
+    assert model_fingerprint(tmp_path) == ""

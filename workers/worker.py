@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from cluster.config import EngineConfig, TransferConfig
+from cluster.hub import model_fingerprint
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats, WorkerStats
 from cluster.wire import (
     OPS,
@@ -185,6 +186,7 @@ class EngineWorker:
             pid=os.getpid(),
             cpu_cores=sorted(os.sched_getaffinity(0)),
             kv_endpoint=self.role.kv_endpoint() if self.role is not None else "",
+            model_fingerprint=model_fingerprint(e.model_dir),
         )
         self._stats = WorkerStats(worker_id, pool)
         self._stats_line = StatsLine(stats_interval_s)  # the periodic INFO line (0: off)
