@@ -6,6 +6,7 @@ For the router (items "SLO-aware admission", "routing that explains itself", "li
 
     queue = WorkerQueue.of(worker_ref)                        # or built by hand in tests
     ttft = predict_ttft_s(profile, budget, queue, len(prompt), cached_tokens=hit)
+    predictor = Predictor(profile, budget)                    # the same, over the router's WorkerRefs
     verdict = admit(ttft, slo_ttft_s)                         # 429 + Retry-After when not verdict.ok
     route = choose_route(profile, budget, len(prompt), prefill_queue, decode_queue,
                          prefill_hit_tokens=..., decode_hit_tokens=..., tbt_slo_s=...)
@@ -219,6 +220,49 @@ def choose_route(
 
 def _why(estimate: RouteEstimate, reason: str) -> RouteEstimate:
     return RouteEstimate(estimate.mode, estimate.ttft_s, estimate.first_gap_s, estimate.stall_s, reason)
+
+
+class _Queued(_Load, Protocol):
+    @property
+    def num_queued_prompts(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """What the router predicts with: a cost profile, the workers' token budget per step
+    (``max_num_batched_tokens``) and the TBT bound a local prefill must not stall decodes past."""
+
+    profile: CostProfile
+    budget: int
+    tbt_slo_s: float | None = None
+
+    def queue(self, worker: _Queued) -> WorkerQueue:
+        return WorkerQueue.of(worker, worker.num_queued_prompts)
+
+    def ttft_s(self, worker: _Queued, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Client-side TTFT of a new request sent to ``worker`` now."""
+        return predict_ttft_s(self.profile, self.budget, self.queue(worker), prompt_tokens, cached_tokens)
+
+    def route(
+        self,
+        prompt_tokens: int,
+        prefill: _Queued,
+        decode: _Queued,
+        *,
+        prefill_hit_tokens: int = 0,
+        decode_hit_tokens: int = 0,
+    ) -> RouteEstimate:
+        """choose_route between ``prefill`` (+ a handoff to ``decode``) and a local prefill on ``decode``."""
+        return choose_route(
+            self.profile,
+            self.budget,
+            prompt_tokens,
+            self.queue(prefill),
+            self.queue(decode),
+            prefill_hit_tokens=prefill_hit_tokens,
+            decode_hit_tokens=decode_hit_tokens,
+            tbt_slo_s=self.tbt_slo_s,
+        )
 
 
 # ---- live advice: what the router remembers of recent traffic --------------------------------------
