@@ -168,11 +168,14 @@ def test_transfers_queue_on_the_decode_workers_link() -> None:
     ]
 
 
-def test_conditional_mode_sends_short_prompts_to_decode() -> None:
+def test_conditional_mode_without_cost_routing_sends_short_prompts_to_decode() -> None:
     cfg = config("conditional", num_prefill=1, num_decode=1)
-    cfg = replace(cfg, router=replace(cfg.router, conditional_max_prompt_tokens=4))
+    cfg = replace(cfg, router=replace(cfg.router, conditional_max_prompt_tokens=4), cost_routing=False)
     result, steps = run(cfg, profile(), workload((0.0, 4, 1), (0.0, 5, 1)))
-    assert [r.route for r in result.records] == ["conditional", "disaggregated"]
+    assert [(r.route, r.route_reason) for r in result.records] == [
+        ("conditional", "short_prompt"),
+        ("disaggregated", "long_prompt"),
+    ]
     assert [(w, s.num_prefill_tokens) for w, _, s, _ in steps] == [("decode-0", 4), ("prefill-0", 5)]
 
 
