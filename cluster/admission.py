@@ -69,23 +69,36 @@ class SloAdmission:
         self._log_correction = min(bound, max(-bound, updated))
 
 
-def profile_path(config: RouterConfig) -> Path:
-    """The router's cost profile: ``router.cost_profile``, else the calibrated default location."""
-    return Path(config.cost_profile) if config.cost_profile else default_profile_path()
+DEFAULT_PROFILE = "default"
+
+
+def profile_path(config: RouterConfig) -> Path | None:
+    """The router's cost profile: ``router.cost_profile`` ("default": where ``pdserve plan calibrate``
+    writes this machine's; "": none)."""
+    if not config.cost_profile:
+        return None
+    return default_profile_path() if config.cost_profile == DEFAULT_PROFILE else Path(config.cost_profile)
 
 
 def load_predictor(config: RouterConfig, engine: EngineConfig) -> Predictor | None:
-    """The router's predictor from its cost profile; None when there is none (then conditional mode uses
-    the prompt-length rule). Raises ValueError when a configured profile is missing or invalid, or when
-    ``admission: slo`` has no profile to predict with."""
+    """The router's predictor from its cost profile; None when none is configured (conditional mode then
+    uses the prompt-length rule). Raises ValueError when the profile is missing or invalid, or when
+    ``admission: slo`` has no profile to predict with.
+
+    NOTE: never picked up implicitly: a calibration lying around must not change how a cluster routes."""
     path = profile_path(config)
-    if not path.exists():
-        if config.cost_profile or config.admission == "slo":
+    if path is None:
+        if config.admission == "slo":
             raise ValueError(
-                f"router cost profile {str(path)!r} does not exist: run `pdserve plan calibrate` or set "
-                "router.cost_profile (router.admission 'slo' predicts with it)"
+                "router.admission 'slo' predicts TTFT with a cost profile: set router.cost_profile "
+                f"(a path, or {DEFAULT_PROFILE!r} for the one `pdserve plan calibrate` writes)"
             )
         return None
+    if not path.exists():
+        raise ValueError(
+            f"router cost profile {str(path)!r} does not exist: run `pdserve plan calibrate` or fix "
+            "router.cost_profile"
+        )
     profile = CostProfile.load(path)
     tbt = config.tbt_slo_ms / 1e3 if config.tbt_slo_ms is not None else None
     return Predictor(profile, engine.max_num_batched_tokens, tbt)

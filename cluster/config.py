@@ -236,8 +236,9 @@ class RouterConfig:
     ttft_slo_ms: float | None = None
     # conditional mode: a local prefill must not stall the decode worker's batch past this (None: no bound)
     tbt_slo_ms: float | None = None
-    # a cost profile JSON (`pdserve plan calibrate`); "": $PDSERVE_PROFILE, else ~/.cache/pdserve/cpu-profile.json
-    # when it exists. With none, conditional mode falls back to conditional_max_prompt_tokens.
+    # cost profile JSON for conditional routing by predicted cost, admission and live advice: a path, or
+    # "default" ($PDSERVE_PROFILE, else where `pdserve plan calibrate` writes it); "": none (conditional
+    # mode then goes by conditional_max_prompt_tokens)
     cost_profile: str = ""
     # live advice (/v1/pdserve/advice): the planner replays the traffic of this many recent seconds
     advice_window_s: float = 300.0
