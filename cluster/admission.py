@@ -1,16 +1,19 @@
-"""SLO-aware admission (``router.admission: slo``): refuse, before anything is queued, a request whose
-predicted TTFT misses its SLO, and tell the client when to retry.
+"""SLO-aware admission (``router.admission: slo``): refuse, before anything is queued, a request predicted
+to miss its SLO, and tell the client when to retry.
 
-The prediction is the route's (cluster/routing.py): the cost profile (cluster/cost_model.py, the one
+The predictions are the route's (cluster/routing.py): the cost profile (cluster/cost_model.py, the one
 the planner simulates with) over the chosen worker's live queue, i.e. the prompt tokens the router has
-sent there whose first token has not come back, and the running batch its last heartbeat reported
-(cluster/predict.py). The SLO is the request's own (``x-pdserve-ttft-slo-ms``), else the router's
-``ttft_slo_ms``; a request with neither is admitted.
+sent there whose first token has not come back, the requests it has there and the running batch its
+last heartbeat reported (cluster/predict.py). A request is refused when its predicted TTFT exceeds its
+TTFT SLO (its own ``x-pdserve-ttft-slo-ms``, else the router's ``ttft_slo_ms``; with neither, TTFT is
+not checked), or when the router has a ``tbt_slo_ms`` and the decode step it would join is predicted
+to exceed it (goodput counts a request only when both hold).
 
 A profile measured once drifts from the machine it describes (other load, a different batch mix), so
-the check multiplies the prediction by a correction learned from the router's own measurements: the
-exponential moving average of log(measured TTFT / predicted TTFT) over admitted requests, clamped to
-``[1 / MAX_CORRECTION, MAX_CORRECTION]``. ``feedback=False`` turns it off (the prediction as is).
+each prediction is multiplied by a correction learned from the router's own measurements: the
+exponential moving average of log(measured / predicted) over admitted requests (TTFT at the first
+token, the mean gap between tokens at the last), clamped to ``[1 / MAX_CORRECTION, MAX_CORRECTION]``.
+``feedback=False`` turns it off (the predictions as they are).
 """
 
 from __future__ import annotations
@@ -20,39 +23,74 @@ from pathlib import Path
 
 from cluster.config import EngineConfig, RouterConfig
 from cluster.cost_model import CostProfile, default_profile_path
-from cluster.predict import Admission, Predictor, admit
+from cluster.predict import Admission, Predictor
 
 MAX_CORRECTION = 4.0
 FEEDBACK_WEIGHT = 0.05  # weight of one measurement in the moving average (about the last 20 requests)
+TBT_RETRY_AFTER_S = 1  # a full decode batch frees a seat when one of its requests ends: soon, unknown
+
+
+class _Correction:
+    """exp of a moving average of log(measured / predicted), clamped."""
+
+    def __init__(self) -> None:
+        self.log_value = 0.0
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log_value)
+
+    def observe(self, predicted: float | None, measured: float) -> None:
+        if predicted is None or predicted <= 0 or measured <= 0:
+            return
+        bound = math.log(MAX_CORRECTION)
+        updated = (1 - FEEDBACK_WEIGHT) * self.log_value + FEEDBACK_WEIGHT * math.log(measured / predicted)
+        self.log_value = min(bound, max(-bound, updated))
 
 
 class SloAdmission:
     """The admission decision of one router. Not thread-safe: the router's loop owns it."""
 
-    def __init__(self, ttft_slo_s: float | None, *, feedback: bool = True) -> None:
-        if ttft_slo_s is not None and not ttft_slo_s > 0:
-            raise ValueError(f"ttft_slo_s must be > 0, got {ttft_slo_s}")
-        self.ttft_slo_s = ttft_slo_s
+    def __init__(
+        self, ttft_slo_s: float | None, tbt_slo_s: float | None = None, *, feedback: bool = True
+    ) -> None:
+        for name, value in (("ttft_slo_s", ttft_slo_s), ("tbt_slo_s", tbt_slo_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        self.ttft_slo_s, self.tbt_slo_s = ttft_slo_s, tbt_slo_s
         self.feedback = feedback
-        self._log_correction = 0.0
+        self._ttft, self._tbt = _Correction(), _Correction()
         self.num_admitted = 0
         self.num_rejected = 0
 
     @property
     def correction(self) -> float:
-        """What predictions are multiplied by (1.0 until measurements say otherwise)."""
-        return math.exp(self._log_correction)
+        """What TTFT predictions are multiplied by (1.0 until measurements say otherwise)."""
+        return self._ttft.value
+
+    @property
+    def tbt_correction(self) -> float:
+        return self._tbt.value
 
     def slo_s(self, requested_s: float | None) -> float | None:
         return requested_s if requested_s is not None else self.ttft_slo_s
 
-    def check(self, predicted_ttft_s: float | None, requested_slo_s: float | None = None) -> Admission:
-        """Admit when there is no SLO or no prediction, else when the corrected prediction meets it."""
+    def check(
+        self,
+        predicted_ttft_s: float | None,
+        predicted_tbt_s: float | None = None,
+        requested_slo_s: float | None = None,
+    ) -> Admission:
+        """Admit unless a (corrected) prediction misses its SLO; a missing SLO or prediction is no check.
+        Retry-After: the TTFT excess in whole seconds (at least 1), or 1 s for a TBT miss."""
+        ttft = predicted_ttft_s * self.correction if predicted_ttft_s is not None else None
+        tbt = predicted_tbt_s * self.tbt_correction if predicted_tbt_s is not None else None
         slo = self.slo_s(requested_slo_s)
-        if slo is None or predicted_ttft_s is None:
-            self.num_admitted += 1
-            return Admission(True, predicted_ttft_s if predicted_ttft_s is not None else math.nan, 0)
-        verdict = admit(predicted_ttft_s * self.correction, slo)
+        verdict = Admission(True, ttft if ttft is not None else math.nan, 0, tbt)
+        if slo is not None and ttft is not None and ttft > slo:
+            verdict = Admission(False, ttft, max(1, math.ceil(ttft - slo)), tbt, "ttft")
+        elif self.tbt_slo_s is not None and tbt is not None and tbt > self.tbt_slo_s:
+            verdict = Admission(False, verdict.predicted_ttft_s, TBT_RETRY_AFTER_S, tbt, "tbt")
         if verdict.ok:
             self.num_admitted += 1
         else:
@@ -61,12 +99,13 @@ class SloAdmission:
 
     def observe(self, predicted_ttft_s: float | None, measured_ttft_s: float) -> None:
         """An admitted request's first token came back ``measured_ttft_s`` after its arrival."""
-        if not self.feedback or predicted_ttft_s is None or predicted_ttft_s <= 0 or measured_ttft_s <= 0:
-            return
-        bound = math.log(MAX_CORRECTION)
-        ratio = math.log(measured_ttft_s / predicted_ttft_s)
-        updated = (1 - FEEDBACK_WEIGHT) * self._log_correction + FEEDBACK_WEIGHT * ratio
-        self._log_correction = min(bound, max(-bound, updated))
+        if self.feedback:
+            self._ttft.observe(predicted_ttft_s, measured_ttft_s)
+
+    def observe_tbt(self, predicted_tbt_s: float | None, measured_mean_gap_s: float) -> None:
+        """An admitted request finished; its tokens came ``measured_mean_gap_s`` apart on average."""
+        if self.feedback:
+            self._tbt.observe(predicted_tbt_s, measured_mean_gap_s)
 
 
 DEFAULT_PROFILE = "default"
@@ -107,4 +146,5 @@ def load_predictor(config: RouterConfig, engine: EngineConfig) -> Predictor | No
 def build_admission(config: RouterConfig) -> SloAdmission | None:
     if config.admission != "slo":
         return None
-    return SloAdmission(config.ttft_slo_ms / 1e3 if config.ttft_slo_ms is not None else None)
+    ttft = config.ttft_slo_ms / 1e3 if config.ttft_slo_ms is not None else None
+    return SloAdmission(ttft, config.tbt_slo_ms / 1e3 if config.tbt_slo_ms is not None else None)

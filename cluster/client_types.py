@@ -96,7 +96,8 @@ class Usage:
 class ServerRoute:
     """The router's routing decision for one request and why (``pdserve_timings.route``): mode
     ("colocated" | "disaggregated" | "conditional"), reason, the prefill and decode workers, the prefix
-    hit (tokens) the router expected on each, the TTFT its cost model predicted (seconds, or None)."""
+    hit (tokens) the router expected on each, the TTFT and decode step its cost model predicted (seconds,
+    or None)."""
 
     mode: str = ""
     reason: str = ""
@@ -105,12 +106,13 @@ class ServerRoute:
     prefill_hit_tokens: int = 0
     decode_hit_tokens: int = 0
     predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
 
     @classmethod
     def from_dict(cls, d: Any) -> ServerRoute | None:
         if not isinstance(d, dict):
             return None
-        predicted = d.get("predicted_ttft_s")
+        ttft, tbt = d.get("predicted_ttft_s"), d.get("predicted_tbt_s")
         return cls(
             str(d.get("mode", "")),
             str(d.get("reason", "")),
@@ -118,7 +120,8 @@ class ServerRoute:
             d.get("decode_worker"),
             int(d.get("prefill_hit_tokens") or 0),
             int(d.get("decode_hit_tokens") or 0),
-            float(predicted) if predicted is not None else None,
+            float(ttft) if ttft is not None else None,
+            float(tbt) if tbt is not None else None,
         )
 
 

@@ -218,7 +218,8 @@ class RouteInfo:
     mode: "colocated" (one worker ran it whole: colocated mode, or the fallback), "disaggregated"
     (prefill worker, then a KV handoff to a decode worker) or "conditional" (conditional routing prefilled
     it on the decode worker). Hits are the router's expectation of each side's prefix-cache hit (tokens),
-    from what it routed there before; ``predicted_ttft_s`` is the cost model's (None without a profile).
+    from what it routed there before; ``predicted_ttft_s`` / ``predicted_tbt_s`` are the cost model's TTFT
+    and decode step on the chosen path (None without a profile).
     """
 
     mode: str = ""
@@ -228,6 +229,7 @@ class RouteInfo:
     prefill_hit_tokens: int = 0
     decode_hit_tokens: int = 0
     predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
 
 
 @dataclass

@@ -352,6 +352,7 @@ class Router:
                 if delta.finish_reason is not None:
                     flight.done = True
                     delta.timings = self._timings(flight)
+                    self._observe_gaps(flight, delta.timings)
                     yield delta
                     return
                 yield delta
@@ -387,13 +388,21 @@ class Router:
         if self.admission is None:
             return
         req = flight.req
-        verdict = self.admission.check(route.predicted_ttft_s, req.ttft_slo_s)
+        adm = self.admission
+        verdict = adm.check(route.predicted_ttft_s, route.predicted_tbt_s, req.ttft_slo_s)
         if verdict.ok:
             return
         self.traffic.record(flight.arrival, len(req.prompt_token_ids), req.params.max_tokens)
-        slo = self.admission.slo_s(req.ttft_slo_s) or 0.0
+        if verdict.missed == "ttft":
+            slo, predicted, what = (
+                adm.slo_s(req.ttft_slo_s) or 0.0,
+                verdict.predicted_ttft_s,
+                "time to first token",
+            )
+        else:
+            slo, predicted, what = adm.tbt_slo_s or 0.0, verdict.predicted_tbt_s or 0.0, "time between tokens"
         raise SloUnattainableError(
-            f"predicted time to first token {verdict.predicted_ttft_s * 1e3:.0f} ms exceeds the TTFT SLO "
+            f"predicted {what} {predicted * 1e3:.0f} ms exceeds the {verdict.missed.upper()} SLO "
             f"{slo * 1e3:.0f} ms (on {route.worker.worker_id}); retry after {verdict.retry_after_s} s",
             verdict.retry_after_s,
         )
@@ -408,6 +417,14 @@ class Router:
         num_tokens = len(flight.req.prompt_token_ids) + len(flight.token_ids)
         self._assign(flight, w, "prefill" if route.hold else "decode", num_tokens)
         self._send_generate(flight, w, hold=route.hold)
+
+    def _observe_gaps(self, flight: _Flight, timings: RequestTimings) -> None:
+        """Admission learns how its decode-step predictions compare with the request's mean token gap."""
+        if self.admission is None or flight.attempt or flight.route is None or len(flight.token_ids) < 2:
+            return
+        self.admission.observe_tbt(
+            flight.route.predicted_tbt_s, timings.decode_s / (len(flight.token_ids) - 1)
+        )
 
     def route_decisions(self) -> dict[tuple[str, str], int]:
         """Routing decisions so far by (mode, reason): ``pdserve_route_decisions_total``."""

@@ -104,6 +104,7 @@ class Route(Generic[W]):
     prefill_hit_tokens: int = 0
     decode_hit_tokens: int = 0
     predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False, compare=False)
 
     def info(self) -> RouteInfo:
@@ -116,6 +117,7 @@ class Route(Generic[W]):
             prefill_hit_tokens=self.prefill_hit_tokens,
             decode_hit_tokens=0 if self.hold else self.decode_hit_tokens,
             predicted_ttft_s=self.predicted_ttft_s,
+            predicted_tbt_s=self.predicted_tbt_s,
         )
 
 
@@ -152,13 +154,25 @@ def decide(
     def ttft(w: W, cached: int) -> float | None:
         return predictor.ttft_s(w, n, cached) if predictor is not None else None
 
+    def tbt(d: W, num_joining: int = 0) -> float | None:
+        return predictor.tbt_s(d, n, num_joining) if predictor is not None else None
+
     def whole(route_mode: str, reason: str, w: W) -> Route[W]:
         h = hit(w)
-        return Route(route_mode, reason, w, False, h, h, ttft(w, h), hashes)
+        return Route(route_mode, reason, w, False, h, h, ttft(w, h), tbt(w), hashes)
 
-    def held(reason: str, w: W) -> Route[W]:
+    def held(reason: str, w: W, ttft_s: float | None = None) -> Route[W]:
         h = hit(w)
-        return Route("disaggregated", reason, w, True, h, 0, ttft(w, h), hashes)
+        if predictor is None:
+            return Route("disaggregated", reason, w, True, h, 0, None, None, hashes)
+        # NOTE: the decode side is picked at the handoff; pick_decode's choice now stands in for it, with
+        # the prompts queued on the prefill pool shared out over the decode pool joining it first
+        queued = sum(p.num_queued_prompts for p in pools.prefill)
+        joining = -(-queued // len(pools.decode))
+        predicted = ttft(w, h) if ttft_s is None else ttft_s
+        return Route(
+            "disaggregated", reason, w, True, h, 0, predicted, tbt(pick_decode(pools.decode), joining), hashes
+        )
 
     if mode == "colocated":
         reason = "resume_mid_stream" if resume else "least_loaded"
@@ -190,10 +204,10 @@ def decide(
             remote = est
     if best is not None:
         _, d, decode_hit, est = best
-        return Route("conditional", est.reason, d, False, decode_hit, decode_hit, est.ttft_s, hashes)
+        return Route("conditional", est.reason, d, False, decode_hit, decode_hit, est.ttft_s, tbt(d), hashes)
     if remote is None:  # NOTE: unreachable: every candidate is either local or remote
         raise RuntimeError("conditional routing found no route")
-    return Route("disaggregated", remote.reason, prefill, True, prefill_hit, 0, remote.ttft_s, hashes)
+    return held(remote.reason, prefill, remote.ttft_s)
 
 
 def decode_candidates(decodes: Sequence[W]) -> list[W]:

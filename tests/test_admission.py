@@ -46,6 +46,7 @@ class Queue:
     num_queued_prompts: int = 0
     block_size: int = 16
     stats: WorkerStats | None = None
+    num_assigned: int = 0
 
 
 def test_admission_decision_with_a_constant_cost_model() -> None:
@@ -65,12 +66,42 @@ def test_admission_decision_with_a_constant_cost_model() -> None:
 
     admission = SloAdmission(7.625, feedback=False)
     assert admission.check(7.625) == Admission(True, 7.625, 0)  # exactly at the SLO: admitted
-    assert admission.check(7.625, requested_slo_s=7.5) == Admission(False, 7.625, 1)  # the request's own
-    assert admission.check(28.125, requested_slo_s=0.125) == Admission(False, 28.125, 28)  # ceil(28.0)
-    assert admission.check(28.125, requested_slo_s=0.1) == Admission(False, 28.125, 29)
+    refused = Admission(False, 7.625, 1, None, "ttft")
+    assert admission.check(7.625, requested_slo_s=7.5) == refused  # the request's own SLO
+    assert admission.check(28.125, requested_slo_s=0.125) == Admission(False, 28.125, 28, None, "ttft")
+    assert admission.check(28.125, requested_slo_s=0.1) == Admission(False, 28.125, 29, None, "ttft")
     assert (admission.num_admitted, admission.num_rejected) == (1, 3)
     assert SloAdmission(None).check(100.0).ok  # no SLO anywhere: admitted
     assert admission.check(None).ok  # no prediction: admitted
+
+
+def test_admission_by_the_decode_step_it_would_join() -> None:
+    # 250 ms a step + 125 ms per decode sequence
+    predictor = Predictor(
+        CostProfile(
+            "d", "hand", LinearStepCost(0.25, 0.0, 0.0, 0.125, 0.0, 0.0), TransferCost(0.0, 1e9), 1000
+        ),
+        budget=100,
+    )
+    stats = WorkerStats(
+        "w", "decode", engine=EngineStats(num_running=3, num_total_blocks=100, num_free_blocks=90)
+    )
+    # the router has 5 requests there, 1 still queued for its prefill: 4 running (more than the 3 the last
+    # heartbeat saw), 1 queued + 2 joining from the prefill pool + the new one: 8 sequences
+    worker = Queue(40, 1, stats=stats, num_assigned=5)
+    assert predictor.tbt_s(worker, 30, num_joining=2) == 0.25 + 8 * 0.125 == 1.25
+    admission = SloAdmission(None, tbt_slo_s=1.0, feedback=False)
+    verdict = admission.check(None, 1.25)
+    assert (verdict.ok, verdict.retry_after_s, verdict.predicted_tbt_s, verdict.missed) == (
+        False,
+        1,
+        1.25,
+        "tbt",
+    )
+    assert math.isnan(verdict.predicted_ttft_s)  # no TTFT prediction
+    assert admission.check(0.5, 1.0) == Admission(True, 0.5, 0, 1.0)  # exactly at the bound: admitted
+    both = SloAdmission(0.25, tbt_slo_s=1.0, feedback=False)
+    assert both.check(0.5, 2.0) == Admission(False, 0.5, 1, 2.0, "ttft")  # TTFT is checked first
 
 
 def test_admission_learns_a_correction_from_measured_ttft() -> None:
@@ -259,6 +290,7 @@ def test_an_unattainable_slo_is_a_429_with_retry_after_and_nothing_is_queued(out
         "prefill_hit_tokens": 0,
         "decode_hit_tokens": 0,
         "predicted_ttft_s": 2.625,
+        "predicted_tbt_s": 2.5,
     }
     metrics = out["metrics"]
     assert metric_line(metrics, "pdserve_route_decisions_total{") == (

@@ -163,8 +163,9 @@ def test_the_decode_workers_own_prefix_hit_decides() -> None:
     assert (route.mode, route.reason, route.worker) == ("conditional", "decode_prefix_hit", d1)
     assert (route.prefill_hit_tokens, route.decode_hit_tokens) == (240, 240)
     assert route.predicted_ttft_s == pytest.approx(0.126, abs=1e-12)
+    # the decode step it joins: 10 ms (this profile charges nothing per sequence)
     info = RouteInfo(
-        "conditional", "decode_prefix_hit", "decode-1", "decode-1", 240, 240, route.predicted_ttft_s
+        "conditional", "decode_prefix_hit", "decode-1", "decode-1", 240, 240, route.predicted_ttft_s, 0.01
     )
     assert route.info() == info
 

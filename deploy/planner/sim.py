@@ -219,11 +219,19 @@ class Simulation:
         route = decide(
             self.config.mode, prompt, self._pools, router, predictor=self.predictor, view=self.view
         )
-        if self.admission is not None and not self.admission.check(route.predicted_ttft_s).ok:
+        admission = self.admission
+        if admission is not None and not admission.check(route.predicted_ttft_s, route.predicted_tbt_s).ok:
             rec.rejected = "slo_unattainable"
             self._client_done(index, t + self.profile.http_s)
             return
-        flight = Flight(index, str(index), prompt, params, predicted_ttft_s=route.predicted_ttft_s)
+        flight = Flight(
+            index,
+            str(index),
+            prompt,
+            params,
+            predicted_ttft_s=route.predicted_ttft_s,
+            predicted_tbt_s=route.predicted_tbt_s,
+        )
         self.flights[flight.request_id] = flight
         w = route.worker
         rec.route, rec.route_reason = route.mode, route.reason
@@ -363,6 +371,8 @@ class Simulation:
             elif status.is_finished:
                 self._at(done, _SETTLE, flight)
                 self._client_done(flight.index, arrive)
+                if self.admission is not None and rec.gaps_s:
+                    self.admission.observe_tbt(flight.predicted_tbt_s, rec.mean_tbt_s)
         self._frontend_free = free
         self._num_busy -= 1
         self._turn(w, t)

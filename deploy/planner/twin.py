@@ -92,6 +92,7 @@ class Flight:
     transfer_s: float = 0.0
     queued_on: SimWorker | None = None  # whose prefill queue (the router's count) holds it
     predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
 
 
 class SimWorker:
