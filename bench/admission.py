@@ -6,12 +6,13 @@ Starts the cluster of ``--config`` (HTTP on a free loopback port) and keeps it f
 
 1. the cost profile: ``--profile``, else calibrated on this cluster (``pdserve plan calibrate --probe``'s
    engine sweep in a Ray worker and its cluster probe);
-2. the saturation rate: ``--saturation-requests`` requests of the workload sent at once; completed
-   requests per second is what the cluster can serve;
+2. the saturation rate: the workload's requests from a closed loop of ``--saturation-concurrency``
+   clients (the cluster kept full); the completion rate over the middle half of the run is what the
+   cluster can serve;
 3. ``--rounds`` rounds of the same seeded Poisson workload at ``--overload`` x that rate, each round once
    without admission and once with it (order alternating, so drift of a shared machine hits both
-   alike); admission is switched on the live router (a fresh ``SloAdmission``, TTFT SLO
-   ``--slo-ttft-ms``), and the cluster is left to go quiet between runs.
+   alike); admission is switched on the live router (a fresh ``SloAdmission`` with the TTFT and, unless
+   ``--admit-on ttft``, the TBT SLO), and the cluster is left to go quiet between runs.
 
 Goodput is ``pdserve bench serve``'s: requests that meet the TTFT SLO and whose mean gap between tokens
 meets the TBT SLO, per second of the run (first send to last answer); a refused request (429) is a miss.
@@ -26,7 +27,6 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,28 +42,36 @@ if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
 
 
-def set_admission(handle: ClusterHandle, predictor: Predictor, ttft_slo_s: float | None) -> None:
-    """On the router's loop: the predictor, and a fresh SloAdmission (None: admission off)."""
+def set_admission(handle: ClusterHandle, predictor: Predictor, admission: SloAdmission | None) -> None:
+    """On the router's loop: the predictor, and the admission policy (None: off)."""
 
     async def apply() -> None:
         handle.router.predictor = predictor
-        handle.router.admission = SloAdmission(ttft_slo_s) if ttft_slo_s is not None else None
+        handle.router.admission = admission
 
     handle.run(apply(), timeout=10)
 
 
 def measure(url: str, args: argparse.Namespace, scenario: Scenario, label: str) -> tuple[list[Record], float]:
-    client = replace(client_args(args.seed), quiet=True)
+    client = client_args(args.seed)  # quiet, no retries of 429s (a refusal is a miss)
     return asyncio.run(run_scenario(url, label, client, scenario))
 
 
 def saturation_rate(url: str, handle: ClusterHandle, args: argparse.Namespace) -> float:
-    """Requests per second the cluster completes with every request sent at once."""
-    burst = Scenario(args.saturation_requests, tuple(args.prompt_len), tuple(args.output_len))
-    records, duration = measure(url, args, burst, "saturation")
+    """Requests per second the cluster completes while it is kept full: a closed loop of
+    ``--saturation-concurrency`` clients, the completion rate over the middle half of the run (the ramp
+    up and the drain at the ends excluded)."""
+    n = args.saturation_requests
+    loop = Scenario(
+        n, tuple(args.prompt_len), tuple(args.output_len), max_concurrency=args.saturation_concurrency
+    )
+    records, _ = measure(url, args, loop, "saturation")
     handle.wait_until_quiet(120)
-    ok = sum(1 for r in records if r.error is None)
-    return ok / duration
+    done = sorted(r.send_time + r.e2e_s for r in records if r.error is None and r.e2e_s is not None)
+    if len(done) < 8:
+        raise RuntimeError(f"only {len(done)} of {n} saturation requests finished")
+    lo, hi = len(done) // 4, 3 * len(done) // 4
+    return (hi - lo) / (done[hi] - done[lo])
 
 
 def row(label: str, s: dict[str, Any]) -> str:
@@ -85,13 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, help="cost profile JSON (default: calibrate on the cluster)")
     p.add_argument("--calibration-reps", type=int, default=3)
     p.add_argument("--overload", type=float, default=1.5, help="offered rate / saturation rate")
-    p.add_argument("--saturation-requests", type=int, default=48)
+    p.add_argument("--saturation-requests", type=int, default=128)
+    p.add_argument("--saturation-concurrency", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=150, help="requests per run")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--rounds", type=int, default=2, help="runs with and without admission each")
+    p.add_argument("--admit-on", choices=["ttft", "both"], default="both", help="which SLOs admission checks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_results"))
     args = p.parse_args(argv)
@@ -106,10 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             handle.wait_until_quiet(120)
         predictor = Predictor(profile, cfg.engine_config().max_num_batched_tokens)
         set_admission(handle, predictor, None)
+        tbt_slo_s = args.slo_tbt_ms / 1e3 if args.admit_on == "both" else None
         saturation = saturation_rate(url, handle, args)
         rate = args.overload * saturation
         print(
-            f"saturation: {saturation:.2f} req/s ({args.saturation_requests} requests at once); offered "
+            f"saturation: {saturation:.2f} req/s ({args.saturation_requests} requests, "
+            f"{args.saturation_concurrency} at a time); offered "
             f"{rate:.2f} req/s ({args.overload:g}x), {args.num_requests} requests per run",
             flush=True,
         )
@@ -123,12 +135,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
             for admission in order:
-                set_admission(handle, predictor, args.slo_ttft_ms / 1e3 if admission else None)
+                policy = SloAdmission(args.slo_ttft_ms / 1e3, tbt_slo_s) if admission else None
+                set_admission(handle, predictor, policy)
                 label = f"round {r + 1} {'admission' if admission else 'no admission'}"
                 records, duration = measure(url, args, scenario, label)
                 summary = summarize(records, duration, args.slo_ttft_ms, args.slo_tbt_ms)
-                adm = handle.router.admission
-                summary["admission_correction"] = adm.correction if adm is not None else None
+                if policy is not None:
+                    summary["policy"] = {
+                        "admitted": policy.num_admitted,
+                        "refused": policy.num_rejected,
+                        "ttft_correction": policy.correction,
+                        "step_correction": {
+                            w.worker_id: policy.step_correction(w.worker_id) for w in handle.router.workers
+                        },
+                    }
                 results.append({"round": r + 1, "admission": admission, **summary})
                 print(row(label, summary), flush=True)
                 set_admission(handle, predictor, None)

@@ -10,10 +10,15 @@ not checked), or when the router has a ``tbt_slo_ms`` and the decode step it wou
 to exceed it (goodput counts a request only when both hold).
 
 A profile measured once drifts from the machine it describes (other load, a different batch mix), so
-each prediction is multiplied by a correction learned from the router's own measurements: the
-exponential moving average of log(measured / predicted) over admitted requests (TTFT at the first
-token, the mean gap between tokens at the last), clamped to ``[1 / MAX_CORRECTION, MAX_CORRECTION]``.
-``feedback=False`` turns it off (the predictions as they are).
+each prediction is multiplied by a correction learned from what the router measures, as the exponential
+moving average of log(measured / predicted), clamped to ``[1 / MAX_CORRECTION, MAX_CORRECTION]``:
+
+* TTFT: one correction, from every admitted request's first token;
+* the decode step: one per worker, from its heartbeats: while it runs a batch, the time between two
+  beats over the steps it took is its real step period (what its decodes see as TBT, prompt chunks and
+  a shared host included), against the profile's step for the batch it reported.
+
+``feedback=False`` turns both off (the predictions as they are).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from cluster.cost_model import CostProfile, default_profile_path
 from cluster.predict import Admission, Predictor
 
 MAX_CORRECTION = 4.0
-FEEDBACK_WEIGHT = 0.05  # weight of one measurement in the moving average (about the last 20 requests)
+FEEDBACK_WEIGHT = 0.05  # weight of one request's TTFT in its moving average (about the last 20)
+STEP_WEIGHT = 0.3  # weight of one heartbeat interval's step period (each covers many steps)
+MIN_STEPS = 2  # a heartbeat interval with fewer steps says little about the step period
 TBT_RETRY_AFTER_S = 1  # a full decode batch frees a seat when one of its requests ends: soon, unknown
 
 
@@ -40,12 +47,20 @@ class _Correction:
     def value(self) -> float:
         return math.exp(self.log_value)
 
-    def observe(self, predicted: float | None, measured: float) -> None:
+    def observe(self, predicted: float | None, measured: float, weight: float = FEEDBACK_WEIGHT) -> None:
         if predicted is None or predicted <= 0 or measured <= 0:
             return
         bound = math.log(MAX_CORRECTION)
-        updated = (1 - FEEDBACK_WEIGHT) * self.log_value + FEEDBACK_WEIGHT * math.log(measured / predicted)
+        updated = (1 - weight) * self.log_value + weight * math.log(measured / predicted)
         self.log_value = min(bound, max(-bound, updated))
+
+
+class _StepClock:
+    """One worker's last heartbeat: when (router clock), its step count, the profile's step then."""
+
+    def __init__(self, at_s: float, num_steps: int, predicted_step_s: float | None) -> None:
+        self.at_s, self.num_steps, self.predicted_step_s = at_s, num_steps, predicted_step_s
+        self.correction = _Correction()
 
 
 class SloAdmission:
@@ -59,7 +74,8 @@ class SloAdmission:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self.ttft_slo_s, self.tbt_slo_s = ttft_slo_s, tbt_slo_s
         self.feedback = feedback
-        self._ttft, self._tbt = _Correction(), _Correction()
+        self._ttft = _Correction()
+        self._steps: dict[str, _StepClock] = {}
         self.num_admitted = 0
         self.num_rejected = 0
 
@@ -68,9 +84,10 @@ class SloAdmission:
         """What TTFT predictions are multiplied by (1.0 until measurements say otherwise)."""
         return self._ttft.value
 
-    @property
-    def tbt_correction(self) -> float:
-        return self._tbt.value
+    def step_correction(self, worker_id: str | None) -> float:
+        """What decode-step predictions for ``worker_id`` are multiplied by (1.0 for an unknown worker)."""
+        clock = self._steps.get(worker_id) if worker_id is not None else None
+        return clock.correction.value if clock is not None else 1.0
 
     def slo_s(self, requested_s: float | None) -> float | None:
         return requested_s if requested_s is not None else self.ttft_slo_s
@@ -80,11 +97,15 @@ class SloAdmission:
         predicted_ttft_s: float | None,
         predicted_tbt_s: float | None = None,
         requested_slo_s: float | None = None,
+        *,
+        decode_worker_id: str | None = None,
     ) -> Admission:
         """Admit unless a (corrected) prediction misses its SLO; a missing SLO or prediction is no check.
-        Retry-After: the TTFT excess in whole seconds (at least 1), or 1 s for a TBT miss."""
+        ``decode_worker_id``: whose step the TBT prediction is. Retry-After: the TTFT excess in whole
+        seconds (at least 1), or 1 s for a TBT miss."""
         ttft = predicted_ttft_s * self.correction if predicted_ttft_s is not None else None
-        tbt = predicted_tbt_s * self.tbt_correction if predicted_tbt_s is not None else None
+        step = self.step_correction(decode_worker_id)
+        tbt = predicted_tbt_s * step if predicted_tbt_s is not None else None
         slo = self.slo_s(requested_slo_s)
         verdict = Admission(True, ttft if ttft is not None else math.nan, 0, tbt)
         if slo is not None and ttft is not None and ttft > slo:
@@ -102,10 +123,23 @@ class SloAdmission:
         if self.feedback:
             self._ttft.observe(predicted_ttft_s, measured_ttft_s)
 
-    def observe_tbt(self, predicted_tbt_s: float | None, measured_mean_gap_s: float) -> None:
-        """An admitted request finished; its tokens came ``measured_mean_gap_s`` apart on average."""
-        if self.feedback:
-            self._tbt.observe(predicted_tbt_s, measured_mean_gap_s)
+    def observe_steps(
+        self, worker_id: str, at_s: float, num_steps: int, predicted_step_s: float | None
+    ) -> None:
+        """A heartbeat of ``worker_id``: at router time ``at_s`` it had taken ``num_steps`` steps, and the
+        profile puts a step of the batch it reports at ``predicted_step_s`` (None: it runs nothing)."""
+        clock = self._steps.get(worker_id)
+        if clock is None or num_steps < clock.num_steps:  # NOTE: new, or restarted (its count began anew)
+            self._steps[worker_id] = _StepClock(at_s, num_steps, predicted_step_s)
+            return
+        steps, elapsed = num_steps - clock.num_steps, at_s - clock.at_s
+        before = clock.predicted_step_s
+        if self.feedback and steps >= MIN_STEPS and elapsed > 0 and before and predicted_step_s:
+            clock.correction.observe((before + predicted_step_s) / 2, elapsed / steps, STEP_WEIGHT)
+        clock.at_s, clock.num_steps, clock.predicted_step_s = at_s, num_steps, predicted_step_s
+
+    def forget(self, worker_id: str) -> None:
+        self._steps.pop(worker_id, None)
 
 
 DEFAULT_PROFILE = "default"

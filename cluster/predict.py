@@ -258,6 +258,11 @@ class Predictor:
         """Client-side TTFT of a new request sent to ``worker`` now."""
         return predict_ttft_s(self.profile, self.budget, self.queue(worker), prompt_tokens, cached_tokens)
 
+    def step_now_s(self, worker: _Load) -> float | None:
+        """The profile's decode step for the batch ``worker`` last reported (None while it runs none)."""
+        q = WorkerQueue.of(worker)
+        return decode_step_s(self.profile, q.num_running, q.num_context_tokens) if q.num_running else None
+
     def tbt_s(self, worker: _Queued, prompt_tokens: int, num_joining: int = 0) -> float:
         """The decode step a new request would see on ``worker``: its running batch (the larger of its
         last stats and the requests the router has there that are past their prefill), the prompts

@@ -352,7 +352,6 @@ class Router:
                 if delta.finish_reason is not None:
                     flight.done = True
                     delta.timings = self._timings(flight)
-                    self._observe_gaps(flight, delta.timings)
                     yield delta
                     return
                 yield delta
@@ -389,7 +388,12 @@ class Router:
             return
         req = flight.req
         adm = self.admission
-        verdict = adm.check(route.predicted_ttft_s, route.predicted_tbt_s, req.ttft_slo_s)
+        verdict = adm.check(
+            route.predicted_ttft_s,
+            route.predicted_tbt_s,
+            req.ttft_slo_s,
+            decode_worker_id=route.tbt_worker_id,
+        )
         if verdict.ok:
             return
         self.traffic.record(flight.arrival, len(req.prompt_token_ids), req.params.max_tokens)
@@ -417,14 +421,6 @@ class Router:
         num_tokens = len(flight.req.prompt_token_ids) + len(flight.token_ids)
         self._assign(flight, w, "prefill" if route.hold else "decode", num_tokens)
         self._send_generate(flight, w, hold=route.hold)
-
-    def _observe_gaps(self, flight: _Flight, timings: RequestTimings) -> None:
-        """Admission learns how its decode-step predictions compare with the request's mean token gap."""
-        if self.admission is None or flight.attempt or flight.route is None or len(flight.token_ids) < 2:
-            return
-        self.admission.observe_tbt(
-            flight.route.predicted_tbt_s, timings.decode_s / (len(flight.token_ids) - 1)
-        )
 
     def route_decisions(self) -> dict[tuple[str, str], int]:
         """Routing decisions so far by (mode, reason): ``pdserve_route_decisions_total``."""
@@ -613,6 +609,8 @@ class Router:
         if self._workers.get(w.worker_id) is w:
             del self._workers[w.worker_id]
             self.prefix_view.forget(w.worker_id)
+            if self.admission is not None:
+                self.admission.forget(w.worker_id)
         w.socket.close(linger=0)
 
     async def drain(self, worker_id: str, timeout_s: float) -> None:
@@ -720,6 +718,9 @@ class Router:
         if w.state in (WorkerState.DEAD, WorkerState.DRAINING):
             return
         w.stats, w.last_beat = stats, time.monotonic()
+        if self.admission is not None and self.predictor is not None:
+            step = self.predictor.step_now_s(w)
+            self.admission.observe_steps(w.worker_id, w.last_beat, stats.engine.num_steps, step)
         if not stats.healthy:
             self._set_state(w, WorkerState.UNHEALTHY, "it reports a dead thread")
         elif w.state == WorkerState.UNHEALTHY:

@@ -106,6 +106,7 @@ class Route(Generic[W]):
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False, compare=False)
+    tbt_worker_id: str | None = None  # whose decode step predicted_tbt_s is (the handoff's likely target)
 
     def info(self) -> RouteInfo:
         wid = self.worker.worker_id
@@ -159,7 +160,7 @@ def decide(
 
     def whole(route_mode: str, reason: str, w: W) -> Route[W]:
         h = hit(w)
-        return Route(route_mode, reason, w, False, h, h, ttft(w, h), tbt(w), hashes)
+        return Route(route_mode, reason, w, False, h, h, ttft(w, h), tbt(w), hashes, w.worker_id)
 
     def held(reason: str, w: W, ttft_s: float | None = None) -> Route[W]:
         h = hit(w)
@@ -170,9 +171,8 @@ def decide(
         queued = sum(p.num_queued_prompts for p in pools.prefill)
         joining = -(-queued // len(pools.decode))
         predicted = ttft(w, h) if ttft_s is None else ttft_s
-        return Route(
-            "disaggregated", reason, w, True, h, 0, predicted, tbt(pick_decode(pools.decode), joining), hashes
-        )
+        d = pick_decode(pools.decode)
+        return Route("disaggregated", reason, w, True, h, 0, predicted, tbt(d, joining), hashes, d.worker_id)
 
     if mode == "colocated":
         reason = "resume_mid_stream" if resume else "least_loaded"
@@ -204,7 +204,18 @@ def decide(
             remote = est
     if best is not None:
         _, d, decode_hit, est = best
-        return Route("conditional", est.reason, d, False, decode_hit, decode_hit, est.ttft_s, tbt(d), hashes)
+        return Route(
+            "conditional",
+            est.reason,
+            d,
+            False,
+            decode_hit,
+            decode_hit,
+            est.ttft_s,
+            tbt(d),
+            hashes,
+            d.worker_id,
+        )
     if remote is None:  # NOTE: unreachable: every candidate is either local or remote
         raise RuntimeError("conditional routing found no route")
     return held(remote.reason, prefill, remote.ttft_s)

@@ -120,6 +120,26 @@ def test_admission_learns_a_correction_from_measured_ttft() -> None:
     assert off.correction == 1.0
 
 
+def test_decode_step_correction_from_heartbeats() -> None:
+    admission = SloAdmission(None, tbt_slo_s=1.0)
+    admission.observe_steps("decode-0", 0.0, 10, 0.1)
+    admission.observe_steps("decode-0", 1.0, 15, 0.1)  # 5 steps in 1 s: 0.2 s each, twice the profile's
+    assert admission.step_correction("decode-0") == pytest.approx(2**0.3, rel=1e-12)
+    assert admission.step_correction("decode-1") == 1.0
+    refused = admission.check(None, 0.9, decode_worker_id="decode-0")  # 0.9 x 1.23 > 1
+    assert (refused.ok, refused.missed) == (False, "tbt")
+    assert admission.check(None, 0.9, decode_worker_id="decode-1").ok
+    admission.observe_steps("decode-0", 2.0, 16, 0.1)  # one step: says too little
+    admission.observe_steps("decode-0", 3.0, 30, None)  # idle at this beat: no batch to compare with
+    assert admission.step_correction("decode-0") == pytest.approx(2**0.3, rel=1e-12)
+    admission.observe_steps("decode-0", 4.0, 3, 0.1)  # restarted: its step count began anew, and its clock
+    assert admission.step_correction("decode-0") == 1.0
+    admission.observe_steps("decode-0", 5.0, 13, 0.05)  # 0.1 s a step against 0.075 predicted on average
+    assert admission.step_correction("decode-0") == pytest.approx((0.1 / 0.075) ** 0.3, rel=1e-12)
+    admission.forget("decode-0")
+    assert admission.step_correction("decode-0") == 1.0
+
+
 def test_admission_slo_needs_a_profile(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = EngineConfig(max_num_batched_tokens=256)
     missing = str(tmp_path / "none.json")

@@ -220,7 +220,13 @@ class Simulation:
             self.config.mode, prompt, self._pools, router, predictor=self.predictor, view=self.view
         )
         admission = self.admission
-        if admission is not None and not admission.check(route.predicted_ttft_s, route.predicted_tbt_s).ok:
+        tbt_worker = route.tbt_worker_id
+        if (
+            admission is not None
+            and not admission.check(
+                route.predicted_ttft_s, route.predicted_tbt_s, decode_worker_id=tbt_worker
+            ).ok
+        ):
             rec.rejected = "slo_unattainable"
             self._client_done(index, t + self.profile.http_s)
             return
@@ -290,7 +296,8 @@ class Simulation:
                 w.scheduler.release(flight.request_id)
         while w.pending and self._start_transfer(w, w.pending[0], t):
             w.pending.popleft()
-        w.beat(t, self.config.heartbeat_interval_s)
+        if w.beat(t, self.config.heartbeat_interval_s) and self.admission is not None and self.predictor:
+            self.admission.observe_steps(w.worker_id, t, w.num_steps, self.predictor.step_now_s(w))
         shape = w.begin_step() if w.scheduler.waiting or w.scheduler.running else None
         busy = shape is not None or w.has_work
         if busy != was_busy:
@@ -371,8 +378,7 @@ class Simulation:
             elif status.is_finished:
                 self._at(done, _SETTLE, flight)
                 self._client_done(flight.index, arrive)
-                if self.admission is not None and rec.gaps_s:
-                    self.admission.observe_tbt(flight.predicted_tbt_s, rec.mean_tbt_s)
+
         self._frontend_free = free
         self._num_busy -= 1
         self._turn(w, t)

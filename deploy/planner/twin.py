@@ -189,10 +189,10 @@ class SimWorker:
         self.num_tokens += len(updated)
         return updated
 
-    def beat(self, now: float, interval_s: float) -> None:
-        """Publish the stats snapshot the router sees, at most every heartbeat interval."""
+    def beat(self, now: float, interval_s: float) -> bool:
+        """Publish the stats snapshot the router sees, at most every heartbeat interval (True: it did)."""
         if now - self._last_beat < interval_s:
-            return
+            return False
         self._last_beat = now
         kv = self.scheduler.kv
         engine = EngineStats(
@@ -200,7 +200,9 @@ class SimWorker:
             num_total_blocks=kv.pool.num_usable,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_steps=self.num_steps,
         )
         self.stats = WorkerStats(
             self.worker_id, self.pool, engine=engine, num_waiting_for_kv=len(self.pending)
         )
+        return True
