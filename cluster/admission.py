@@ -14,9 +14,9 @@ each prediction is multiplied by a correction learned from what the router measu
 moving average of log(measured / predicted), clamped to ``[1 / MAX_CORRECTION, MAX_CORRECTION]``:
 
 * TTFT: one correction, from every admitted request's first token;
-* the decode step: one per worker, from its heartbeats: while it runs a batch, the time between two
-  beats over the steps it took is its real step period (what its decodes see as TBT, prompt chunks and
-  a shared host included), against the profile's step for the batch it reported.
+* the decode step: one per decode or colocated worker, from its heartbeats: while it runs a batch, the
+  time between two beats over the steps it took is its real step period (what its decodes see as TBT,
+  prompt chunks and a shared host included), against the profile's step for the batch it reported.
 
 ``feedback=False`` turns both off (the predictions as they are).
 """

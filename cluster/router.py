@@ -718,7 +718,7 @@ class Router:
         if w.state in (WorkerState.DEAD, WorkerState.DRAINING):
             return
         w.stats, w.last_beat = stats, time.monotonic()
-        if self.admission is not None and self.predictor is not None:
+        if self.admission is not None and self.predictor is not None and w.pool != "prefill":
             step = self.predictor.step_now_s(w)
             self.admission.observe_steps(w.worker_id, w.last_beat, stats.engine.num_steps, step)
         if not stats.healthy:

@@ -296,7 +296,8 @@ class Simulation:
                 w.scheduler.release(flight.request_id)
         while w.pending and self._start_transfer(w, w.pending[0], t):
             w.pending.popleft()
-        if w.beat(t, self.config.heartbeat_interval_s) and self.admission is not None and self.predictor:
+        beat = w.beat(t, self.config.heartbeat_interval_s)
+        if beat and self.admission is not None and self.predictor is not None and w.pool != "prefill":
             self.admission.observe_steps(w.worker_id, t, w.num_steps, self.predictor.step_now_s(w))
         shape = w.begin_step() if w.scheduler.waiting or w.scheduler.running else None
         busy = shape is not None or w.has_work
