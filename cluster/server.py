@@ -284,10 +284,10 @@ class ServerState:
     metrics: Metrics
     expected_auth: bytes | None
     max_body_bytes: int
-    advisor: AdvisorLike | None
     # NOTE: validation, tokenization and chat templates run here, off the event loop, so a huge prompt
     # does not stall every other stream's tokens (the tokenizer releases the GIL while it works).
     pool: concurrent.futures.ThreadPoolExecutor
+    advisor: AdvisorLike | None = None  # live advice (/v1/pdserve/advice, the advice gauges)
 
     def authorize(self, request: Request) -> None:
         if self.expected_auth is None:
@@ -570,8 +570,8 @@ def create_app(
         metrics=metrics,
         expected_auth=f"Bearer {api_key}".encode() if api_key is not None else None,
         max_body_bytes=max_body_bytes,
-        advisor=advisor,
         pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),
+        advisor=advisor,
     )
     app.include_router(routes)
     app.add_exception_handler(ApiError, _on_api_error)

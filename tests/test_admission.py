@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -20,7 +22,7 @@ from cluster.admission import SloAdmission, load_predictor
 from cluster.config import ClusterConfig, EngineConfig, PoolConfig, RouterConfig
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
 from cluster.frames import new_secret
-from cluster.predict import Admission, Predictor
+from cluster.predict import Admission, Predictor, TrafficLog
 from cluster.protocol import EngineStats, FinishReason, TokenDelta, WorkerStats
 from cluster.router import Router
 from cluster.server import create_app
@@ -371,3 +373,46 @@ def test_admission_flags_over_the_yaml() -> None:
     )
     with pytest.raises(ValueError, match="admission must be one of"):
         build_config(parser.parse_args(["--admission", "always"]))
+
+
+@dataclass
+class StubWorker:
+    worker_id: str
+    pool: str
+    info: Any
+    state: Any
+
+
+def test_advisor_windows_cache_and_bounds() -> None:
+    now = time.time()
+    traffic = TrafficLog(window_s=120.0)
+    for age in (100.0, 50.0, 8.0, 4.0, 2.0):  # five requests, three in the last 10 s
+        traffic.record(now - age, 64, 8)
+    live = SimpleNamespace(value="healthy")
+    router = SimpleNamespace(
+        traffic=traffic,
+        workers=[
+            StubWorker("prefill-0", "prefill", SimpleNamespace(num_blocks=64), live),
+            StubWorker("decode-0", "decode", SimpleNamespace(num_blocks=48), live),
+        ],
+    )
+    cluster = ClusterConfig(engine={"max_num_batched_tokens": 64, "num_kv_blocks": 64})
+    advisor = Advisor(router, cluster, CONSTANT, vocab_size=512, max_model_len=128, max_requests=4)  # type: ignore[arg-type]
+    assert advisor.current_config().label == "1P:1D" and advisor.current_config().num_kv_blocks == 48
+
+    async def scenario() -> tuple[dict[str, Any], ...]:
+        recent = await advisor.advice(10.0)
+        everything = await advisor.advice()
+        again = await advisor.advice()
+        return recent, everything, again
+
+    try:
+        recent, everything, again = asyncio.run(scenario())
+    finally:
+        advisor.close()
+    assert (recent["window_s"], recent["advice"]["num_requests"]) == (10.0, 3)
+    # the whole 120 s window holds five, capped to the most recent four
+    assert (everything["window_s"], everything["advice"]["num_requests"]) == (120.0, 4)
+    assert again is everything  # cached
+    assert advisor.latest() == everything["advice"]
+    assert {r["recommended"] for r in (recent["advice"], everything["advice"])} <= {"colocated x2", "1P:1D"}

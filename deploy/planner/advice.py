@@ -141,6 +141,7 @@ class Advisor:
         self._latest_at = -math.inf  # time.monotonic() of the latest answer
         self._latest_window: float | None = None
         self._running: asyncio.Future[dict[str, Any]] | None = None
+        self._running_window: float | None = None
 
     def current_config(self) -> SimConfig:
         """The running deployment: the config's engine and router, the live workers per pool."""
@@ -158,20 +159,31 @@ class Advisor:
         return self._latest.get("advice") if self._latest is not None else None
 
     def refresh_soon(self) -> None:
-        """Start a run of the default window when the latest answer is stale (never waits)."""
+        """Start a run of the default window when the latest answer is stale (never waits, never raises:
+        a scrape must not fail for it)."""
         if self._running is None and time.monotonic() - self._latest_at > self.cache_s:
-            self._running = self._start(None)
+            try:
+                self._running, self._running_window = self._start(None), None
+            except Exception:
+                logger.exception("live advice could not start")
 
     async def advice(self, window_s: float | None = None) -> dict[str, Any]:
-        fresh = time.monotonic() - self._latest_at <= self.cache_s
-        if self._latest is not None and fresh and self._latest_window == window_s:
-            return self._latest
-        if self._running is None:
-            self._running = self._start(window_s)
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._running), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"advice not ready within {self.timeout_s:g} s") from None
+        """The answer for the last ``window_s`` seconds (None: ``max_window_s``); see the class."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            fresh = time.monotonic() - self._latest_at <= self.cache_s
+            if self._latest is not None and fresh and self._latest_window == window_s:
+                return self._latest
+            if self._running is None:
+                self._running, self._running_window = self._start(window_s), window_s
+            running, mine = self._running, self._running_window == window_s
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(running), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"advice not ready within {self.timeout_s:g} s") from None
+            if mine:
+                return answer
+            # NOTE: that run was for another window (a scrape's): ours starts once it is done
 
     def _start(self, window_s: float | None) -> asyncio.Future[dict[str, Any]]:
         now = time.time()
