@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.serve import SCENARIOS, arrival_offsets, build_dataset
+from cluster import cost_model
 from cluster.config import ClusterConfig
 from cluster.cost_model import CostProfile
 from deploy.planner.profiles import HARDWARE, ModelShape, gpu_kv_blocks, roofline_profile
@@ -41,7 +41,7 @@ DEFAULT_CONFIG = "deploy/cpu-disagg.yaml"
 
 
 def default_profile_path() -> Path:
-    return Path(os.environ.get("PDSERVE_PROFILE") or Path.home() / ".cache" / "pdserve" / "cpu-profile.json")
+    return cost_model.default_profile_path()
 
 
 def load_cluster_config(path: str) -> ClusterConfig:

@@ -93,8 +93,41 @@ class Usage:
 
 
 @dataclass
+class ServerRoute:
+    """The router's routing decision for one request and why (``pdserve_timings.route``): mode
+    ("colocated" | "disaggregated" | "conditional"), reason, the prefill and decode workers, the prefix
+    hit (tokens) the router expected on each, the TTFT and decode step its cost model predicted (seconds,
+    or None)."""
+
+    mode: str = ""
+    reason: str = ""
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    prefill_hit_tokens: int = 0
+    decode_hit_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ServerRoute | None:
+        if not isinstance(d, dict):
+            return None
+        ttft, tbt = d.get("predicted_ttft_s"), d.get("predicted_tbt_s")
+        return cls(
+            str(d.get("mode", "")),
+            str(d.get("reason", "")),
+            d.get("prefill_worker"),
+            d.get("decode_worker"),
+            int(d.get("prefill_hit_tokens") or 0),
+            int(d.get("decode_hit_tokens") or 0),
+            float(ttft) if ttft is not None else None,
+            float(tbt) if tbt is not None else None,
+        )
+
+
+@dataclass
 class ServerTimings:
-    """The router's split of one request (seconds)."""
+    """The router's split of one request (seconds), and its routing decision."""
 
     queue_s: float = 0.0
     prefill_s: float = 0.0
@@ -103,15 +136,22 @@ class ServerTimings:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     num_migrations: int = 0
+    route: ServerRoute | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> ServerTimings | None:
         if d is None:
             return None
         seconds = {
-            k: float(v) for k, v in d.items() if k in cls.__dataclass_fields__ and k != "num_migrations"
+            k: float(v)
+            for k, v in d.items()
+            if k in cls.__dataclass_fields__ and k not in ("num_migrations", "route")
         }
-        return cls(**seconds, num_migrations=int(d.get("num_migrations", 0)))
+        return cls(
+            **seconds,
+            num_migrations=int(d.get("num_migrations", 0)),
+            route=ServerRoute.from_dict(d.get("route")),
+        )
 
 
 @dataclass

@@ -167,6 +167,7 @@ def _check_type(key: str, value: Any, tp: Any) -> None:
 
 
 ROUTER_MODES = ("disaggregated", "colocated", "conditional")
+ADMISSION_POLICIES = ("off", "slo")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
 FAILURE_POLICIES = ("fail", "recompute")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD")
@@ -229,9 +230,29 @@ class RouterConfig:
     colocated_fallback: bool = True
     # scale-down: how long a draining worker's requests may take before they migrate
     drain_timeout_s: float = 30.0
+    # "slo": refuse (429 + Retry-After) a request whose predicted TTFT misses its SLO (ttft_slo_ms, or the
+    # request's x-pdserve-ttft-slo-ms header); predictions come from the cost profile (cluster/admission.py)
+    admission: str = "off"
+    ttft_slo_ms: float | None = None
+    # conditional mode: a local prefill must not stall the decode worker's batch past this (None: no bound)
+    tbt_slo_ms: float | None = None
+    # cost profile JSON for conditional routing by predicted cost, admission and live advice: a path, or
+    # "default" ($PDSERVE_PROFILE, else where `pdserve plan calibrate` writes it); "": none (conditional
+    # mode then goes by conditional_max_prompt_tokens)
+    cost_profile: str = ""
+    # live advice (/v1/pdserve/advice): the planner replays the traffic of this many recent seconds
+    advice_window_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")
+        _require(
+            self.admission in ADMISSION_POLICIES,
+            f"router admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}",
+        )
+        for name in ("ttft_slo_ms", "tbt_slo_ms"):
+            value = getattr(self, name)
+            _require(value is None or 0 < value < 1e9, f"{name} must be > 0 (milliseconds), got {value}")
+        _require(self.advice_window_s > 0, f"advice_window_s must be > 0, got {self.advice_window_s}")
         _require(self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         _require(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         _require(self.health_interval_s > 0, "health_interval_s must be > 0")

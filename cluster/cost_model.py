@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
@@ -239,6 +240,12 @@ class CostProfile:
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def default_profile_path() -> Path:
+    """Where ``pdserve plan calibrate`` writes this machine's profile: ``$PDSERVE_PROFILE``, else
+    ``~/.cache/pdserve/cpu-profile.json``."""
+    return Path(os.environ.get("PDSERVE_PROFILE") or Path.home() / ".cache" / "pdserve" / "cpu-profile.json")
 
 
 def _build(cls: Any, data: dict[str, Any]) -> Any:

@@ -5,7 +5,9 @@ Two sources feed it:
 * the HTTP server calls the small observation API below (``observe_first_token``, ``observe_token_gap``,
   ``observe_finished``, ``observe_error``) as it sees token deltas;
 * a custom collector turns ``router.worker_stats()`` (a cached snapshot, cheap) into per-worker gauges
-  and counters at scrape time, so nothing polls the workers on the metrics path.
+  and counters at scrape time, so nothing polls the workers on the metrics path; another turns the
+  router's routing decisions (``router.route_decisions()``) and the latest live advice into
+  ``pdserve_route_decisions_total{mode,reason}`` and the ``pdserve_advice_*`` gauges.
 
 Names carry the ``pdserve_`` prefix and every series a ``model_name`` label (the served name), as
 vLLM's do. Counters are declared without ``_total``; the exposition adds it. Counters whose children a
@@ -19,7 +21,8 @@ This module imports no torch and nothing of the project beyond ``cluster.protoco
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -67,6 +70,7 @@ KNOWN_ERRORS: tuple[tuple[int, str], ...] = (
     (404, "model_not_found"),
     (413, "request_too_large"),
     (429, ErrorCode.QUEUE_FULL.value),
+    (429, ErrorCode.SLO_UNATTAINABLE.value),
     (499, ErrorCode.ABORTED.value),
     (499, "client_disconnected"),
     (500, ErrorCode.INTERNAL.value),
@@ -78,6 +82,54 @@ KNOWN_ERRORS: tuple[tuple[int, str], ...] = (
 
 StatsSource = Callable[[], Sequence[WorkerStats]]
 RejectedSource = Callable[[], dict[str, int]]
+RouteSource = Callable[[], Mapping[tuple[str, str], int]]
+AdviceSource = Callable[[], Mapping[str, Any] | None]
+ADVICE_POOLS = ("prefill", "decode", "colocated")
+
+
+class RouterCollector(Collector):
+    """Scrape-time view of the router's decisions: routing decisions by (mode, reason) as a counter, and
+    the latest live advice (deploy/planner/advice.py) as gauges: the predicted SLO attainment of the
+    recommended and of the running configuration, and the recommended workers per pool."""
+
+    def __init__(self, routes: RouteSource | None, advice: AdviceSource | None, model_name: str) -> None:
+        self.routes, self.advice, self.model_name = routes, advice, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        if self.routes is not None:
+            counter = CounterMetricFamily(
+                "pdserve_route_decisions",
+                "Routing decisions by mode (colocated | disaggregated | conditional) and reason",
+                labels=["model_name", "mode", "reason"],
+            )
+            for (mode, reason), count in sorted(self.routes().items()):
+                counter.add_metric([self.model_name, mode, reason], float(count))
+            yield counter
+        if self.advice is None:
+            return
+        advice = self.advice()
+        attainment = GaugeMetricFamily(
+            "pdserve_advice_slo_attainment",
+            "Live advice: the planner's predicted SLO attainment over the recent traffic (role: recommended"
+            " or current configuration)",
+            labels=["model_name", "role", "configuration"],
+        )
+        workers = GaugeMetricFamily(
+            "pdserve_advice_recommended_workers",
+            "Live advice: workers per pool in the configuration the planner recommends",
+            labels=["model_name", "pool"],
+        )
+        if advice is not None:
+            for role in ("recommended", "current"):
+                label, value = advice.get(role), advice.get(f"{role}_slo_attainment")
+                if isinstance(label, str) and isinstance(value, (int, float)):
+                    attainment.add_metric([self.model_name, role, label], float(value))
+            for pool in ADVICE_POOLS:
+                num = advice.get(f"recommended_{pool}")
+                if isinstance(num, int):
+                    workers.add_metric([self.model_name, pool], float(num))
+        yield attainment
+        yield workers
 
 
 class WorkerStatsCollector(Collector):
@@ -188,6 +240,8 @@ class Metrics:
         model_name: str = "",
         mode: str | None = None,
         compat: str = "none",
+        route_decisions: RouteSource | None = None,
+        advice: AdviceSource | None = None,
     ) -> None:
         if compat not in COMPAT_MODES:
             raise ValueError(f"metrics compat must be one of {COMPAT_MODES}, got {compat!r}")
@@ -246,6 +300,8 @@ class Metrics:
                 counter.labels(model_name, mode)
         if stats_source is not None:
             self.registry.register(WorkerStatsCollector(stats_source, router_rejected, model_name, compat))
+        if route_decisions is not None or advice is not None:
+            self.registry.register(RouterCollector(route_decisions, advice, model_name))
 
     def observe_first_token(self, ttft_s: float, mode: str) -> None:
         self.ttft.labels(self.model_name, mode).observe(ttft_s)

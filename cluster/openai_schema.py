@@ -41,6 +41,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.SLO_UNATTAINABLE: 429,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.ABORTED: 499,  # nginx's "client closed request": nobody is left to read it
@@ -53,9 +54,17 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 class ApiError(Exception):
     """A request answered with an OpenAI-shaped error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after_s = retry_after_s  # the Retry-After of a 429 / 503 (None: the server's default)
         self.code = code or {
             400: "invalid_request",
             401: "invalid_api_key",
@@ -65,7 +74,8 @@ class ApiError(Exception):
 
     @classmethod
     def from_router(cls, e: RouterError) -> ApiError:
-        return cls(HTTP_STATUS[e.code], str(e) or type(e).__name__, code=e.code.value)
+        status = HTTP_STATUS[e.code]
+        return cls(status, str(e) or type(e).__name__, code=e.code.value, retry_after_s=e.retry_after_s)
 
 
 def _error_type(status: int) -> str:

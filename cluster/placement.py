@@ -47,16 +47,23 @@ def pick_least_loaded(workers: Sequence[W], pool: str) -> W:
 
 
 def pick_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_tokens: int) -> W:
+    return explain_prefill(workers, prompt, affinity_slack_tokens)[0]
+
+
+def explain_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_tokens: int) -> tuple[W, str]:
+    """pick_prefill's choice and why: "prefix_affinity" (the prompt's first block's worker),
+    "affinity_target_busy" (that worker is past the slack: the least loaded one) or
+    "prompt_shorter_than_a_block" (no block to be affine to: the least loaded one)."""
     ws = require(workers, "prefill")
     least = min(ws, key=lambda w: (w.num_prompt_tokens, w.num_assigned, w.worker_id))
     block_size = ws[0].block_size
     if len(prompt) < block_size:
-        return least
+        return least, "prompt_shorter_than_a_block"
     key = hash_block(ROOT_HASH, prompt[:block_size])
     preferred = max(ws, key=lambda w: hashlib.blake2b(key + w.worker_id.encode(), digest_size=8).digest())
     if preferred.num_prompt_tokens - least.num_prompt_tokens > affinity_slack_tokens:
-        return least
-    return preferred
+        return least, "affinity_target_busy"
+    return preferred, "prefix_affinity"
 
 
 def pick_decode(workers: Sequence[W]) -> W:

@@ -6,6 +6,7 @@ For the router (items "SLO-aware admission", "routing that explains itself", "li
 
     queue = WorkerQueue.of(worker_ref)                        # or built by hand in tests
     ttft = predict_ttft_s(profile, budget, queue, len(prompt), cached_tokens=hit)
+    predictor = Predictor(profile, budget)                    # the same, over the router's WorkerRefs
     verdict = admit(ttft, slo_ttft_s)                         # 429 + Retry-After when not verdict.ok
     route = choose_route(profile, budget, len(prompt), prefill_queue, decode_queue,
                          prefill_hit_tokens=..., decode_hit_tokens=..., tbt_slo_s=...)
@@ -118,11 +119,24 @@ def decode_step_s(profile: CostProfile, num_running: int, num_context_tokens: in
     return profile.step_s(shape)
 
 
+def predict_tbt_s(
+    profile: CostProfile, decode: WorkerQueue, prompt_tokens: int, num_joining: int = 0
+) -> float:
+    """The decode step a new request would see on a worker running ``decode``'s batch, with
+    ``num_joining`` more requests about to join it: every sequence at the batch's mean context (the new
+    one at its prompt). Steps that also carry prompt chunks (colocated) take longer than this."""
+    batch = decode.num_running + num_joining + 1
+    per_seq = decode.num_context_tokens / decode.num_running if decode.num_running else float(prompt_tokens)
+    return decode_step_s(profile, batch, int(per_seq * (batch - 1)) + prompt_tokens)
+
+
 @dataclass(frozen=True)
 class Admission:
     ok: bool
     predicted_ttft_s: float
     retry_after_s: int  # whole seconds for a Retry-After header (0 when admitted)
+    predicted_tbt_s: float | None = None
+    missed: str = ""  # "ttft" | "tbt": which prediction missed its SLO ("" when admitted)
 
 
 def admit(predicted_ttft_s: float, slo_ttft_s: float) -> Admission:
@@ -219,6 +233,67 @@ def choose_route(
 
 def _why(estimate: RouteEstimate, reason: str) -> RouteEstimate:
     return RouteEstimate(estimate.mode, estimate.ttft_s, estimate.first_gap_s, estimate.stall_s, reason)
+
+
+class _Queued(_Load, Protocol):
+    @property
+    def num_queued_prompts(self) -> int: ...
+    @property
+    def num_assigned(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """What the router predicts with: a cost profile, the workers' token budget per step
+    (``max_num_batched_tokens``) and the TBT bound a local prefill must not stall decodes past."""
+
+    profile: CostProfile
+    budget: int
+    tbt_slo_s: float | None = None
+
+    def queue(self, worker: _Queued) -> WorkerQueue:
+        return WorkerQueue.of(worker, worker.num_queued_prompts)
+
+    def ttft_s(self, worker: _Queued, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Client-side TTFT of a new request sent to ``worker`` now."""
+        return predict_ttft_s(self.profile, self.budget, self.queue(worker), prompt_tokens, cached_tokens)
+
+    def step_now_s(self, worker: _Load) -> float | None:
+        """The profile's decode step for the batch ``worker`` last reported (None while it runs none)."""
+        q = WorkerQueue.of(worker)
+        return decode_step_s(self.profile, q.num_running, q.num_context_tokens) if q.num_running else None
+
+    def tbt_s(self, worker: _Queued, prompt_tokens: int, num_joining: int = 0) -> float:
+        """The decode step a new request would see on ``worker``: its running batch (the larger of its
+        last stats and the requests the router has there that are past their prefill), the prompts
+        queued there and ``num_joining`` more (e.g. prefills on their way to it), and the new one."""
+        q = self.queue(worker)
+        running = max(q.num_running, worker.num_assigned - worker.num_queued_prompts)
+        if running != q.num_running:
+            per_seq = q.num_context_tokens / q.num_running if q.num_running else prompt_tokens
+            q = WorkerQueue(q.num_queued_prompt_tokens, q.num_queued_prompts, running, int(per_seq * running))
+        return predict_tbt_s(self.profile, q, prompt_tokens, worker.num_queued_prompts + num_joining)
+
+    def route(
+        self,
+        prompt_tokens: int,
+        prefill: _Queued,
+        decode: _Queued,
+        *,
+        prefill_hit_tokens: int = 0,
+        decode_hit_tokens: int = 0,
+    ) -> RouteEstimate:
+        """choose_route between ``prefill`` (+ a handoff to ``decode``) and a local prefill on ``decode``."""
+        return choose_route(
+            self.profile,
+            self.budget,
+            prompt_tokens,
+            self.queue(prefill),
+            self.queue(decode),
+            prefill_hit_tokens=prefill_hit_tokens,
+            decode_hit_tokens=decode_hit_tokens,
+            tbt_slo_s=self.tbt_slo_s,
+        )
 
 
 # ---- live advice: what the router remembers of recent traffic --------------------------------------

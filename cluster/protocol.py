@@ -199,13 +199,37 @@ class GenerateRequest:
     """What the HTTP server hands the router: already tokenized and validated at the edge.
 
     deadline: absolute time.time() after which the request fails with DeadlineExceeded (None: no bound
-    beyond the router's default).
+    beyond the router's default). ttft_slo_s: this request's TTFT SLO for SLO-aware admission (the
+    ``x-pdserve-ttft-slo-ms`` header; None: the router's ``ttft_slo_ms``).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline: float | None = None
+    ttft_slo_s: float | None = None
+
+
+@dataclass
+class RouteInfo:
+    """Why the router sent a request where it did (``RequestTimings.route``; the same mode and reason
+    label ``pdserve_route_decisions_total``).
+
+    mode: "colocated" (one worker ran it whole: colocated mode, or the fallback), "disaggregated"
+    (prefill worker, then a KV handoff to a decode worker) or "conditional" (conditional routing prefilled
+    it on the decode worker). Hits are the router's expectation of each side's prefix-cache hit (tokens),
+    from what it routed there before; ``predicted_ttft_s`` / ``predicted_tbt_s`` are the cost model's TTFT
+    and decode step on the chosen path (None without a profile).
+    """
+
+    mode: str = ""
+    reason: str = ""
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    prefill_hit_tokens: int = 0
+    decode_hit_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
 
 
 @dataclass
@@ -219,6 +243,7 @@ class RequestTimings:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     num_migrations: int = 0  # times the router dispatched it again after its worker died
+    route: RouteInfo | None = None  # the router's decision for its last attempt
 
 
 @dataclass
@@ -242,13 +267,16 @@ class ErrorCode(str, enum.Enum):
     ABORTED = "aborted"
     WORKER_FAILED = "worker_failed"
     KV_TRANSFER_FAILED = "kv_transfer_failed"
+    SLO_UNATTAINABLE = "slo_unattainable"
     INTERNAL = "internal_error"
 
 
 class RouterError(Exception):
-    """A request the cluster cannot serve; ``code`` says why."""
+    """A request the cluster cannot serve; ``code`` says why. ``retry_after_s``: when a retry may
+    succeed (the HTTP edge's Retry-After), None for its default."""
 
     code = ErrorCode.INTERNAL
+    retry_after_s: int | None = None
 
 
 class InvalidRequestError(RouterError):
@@ -257,6 +285,16 @@ class InvalidRequestError(RouterError):
 
 class QueueFullError(RouterError):
     code = ErrorCode.QUEUE_FULL
+
+
+class SloUnattainableError(RouterError):
+    """SLO-aware admission refused the request: its predicted TTFT misses its SLO (nothing was queued)."""
+
+    code = ErrorCode.SLO_UNATTAINABLE
+
+    def __init__(self, message: str = "", retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceededError(RouterError):
@@ -285,6 +323,7 @@ ROUTER_ERRORS: dict[ErrorCode, type[RouterError]] = {
         RouterError,
         InvalidRequestError,
         QueueFullError,
+        SloUnattainableError,
         DeadlineExceededError,
         ClusterUnavailableError,
         RequestAbortedError,

@@ -21,8 +21,10 @@ has its own wire id (``<request id>~<attempt>``), so late events of an abandoned
 With ``colocated_fallback``, workers of either pool serve whole requests when the other pool is empty.
 
 Modes: ``disaggregated`` (prefill pool, then a decode pool), ``colocated`` (one pool does both),
-``conditional`` (prompts up to ``conditional_max_prompt_tokens`` go straight to a decode worker).
-Placement policy: cluster/placement.py.
+``conditional`` (a decode worker prefills the request itself when the cost model predicts that cheaper;
+without a cost profile, when the prompt has at most ``conditional_max_prompt_tokens``).
+Placement policy: cluster/placement.py; route decisions and their reasons: cluster/routing.py;
+SLO-aware admission: cluster/admission.py.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from cluster.admission import SloAdmission, build_admission
 from cluster.config import RouterConfig
-from cluster.placement import pick_decode, pick_least_loaded, pick_prefill
+from cluster.placement import pick_decode
+from cluster.predict import Predictor, TrafficLog
 from cluster.protocol import (
     ClusterUnavailableError,
     DeadlineExceededError,
@@ -52,13 +56,16 @@ from cluster.protocol import (
     QueueFullError,
     RequestAbortedError,
     RequestTimings,
+    RouteInfo,
     RouterError,
+    SloUnattainableError,
     TokenDelta,
     WorkerFailedError,
     WorkerStats,
     peer_name,
     router_error,
 )
+from cluster.routing import Pools, PrefixView, Route, decide
 from cluster.wire import (
     EVENTS,
     ROUTER_ID,
@@ -101,7 +108,8 @@ class WorkerRef:
     stats: WorkerStats | None = None
     last_beat: float = field(default_factory=time.monotonic)
     num_assigned: int = 0  # requests the router routed here that are not over
-    num_prompt_tokens: int = 0  # outstanding prompt tokens routed here (prefill load)
+    num_prompt_tokens: int = 0  # prompt tokens routed here whose first token has not come back
+    num_queued_prompts: int = 0  # the requests those tokens belong to
     admitted_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -151,6 +159,10 @@ class _Flight:
     first_token_time: float | None = None
     transfer_s: float = 0.0
     done: bool = False
+    route: RouteInfo | None = None  # the current attempt's routing decision
+    queued_on: WorkerRef | None = None  # the worker whose prefill queue holds the current attempt
+    queued_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of the tokens the current attempt prefills
 
     @property
     def wire_id(self) -> str:
@@ -179,9 +191,19 @@ class Router:
         *,
         served_model_name: str | None = None,
         bind_host: str = "127.0.0.1",
+        predictor: Predictor | None = None,
     ) -> None:
+        """``predictor``: the cost model behind conditional routing and admission (None: the prompt-length
+        rule; ``admission: slo`` needs one)."""
         self.config = config
         self.mode = config.mode
+        self.predictor = predictor
+        self.admission: SloAdmission | None = build_admission(config)
+        if self.admission is not None and predictor is None:
+            raise ValueError("router admission 'slo' needs a cost profile to predict TTFT with (predictor)")
+        self.prefix_view = PrefixView()
+        self.traffic = TrafficLog(config.advice_window_s)
+        self._route_counts: dict[tuple[str, str], int] = {}
         self.served_model_name = served_model_name
         self._workers: dict[str, WorkerRef] = {}
         self._first_info: WorkerInfo | None = None
@@ -305,10 +327,12 @@ class Router:
         arrival = time.time()
         deadline = req.deadline if req.deadline is not None else arrival + self.config.request_timeout_s
         flight = _Flight(req, arrival, deadline)
+        route = self._route(flight)
+        self._admit_or_refuse(flight, route)
         self._flights[req.request_id] = flight
         self._by_wire[flight.wire_id] = flight
         try:
-            self._dispatch(flight)
+            self._commit(flight, route)
             while True:
                 attempt, event = await self._next_event(flight)
                 if isinstance(event, RouterError):
@@ -321,6 +345,9 @@ class Router:
                 if flight.first_token_time is None:
                     flight.first_token_time = time.time()
                     flight.scheduled_time = delta.scheduled_time
+                    if self.admission is not None and flight.attempt == 0 and flight.route is not None:
+                        measured = flight.first_token_time - flight.arrival
+                        self.admission.observe(flight.route.predicted_ttft_s, measured)
                 if isinstance(event, Prefilled) and attempt == flight.attempt:
                     self._hand_off(flight, event)
                 if delta.finish_reason is not None:
@@ -334,34 +361,71 @@ class Router:
 
     def _dispatch(self, flight: _Flight) -> None:
         """Send the flight's current attempt to a worker; raises ClusterUnavailableError if none can."""
-        req = flight.req
-        prefills, decodes = self._healthy("prefill"), self._healthy("decode")
-        short = len(req.prompt_token_ids) <= self.config.conditional_max_prompt_tokens
-        # NOTE: a migrated request already streaming is finished whole somewhere (prompt + its tokens)
-        whole = (
-            bool(flight.token_ids)
-            or self.mode == "colocated"
-            or (self.mode == "conditional" and short)
-            or not prefills
-            or not decodes
-        )
-        if whole:
-            w = self._pick_whole()
-            self._assign(flight, w, "decode", 0)
-        else:
-            w = pick_prefill(prefills, req.prompt_token_ids, self.config.affinity_slack_tokens)
-            self._assign(flight, w, "prefill", len(req.prompt_token_ids))
-        self._send_generate(flight, w, hold=not whole)
+        self._commit(flight, self._route(flight))
 
-    def _pick_whole(self) -> WorkerRef:
-        """A worker to run a whole request: colocated, else a decode worker, else (fallback) a prefill one."""
-        if self.mode == "colocated":
-            return pick_least_loaded(self._healthy("colocated"), "colocated")
-        if self._healthy("decode"):
-            return pick_decode(self._healthy("decode"))
-        if self.config.colocated_fallback and self._healthy("prefill"):
-            return pick_least_loaded(self._healthy("prefill"), "prefill")
-        raise ClusterUnavailableError("no healthy worker can run the request")
+    def _route(self, flight: _Flight) -> Route[WorkerRef]:
+        """Where the flight's current attempt goes and why (cluster/routing.py); changes nothing.
+        NOTE: a migrated request already streaming is finished whole somewhere (prompt + its tokens)."""
+        pools = Pools(self._healthy("prefill"), self._healthy("decode"), self._healthy("colocated"))
+        tokens = (
+            flight.req.prompt_token_ids + flight.token_ids
+            if flight.token_ids
+            else flight.req.prompt_token_ids
+        )
+        return decide(
+            self.mode,
+            tokens,
+            pools,
+            self.config,
+            predictor=self.predictor,
+            view=self.prefix_view,
+            resume=bool(flight.token_ids),
+        )
+
+    def _admit_or_refuse(self, flight: _Flight, route: Route[WorkerRef]) -> None:
+        """SLO-aware admission: raise SloUnattainableError (HTTP 429) when the route's predicted TTFT
+        misses the request's SLO; nothing has been queued or counted yet."""
+        if self.admission is None:
+            return
+        req = flight.req
+        adm = self.admission
+        verdict = adm.check(
+            route.predicted_ttft_s,
+            route.predicted_tbt_s,
+            req.ttft_slo_s,
+            decode_worker_id=route.tbt_worker_id,
+        )
+        if verdict.ok:
+            return
+        self.traffic.record(flight.arrival, len(req.prompt_token_ids), req.params.max_tokens)
+        if verdict.missed == "ttft":
+            slo, predicted, what = (
+                adm.slo_s(req.ttft_slo_s) or 0.0,
+                verdict.predicted_ttft_s,
+                "time to first token",
+            )
+        else:
+            slo, predicted, what = adm.tbt_slo_s or 0.0, verdict.predicted_tbt_s or 0.0, "time between tokens"
+        raise SloUnattainableError(
+            f"predicted {what} {predicted * 1e3:.0f} ms exceeds the {verdict.missed.upper()} SLO "
+            f"{slo * 1e3:.0f} ms (on {route.worker.worker_id}); retry after {verdict.retry_after_s} s",
+            verdict.retry_after_s,
+        )
+
+    def _commit(self, flight: _Flight, route: Route[WorkerRef]) -> None:
+        """Carry out a route decision: count it, remember its blocks on the worker, send the request."""
+        w = route.worker
+        key = (route.mode, route.reason)
+        self._route_counts[key] = self._route_counts.get(key, 0) + 1
+        flight.route, flight.block_hashes = route.info(), route.block_hashes
+        self.prefix_view.record(w.worker_id, route.block_hashes, w.info.num_blocks)
+        num_tokens = len(flight.req.prompt_token_ids) + len(flight.token_ids)
+        self._assign(flight, w, "prefill" if route.hold else "decode", num_tokens)
+        self._send_generate(flight, w, hold=route.hold)
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        """Routing decisions so far by (mode, reason): ``pdserve_route_decisions_total``."""
+        return dict(self._route_counts)
 
     def _send_generate(self, flight: _Flight, w: WorkerRef, hold: bool) -> None:
         req = flight.req
@@ -373,8 +437,6 @@ class Router:
     def _hand_off(self, flight: _Flight, event: Prefilled) -> None:
         """Prefill sampled the first token (already on its way to the caller): start the decode side."""
         req = flight.req
-        if flight.prefill is not None:
-            flight.prefill.num_prompt_tokens -= len(req.prompt_token_ids)
         decodes = self._healthy("decode")
         if not decodes:
             self._migrate(flight, "no healthy decode worker for the handoff")
@@ -388,11 +450,23 @@ class Router:
             decodes = sound or decodes
         w = pick_decode(decodes)
         self._assign(flight, w, "decode", 0)
+        self._note_decode_side(flight, w)
         first = event.delta.token_ids[0]
         op = DecodeHandoff(
             flight.wire_id, req.prompt_token_ids, first, req.params, event.handoff, flight.deadline
         )
         self._send(w, op)
+
+    def _note_decode_side(self, flight: _Flight, w: WorkerRef) -> None:
+        """The handoff's decode worker and its expected prefix hit join the flight's route; the prompt's
+        blocks will be in that worker's prefix cache too."""
+        if flight.route is None:
+            return
+        prompt = flight.req.prompt_token_ids
+        hashes = flight.block_hashes
+        hit = self.prefix_view.hit_tokens(w.worker_id, hashes, len(prompt), w.block_size)
+        flight.route = replace(flight.route, decode_worker=w.worker_id, decode_hit_tokens=hit)
+        self.prefix_view.record(w.worker_id, hashes, w.info.num_blocks)
 
     async def _next_event(self, flight: _Flight) -> tuple[int, FlightEvent]:
         left = flight.deadline - time.time()
@@ -408,6 +482,8 @@ class Router:
         self._release(flight, abort=not flight.done)
         self._flights.pop(flight.req.request_id, None)
         self._by_wire.pop(flight.wire_id, None)
+        out = len(flight.token_ids) if flight.done else flight.req.params.max_tokens
+        self.traffic.record(flight.arrival, len(flight.req.prompt_token_ids), out)
 
     def _release(self, flight: _Flight, abort: bool) -> None:
         """Drop the flight's worker assignments (telling live ones to abort its current attempt)."""
@@ -415,9 +491,16 @@ class Router:
             if abort and w.state != WorkerState.DEAD:
                 self._send(w, Abort(flight.wire_id))
             w.num_assigned -= 1
-        if flight.prefill is not None and flight.decode is None and flight.first_token_time is None:
-            flight.prefill.num_prompt_tokens -= len(flight.req.prompt_token_ids)
+        self._unqueue(flight)
         flight.prefill = flight.decode = None
+
+    def _unqueue(self, flight: _Flight) -> None:
+        """The current attempt left its worker's prefill queue (first token back, or released)."""
+        w = flight.queued_on
+        if w is not None:
+            w.num_prompt_tokens -= flight.queued_tokens
+            w.num_queued_prompts -= 1
+            flight.queued_on, flight.queued_tokens = None, 0
 
     def _migrate(self, flight: _Flight, why: str) -> None:
         """Dispatch the flight again (a new attempt) or, past max_migrations, fail it."""
@@ -467,6 +550,7 @@ class Router:
             ttft_s=first - f.arrival,
             e2e_s=now - f.arrival,
             num_migrations=f.attempt,
+            route=f.route,
         )
 
     # ---- workers --------------------------------------------------------------------------------------
@@ -474,12 +558,17 @@ class Router:
         return [w for w in self._workers.values() if w.pool == pool and w.healthy]
 
     def _assign(self, flight: _Flight, w: WorkerRef, role: str, prompt_tokens: int) -> None:
+        """``prompt_tokens`` > 0: w must prefill them before the flight's first token (its queue)."""
         if role == "prefill":
             flight.prefill = w
-            w.num_prompt_tokens += prompt_tokens
         else:
             flight.decode = w
         w.num_assigned += 1
+        if prompt_tokens > 0:
+            self._unqueue(flight)
+            flight.queued_on, flight.queued_tokens = w, prompt_tokens
+            w.num_prompt_tokens += prompt_tokens
+            w.num_queued_prompts += 1
 
     def _send(self, w: WorkerRef, op: Message) -> None:
         try:
@@ -521,6 +610,9 @@ class Router:
     def _remove(self, w: WorkerRef) -> None:
         if self._workers.get(w.worker_id) is w:
             del self._workers[w.worker_id]
+            self.prefix_view.forget(w.worker_id)
+            if self.admission is not None:
+                self.admission.forget(w.worker_id)
         w.socket.close(linger=0)
 
     async def drain(self, worker_id: str, timeout_s: float) -> None:
@@ -594,6 +686,8 @@ class Router:
         flight = self._flight_of(w, wire_id)
         if flight is None:
             return False
+        if isinstance(event, (Delta, Prefilled)) and flight.queued_on is w:
+            self._unqueue(flight)
         flight.put(event)
         return True
 
@@ -627,6 +721,9 @@ class Router:
         if w.state in (WorkerState.DEAD, WorkerState.DRAINING):
             return
         w.stats, w.last_beat = stats, time.monotonic()
+        if self.admission is not None and self.predictor is not None and w.pool != "prefill":
+            step = self.predictor.step_now_s(w)
+            self.admission.observe_steps(w.worker_id, w.last_beat, stats.engine.num_steps, step)
         if not stats.healthy:
             self._set_state(w, WorkerState.UNHEALTHY, "it reports a dead thread")
         elif w.state == WorkerState.UNHEALTHY:
@@ -687,4 +784,3 @@ def _model_identity(info: WorkerInfo) -> tuple[str, int]:
     """What workers of one cluster must agree on: the checkpoint (by fingerprint: its path differs
     between hosts, e.g. each node's copy of a Ray working_dir) and the vocabulary."""
     return (info.model_fingerprint or info.model_dir, info.vocab_size)
-

@@ -17,7 +17,10 @@ cluster is the composition root's business: ``deploy/http_host.py``.
 
 pdserve extensions to OpenAI's shapes (OpenAI clients ignore unknown fields): every choice carries
 ``token_ids`` (the ids of that chunk, or of the whole output), and the chunk or choice that finishes a
-choice carries ``pdserve_timings`` (the router's queue/prefill/transfer/decode split, in seconds).
+choice carries ``pdserve_timings`` (the router's queue/prefill/transfer/decode split, in seconds, and
+``route``: its routing decision and why). A request may carry ``x-pdserve-ttft-slo-ms`` (its TTFT SLO for
+SLO-aware admission: a request predicted to miss it is a 429 with Retry-After). ``GET
+/v1/pdserve/advice`` is the planner's live advice (see :class:`AdvisorLike`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import concurrent.futures
 import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -60,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 KEEPALIVE_S = 15.0  # an SSE comment while idle, so a vanished client is noticed on the next send
+TTFT_SLO_HEADER = "x-pdserve-ttft-slo-ms"
+MAX_TTFT_SLO_MS = 3_600_000.0
 
 
 class RouterLike(Protocol):
@@ -72,6 +78,18 @@ class RouterLike(Protocol):
     async def abort(self, request_id: str) -> None: ...
     def is_healthy(self) -> bool: ...
     def worker_stats(self) -> list[WorkerStats]: ...
+
+
+class AdvisorLike(Protocol):
+    """Live advice (deploy/planner/advice.py ``Advisor``): the planner's recommended split for the recent
+    traffic, computed off the event loop and cached. ``advice`` raises TimeoutError when a fresh answer
+    is not ready within its bound (the computation goes on; a later call gets it)."""
+
+    max_window_s: float
+
+    async def advice(self, window_s: float | None = None) -> dict[str, Any]: ...
+    def latest(self) -> dict[str, Any] | None: ...
+    def refresh_soon(self) -> None: ...
 
 
 # ---- running a plan against the router ----
@@ -272,6 +290,7 @@ class ServerState:
     scaler: Scaler | None = None
     # NOTE: one scale operation at a time; a second one while it runs is a 409, never queued.
     scaling: asyncio.Lock = field(default_factory=asyncio.Lock)
+    advisor: AdvisorLike | None = None  # live advice (/v1/pdserve/advice, the advice gauges)
 
     def authorize(self, request: Request) -> None:
         if self.expected_auth is None:
@@ -337,18 +356,47 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float)
 routes = APIRouter()
 
 
+def _ttft_slo_s(request: Request) -> float | None:
+    """The request's TTFT SLO header in seconds (None when absent); 400 naming it when malformed."""
+    raw = request.headers.get(TTFT_SLO_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TTFT_SLO_MS:  # NOTE: also false for nan
+        raise ApiError(
+            400,
+            f"{TTFT_SLO_HEADER} must be a number of milliseconds in (0, {MAX_TTFT_SLO_MS:.0f}], got {raw[:40]!r}",
+            TTFT_SLO_HEADER,
+        )
+    return value / 1e3
+
+
+async def _planned(
+    state: ServerState, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]
+) -> Plan:
+    slo_s = _ttft_slo_s(request)
+    plan = await state.plan(request, planner)
+    if slo_s is not None:
+        for _, req in plan.jobs:
+            req.ttft_slo_s = slo_s
+    return plan
+
+
 @routes.post("/v1/completions")
 async def completions(request: Request) -> Response:
     arrival, state = time.perf_counter(), _state(request)
     state.authorize(request)
-    return await _run(state, await state.plan(request, plan_completion), request, arrival)
+    return await _run(state, await _planned(state, request, plan_completion), request, arrival)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     arrival, state = time.perf_counter(), _state(request)
     state.authorize(request)
-    return await _run(state, await state.plan(request, plan_chat), request, arrival)
+    return await _run(state, await _planned(state, request, plan_chat), request, arrival)
 
 
 def _model_card(edge: Edge) -> dict[str, Any]:
@@ -413,6 +461,8 @@ async def detokenize(request: Request) -> dict[str, Any]:
 async def metrics_endpoint(request: Request) -> Response:
     state = _state(request)
     state.authorize(request)
+    if state.advisor is not None:
+        state.advisor.refresh_soon()  # NOTE: never waits; the advice gauges show the latest finished run
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -465,12 +515,47 @@ async def scale(request: Request) -> dict[str, Any]:
     return {"pool": pool, "num_workers": len(workers), "workers": workers}
 
 
+@routes.get("/v1/pdserve/advice")
+async def advice(request: Request) -> Response:
+    """The planner's recommended split for the traffic of the last ``window_s`` seconds (query
+    parameter; default and limit: the router's ``advice_window_s``) and the SLO attainment it predicts."""
+    state = _state(request)
+    state.authorize(request)
+    advisor = state.advisor
+    if advisor is None:
+        raise ApiError(
+            404,
+            "live advice needs a cost profile (router.cost_profile, or run `pdserve plan calibrate`)",
+            code="advice_unavailable",
+        )
+    raw = request.query_params.get("window_s")
+    window_s: float | None = None
+    if raw is not None:
+        try:
+            window_s = float(raw)
+        except ValueError:
+            window_s = math.nan
+        if not 0 < window_s <= advisor.max_window_s:
+            raise ApiError(
+                400,
+                f"window_s must be in (0, {advisor.max_window_s:g}] seconds, got {raw[:40]!r}",
+                "window_s",
+            )
+    try:
+        return JSONResponse(await advisor.advice(window_s))
+    except TimeoutError:
+        raise ApiError(
+            503, "the planner is still computing advice; retry shortly", code="advice_not_ready"
+        ) from None
+
+
 RETRY_AFTER_S = 1  # NOTE: 429 (queue full) and 503 (no healthy worker) are worth retrying soon
 
 
 def _error_response(request: Request, e: ApiError) -> JSONResponse:
     _state(request).metrics.observe_error(e.status, e.code)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+    retry_after = e.retry_after_s if e.retry_after_s is not None else RETRY_AFTER_S
+    headers = {"Retry-After": str(retry_after)} if e.status in (429, 503) else None
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
@@ -510,6 +595,7 @@ def create_app(
     structured_outputs: bool = False,
     metrics_compat: str = "none",
     scaler: Scaler | None = None,
+    advisor: AdvisorLike | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
 
@@ -517,7 +603,8 @@ def create_app(
     bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any.
     structured_outputs: the workers apply structured-output masks (else such requests are a 400).
     metrics_compat "vllm" also exports the ``vllm:*`` metric names. scaler: enables the admin route
-    ``POST /v1/pdserve/scale`` (a cluster's handle).
+    ``POST /v1/pdserve/scale`` (a cluster's handle). advisor: serves /v1/pdserve/advice and the advice
+    gauges (None: that route answers 404).
     """
     info = router.model_info
     names = list(dict.fromkeys([served_model_name or info.name, info.name]))
@@ -528,6 +615,8 @@ def create_app(
         model_name=names[0],
         mode=router.mode,
         compat=metrics_compat,
+        route_decisions=getattr(router, "route_decisions", None),
+        advice=advisor.latest if advisor is not None else None,
     )
     app.state.pdserve = ServerState(
         router=router,
@@ -537,6 +626,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),
         scaler=scaler,
+        advisor=advisor,
     )
     app.include_router(routes)
     app.add_exception_handler(ApiError, _on_api_error)

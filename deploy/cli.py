@@ -172,6 +172,10 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.soak import main as soak_main
 
         return soak_main(args.rest)
+    if args.bench == "admission":
+        from bench.admission import main as admission_main
+
+        return admission_main(args.rest)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
@@ -257,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures (see bench/)")
-    bench.add_argument("bench", choices=["offline", "serve", "soak"])
+    bench.add_argument("bench", choices=["offline", "serve", "soak", "admission"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     sub.add_parser(

@@ -13,7 +13,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cluster.config import LOG_FORMATS, LOG_LEVELS, METRICS_COMPAT, ROUTER_MODES, ClusterConfig
+from cluster.config import (
+    ADMISSION_POLICIES,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    METRICS_COMPAT,
+    ROUTER_MODES,
+    ClusterConfig,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "cpu-disagg.yaml"
@@ -32,6 +39,16 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--attention-backend", "engine", "attention_backend", str, "torch | triton"),
     ("--device", "engine", "device", str, "auto | cpu | cuda"),
     ("--mode", "router", "mode", str, f"{' | '.join(ROUTER_MODES)}"),
+    (
+        "--admission",
+        "router",
+        "admission",
+        str,
+        f"{' | '.join(ADMISSION_POLICIES)}: refuse (429) requests predicted to miss their TTFT SLO",
+    ),
+    ("--ttft-slo-ms", "router", "ttft_slo_ms", float, "TTFT SLO for --admission slo (per request: header)"),
+    ("--tbt-slo-ms", "router", "tbt_slo_ms", float, "TBT bound on conditional mode's local prefills"),
+    ("--cost-profile", "router", "cost_profile", str, "cost profile JSON (`pdserve plan calibrate`)"),
     ("--num-prefill-workers", "prefill", "num_workers", int, "prefill pool size"),
     ("--num-decode-workers", "decode", "num_workers", int, "decode pool size"),
     ("--num-colocated-workers", "colocated", "num_workers", int, "colocated pool size (--mode colocated)"),

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from cluster.server import create_app, create_server
 from cluster.tokenizer import Tokenizer
+from deploy.planner.advice import Advisor
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
@@ -35,8 +36,22 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
     """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer;
     client deadlines are capped at the router's ``request_timeout_s``; ``POST /v1/pdserve/scale`` scales
     its pools. Structured outputs are on: every
-    worker's engine masks constrained requests (workers/structured.py)."""
+    worker's engine masks constrained requests (workers/structured.py). With a cost profile, live advice
+    (/v1/pdserve/advice) is on: the planner replays the router's recent traffic."""
     cfg = handle.config.server
+    predictor = handle.router.predictor
+    info = handle.model_info
+    advisor = (
+        Advisor(
+            handle.router,
+            handle.config,
+            predictor.profile,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+        )
+        if predictor is not None
+        else None
+    )
     return create_app(
         handle.router,
         Tokenizer.from_pretrained(handle.model_info.model_dir),
@@ -47,6 +62,7 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         metrics_compat=cfg.metrics_compat,
         structured_outputs=True,
         scaler=handle,
+        advisor=advisor,
     )
 
 

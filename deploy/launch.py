@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import ray
 
+from cluster.admission import load_predictor
 from cluster.config import ClusterConfig, PoolConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.hub import resolve_cluster_model
@@ -414,6 +415,7 @@ def start_cluster(
     else:
         cfg = config
     cfg = resolve_cluster_model(cfg)
+    predictor = load_predictor(cfg.router, cfg.engine_config())  # NOTE: a bad profile fails before Ray starts
     joining = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
     if not joining:
         device_check.check_local(cfg)
@@ -424,7 +426,11 @@ def start_cluster(
 
     async def make_router() -> Router:
         router = Router(
-            cfg.router, secret, served_model_name=cfg.server.served_model_name, bind_host=router_host
+            cfg.router,
+            secret,
+            served_model_name=cfg.server.served_model_name,
+            bind_host=router_host,
+            predictor=predictor,
         )
         await router.start()
         return router

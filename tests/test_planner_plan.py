@@ -10,6 +10,7 @@ import pytest
 
 import cluster.placement
 import cluster.router
+import cluster.routing
 import workers.engine
 import workers.scheduler
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
@@ -34,8 +35,11 @@ def test_the_twin_runs_the_engines_own_scheduler_and_the_routers_policy() -> Non
     worker = twin.SimWorker("w", "colocated", SimConfig("colocated", num_colocated=1))
     assert type(worker.scheduler) is workers.engine.Scheduler
     assert type(worker.scheduler.kv) is KVCacheManager
-    for name in ("pick_prefill", "pick_decode", "pick_least_loaded"):
-        assert getattr(sim, name) is getattr(cluster.placement, name) is getattr(cluster.router, name)
+    # the route decision (cluster/routing.py) and the handoff's decode pick are the router's own
+    assert sim.decide is cluster.routing.decide is cluster.router.decide
+    assert sim.pick_decode is cluster.placement.pick_decode is cluster.router.pick_decode
+    for name in ("explain_prefill", "pick_decode", "pick_least_loaded"):
+        assert getattr(cluster.routing, name) is getattr(cluster.placement, name)
 
 
 def test_poisson_workload_is_seeded_and_bounded() -> None:

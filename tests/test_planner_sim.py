@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from cluster.config import EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost
+from deploy.planner.report import Slo, summarize_result
 from deploy.planner.sim import RequestRecord, SimResult, Simulation
 from deploy.planner.twin import SimConfig, SimWorker
 from deploy.planner.workload import SimRequest, Workload
@@ -168,11 +169,14 @@ def test_transfers_queue_on_the_decode_workers_link() -> None:
     ]
 
 
-def test_conditional_mode_sends_short_prompts_to_decode() -> None:
+def test_conditional_mode_without_cost_routing_sends_short_prompts_to_decode() -> None:
     cfg = config("conditional", num_prefill=1, num_decode=1)
-    cfg = replace(cfg, router=replace(cfg.router, conditional_max_prompt_tokens=4))
+    cfg = replace(cfg, router=replace(cfg.router, conditional_max_prompt_tokens=4), cost_routing=False)
     result, steps = run(cfg, profile(), workload((0.0, 4, 1), (0.0, 5, 1)))
-    assert [r.route for r in result.records] == ["conditional", "disaggregated"]
+    assert [(r.route, r.route_reason) for r in result.records] == [
+        ("conditional", "short_prompt"),
+        ("disaggregated", "long_prompt"),
+    ]
     assert [(w, s.num_prefill_tokens) for w, _, s, _ in steps] == [("decode-0", 4), ("prefill-0", 5)]
 
 
@@ -200,3 +204,15 @@ def test_front_end_handles_one_token_at_a_time() -> None:
     a, b, c = result.records
     assert us(a) == (11000, [10000, 10000], 31000)
     assert (us(b)[0], us(c)[0]) == (22000, 23000)
+
+
+def test_slo_admission_refuses_what_would_queue_past_the_ttft_slo() -> None:
+    # 4-token budget, 10 ms steps, TTFT SLO 25 ms, three 4-token prompts at once: the router predicts 1, 2
+    # and 3 steps of queue (10, 20, 30 ms) and refuses the third, which counts as a miss
+    cfg = config(num_colocated=1, budget=4)
+    cfg = replace(cfg, router=replace(cfg.router, admission="slo", ttft_slo_ms=25.0))
+    result, _ = run(cfg, profile(), workload((0.0, 4, 2), (0.0, 4, 2), (0.0, 4, 2)))
+    assert [r.rejected for r in result.records] == [None, None, "slo_unattainable"]
+    assert [r.num_tokens for r in result.records] == [2, 2, 0]
+    summary = summarize_result(result, Slo(ttft_ms=1000.0, tbt_ms=1000.0))
+    assert (summary.num_rejected, summary.slo_attainment) == (1, 2 / 3)

@@ -74,6 +74,7 @@ def test_completion_non_streaming(stub: StubRouter, oai: openai.OpenAI) -> None:
         "ttft_s",
         "e2e_s",
         "num_migrations",
+        "route",
     }
     assert out.usage is not None and (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 5)
     assert out.usage.total_tokens == 8

@@ -9,7 +9,9 @@ while more CPU workers are busy than the host has cores), a KV handoff ``handoff
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
-* client send -> (http) router: mode, pick a worker, count it -> (hop) worker's command queue;
+* client send -> (http) router: the route decision (cluster/routing.py: mode, worker and reason, as
+  the router decides), SLO-aware admission when the router config asks for it (cluster/admission.py),
+  count it -> (hop) worker's command queue;
 * a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
 * step end: tokens go (hop) to the router, through the front end, (http) to the client; a held
   prefill's first token makes the router pick a decode worker and send it the handoff (hop); the
@@ -30,9 +32,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
+from cluster.admission import build_admission
+from cluster.block_hash import hash_full_blocks
 from cluster.cost_model import CostProfile
-from cluster.placement import pick_decode, pick_least_loaded, pick_prefill
+from cluster.placement import pick_decode
+from cluster.predict import Predictor
 from cluster.protocol import SamplingParams
+from cluster.routing import Pools, PrefixView, decide
 from deploy.planner.twin import Flight, SimConfig, SimWorker
 from deploy.planner.workload import Workload
 from workers.request import RequestStatus
@@ -58,7 +64,8 @@ class RequestRecord:
     num_tokens: int = 0
     gaps_s: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
     rejected: str | None = None  # why the cluster refused it (a miss in goodput)
-    route: str = ""
+    route: str = ""  # the route's mode (cluster/routing.py)
+    route_reason: str = ""
     transfer_s: float = 0.0
 
     @property
@@ -114,6 +121,17 @@ class Simulation:
             pool: [SimWorker(f"{pool}-{i}", pool, config) for i in range(n)] for pool, n in pools.items()
         }
         self.workers = [w for ws in self.pools.values() for w in ws]
+        router = config.router
+        self.admission = build_admission(router)
+        # NOTE: predictions cost time per request; only the decisions that read them get a predictor
+        predicts = self.admission is not None or (config.mode == "conditional" and config.cost_routing)
+        tbt = router.tbt_slo_ms / 1e3 if router.tbt_slo_ms is not None else None
+        budget = config.engine.max_num_batched_tokens
+        self.predictor = Predictor(profile, budget, tbt) if predicts else None
+        self.view = PrefixView() if predicts else None
+        self._pools = Pools(
+            self.pools.get("prefill", []), self.pools.get("decode", []), self.pools.get("colocated", [])
+        )
         self.records = [RequestRecord(r.prompt_len, r.output_len) for r in workload.requests]
         self.flights: dict[str, Flight] = {}  # by request id
         self._events: list[tuple[float, int, int, Any]] = []
@@ -198,28 +216,50 @@ class Simulation:
             self._client_done(index, t + self.profile.http_s)
             return
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-        flight = Flight(index, str(index), prompt, params)
+        route = decide(
+            self.config.mode, prompt, self._pools, router, predictor=self.predictor, view=self.view
+        )
+        admission = self.admission
+        tbt_worker = route.tbt_worker_id
+        if (
+            admission is not None
+            and not admission.check(
+                route.predicted_ttft_s, route.predicted_tbt_s, decode_worker_id=tbt_worker
+            ).ok
+        ):
+            rec.rejected = "slo_unattainable"
+            self._client_done(index, t + self.profile.http_s)
+            return
+        flight = Flight(
+            index,
+            str(index),
+            prompt,
+            params,
+            predicted_ttft_s=route.predicted_ttft_s,
+            predicted_tbt_s=route.predicted_tbt_s,
+        )
         self.flights[flight.request_id] = flight
-        mode = self.config.mode
-        if mode == "colocated":
-            w = pick_least_loaded(self.pools["colocated"], "colocated")
-            flight.decode, cmd, rec.route = w, GENERATE, "colocated"
-        elif mode == "conditional" and len(prompt) <= router.conditional_max_prompt_tokens:
-            w = pick_decode(self.pools["decode"])
-            flight.decode, cmd, rec.route = w, GENERATE, "conditional"
+        w = route.worker
+        rec.route, rec.route_reason = route.mode, route.reason
+        if route.hold:
+            flight.prefill, cmd = w, GENERATE_HELD
         else:
-            w = pick_prefill(self.pools["prefill"], prompt, router.affinity_slack_tokens)
-            flight.prefill, cmd, rec.route = w, GENERATE_HELD, "disaggregated"
-            w.num_prompt_tokens += len(prompt)
+            flight.decode, cmd = w, GENERATE
+        if self.view is not None:
+            self.view.record(w.worker_id, route.block_hashes, self.config.num_kv_blocks - 1)
+        w.queue(flight)
         w.num_assigned += 1
         self._at(t + self.profile.hop_s, _DELIVER, (w, cmd, flight))
 
     def _on_prefilled(self, t: float, flight: Flight) -> None:
         if flight.prefill is not None:
-            flight.prefill.num_prompt_tokens -= len(flight.prompt)
+            flight.prefill.unqueue(flight)
         w = pick_decode(self.pools["decode"])
         flight.decode = w
         w.num_assigned += 1
+        if self.view is not None:
+            hashes = hash_full_blocks(flight.prompt, w.block_size)
+            self.view.record(w.worker_id, hashes, self.config.num_kv_blocks - 1)
         self._at(t + self.profile.hop_s, _DELIVER, (w, HANDOFF, flight))
 
     def _on_settle(self, t: float, flight: Flight) -> None:
@@ -256,7 +296,9 @@ class Simulation:
                 w.scheduler.release(flight.request_id)
         while w.pending and self._start_transfer(w, w.pending[0], t):
             w.pending.popleft()
-        w.beat(t, self.config.heartbeat_interval_s)
+        beat = w.beat(t, self.config.heartbeat_interval_s)
+        if beat and self.admission is not None and self.predictor is not None and w.pool != "prefill":
+            self.admission.observe_steps(w.worker_id, t, w.num_steps, self.predictor.step_now_s(w))
         shape = w.begin_step() if w.scheduler.waiting or w.scheduler.running else None
         busy = shape is not None or w.has_work
         if busy != was_busy:
@@ -321,6 +363,10 @@ class Simulation:
             arrive = done + http
             if rec.last_token_s is None:
                 rec.first_token_s = arrive
+                if flight.prefill is None:
+                    w.unqueue(flight)  # NOTE: a held prefill leaves its queue at the handoff (_PREFILLED)
+                if self.admission is not None:
+                    self.admission.observe(flight.predicted_ttft_s, arrive - rec.send_s)
             else:
                 rec.gaps_s.append(arrive - rec.last_token_s)
             rec.last_token_s = arrive
@@ -333,6 +379,7 @@ class Simulation:
             elif status.is_finished:
                 self._at(done, _SETTLE, flight)
                 self._client_done(flight.index, arrive)
+
         self._frontend_free = free
         self._num_busy -= 1
         self._turn(w, t)

@@ -35,6 +35,9 @@ class SimConfig:
     max_model_len: int = 2048
     router: RouterConfig = field(default_factory=RouterConfig)
     heartbeat_interval_s: float = 0.5  # how stale the router's view of free blocks is
+    # conditional mode by predicted cost, as a router with a cost profile routes (False: by prompt length,
+    # as one without a profile does)
+    cost_routing: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -87,6 +90,9 @@ class Flight:
     prefill: SimWorker | None = None
     decode: SimWorker | None = None
     transfer_s: float = 0.0
+    queued_on: SimWorker | None = None  # whose prefill queue (the router's count) holds it
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
 
 
 class SimWorker:
@@ -106,6 +112,7 @@ class SimWorker:
         # the router's view (WorkerLoad)
         self.num_assigned = 0
         self.num_prompt_tokens = 0
+        self.num_queued_prompts = 0
         self.stats: WorkerStats | None = None
         self._last_beat = -math.inf
         self.num_steps = 0
@@ -120,6 +127,18 @@ class SimWorker:
     def has_work(self) -> bool:
         s = self.scheduler
         return bool(s.waiting or s.running or self.pending)
+
+    def queue(self, flight: Flight) -> None:
+        """The router counts the flight's prompt in this worker's prefill queue (until its first token)."""
+        flight.queued_on = self
+        self.num_prompt_tokens += len(flight.prompt)
+        self.num_queued_prompts += 1
+
+    def unqueue(self, flight: Flight) -> None:
+        if flight.queued_on is self:
+            flight.queued_on = None
+            self.num_prompt_tokens -= len(flight.prompt)
+            self.num_queued_prompts -= 1
 
     def add(self, flight: Flight, hold: bool) -> None:
         """A Generate op: the whole request here, or (hold) its prefill only."""
@@ -170,10 +189,10 @@ class SimWorker:
         self.num_tokens += len(updated)
         return updated
 
-    def beat(self, now: float, interval_s: float) -> None:
-        """Publish the stats snapshot the router sees, at most every heartbeat interval."""
+    def beat(self, now: float, interval_s: float) -> bool:
+        """Publish the stats snapshot the router sees, at most every heartbeat interval (True: it did)."""
         if now - self._last_beat < interval_s:
-            return
+            return False
         self._last_beat = now
         kv = self.scheduler.kv
         engine = EngineStats(
@@ -181,7 +200,9 @@ class SimWorker:
             num_total_blocks=kv.pool.num_usable,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_steps=self.num_steps,
         )
         self.stats = WorkerStats(
             self.worker_id, self.pool, engine=engine, num_waiting_for_kv=len(self.pending)
         )
+        return True
