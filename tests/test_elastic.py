@@ -92,6 +92,44 @@ def test_kill9_of_the_decode_worker_under_32_streams(offline: LLM) -> None:
         handle.shutdown()
 
 
+def test_killed_prefill_worker_then_no_decode_worker_left_lose_no_request(offline: LLM) -> None:
+    """kill -9 a prefill worker mid-prefill: its requests are prefilled again on the other one. Then
+    kill -9 the only decode worker (no restarts): its requests migrate to the prefill worker, which runs
+    them whole (colocated fallback), as it does new requests until a decode worker returns. 0 client
+    errors, every output exact, no leaked block on the survivor."""
+    prompts, params, reference = workload(17, offline, max_tokens=24)
+    cfg = cluster_config("", router=HEALTH, prefill={"num_workers": 2})
+    handle = start_cluster(cfg)
+    try:
+
+        async def kill_under_load(worker_id: str, assigned: int) -> list[list[int]]:
+            victim = next(w for w in handle.router.workers if w.worker_id == worker_id)
+            tasks = [
+                asyncio.ensure_future(collect(handle, p, sp, f"{worker_id}-{i}"))
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+            for _ in range(4000):  # NOTE: bounded: the tasks may all finish first
+                if victim.num_assigned >= assigned or all(t.done() for t in tasks):
+                    break
+                await asyncio.sleep(0.005)
+            os.kill(victim.info.pid, signal.SIGKILL)
+            return list(await asyncio.gather(*tasks))
+
+        assert asyncio.run(kill_under_load("prefill-0", 4)) == reference
+        assert asyncio.run(kill_under_load("decode-0", 8)) == reference
+        states = {w.worker_id: w.state.value for w in handle.router.workers}
+        assert states.get("prefill-0", "dead") == states.get("decode-0", "dead") == "dead"
+        assert run_concurrently(handle, prompts[:8], params[:8]) == reference[:8]  # whole, on prefill-1
+        stats = {s.worker_id: s for s in handle.worker_stats()}
+        assert stats["prefill-1"].engine.num_generation_tokens > len(
+            prompts
+        )  # it decoded, not only first tokens
+        handle.wait_until_quiet(timeout_s=60)
+        assert handle.check_leaks() == {"prefill-1": None}
+    finally:
+        handle.shutdown()
+
+
 def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
     prompts, params, reference = workload(12, offline)
     handle = start_cluster(cluster_config("", router={**HEALTH, "drain_timeout_s": 60.0}))
