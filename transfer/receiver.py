@@ -5,9 +5,10 @@ Per transfer: REQUEST (with the least pair generation this side accepts) -> send
 into its slot of a staging ring -> ACK -> verify and scatter chunk i while the next chunks arrive, then CREDIT its slot ->
 sync the side's stream -> DONE. See transfer/protocol.py and transfer/ring.py.
 
-A fetch submitted with ``wait_for_offer`` (early decode admission) sends its REQUEST at once and is then
-*posted*: the thread serves other fetches while the sender parks it, and serves it the moment its HEADER
-comes (the sender offered the request), within the fetch's deadline.
+Every fetch is *posted*: its REQUEST goes out as soon as the thread takes it, and the thread serves
+whichever posted fetch's HEADER comes first, so it never sits waiting for one sender's answer while
+another sender waits for its ACK. A fetch submitted with ``wait_for_offer`` (early decode admission) may
+be posted before the sender holds the request: the sender parks it and answers when it offers it.
 """
 
 from __future__ import annotations
@@ -195,10 +196,7 @@ class KVReceiver(Side):
                 job = self._next_job()
                 if job is None or not job.future.set_running_or_notify_cancel():
                     continue  # nothing queued, or cancelled by the caller before it started
-                if job.offer_wait_until > 0:
-                    self._post(job)
-                else:
-                    self._resolve(job, *self._serve(job))
+                self._post(job)
             with self._lock:
                 left, self._jobs = list(self._jobs), deque()
             for job in left:
@@ -223,7 +221,8 @@ class KVReceiver(Side):
             job.future.set_exception(error)
 
     def _post(self, job: _Job) -> None:
-        """Send a fetch's REQUEST before the sender holds the request; its HEADER comes with the offer."""
+        """Send a fetch's REQUEST; `_check_posted` serves it when the sender's HEADER comes (at once if
+        it holds the request; with the offer if it parked a request that waits for it)."""
         src = _src(job.handoff)
         job.nonce = secrets.randbits(63)
         job.generation = self._channel.generation(src, self.me)
@@ -316,46 +315,21 @@ class KVReceiver(Side):
             raise PeerAbort(error_from_remote(body["error_type"], body["message"]))
         return kind, body
 
-    def _await(
-        self, sock: zmq.Socket[Any], job: _Job, nonce: int, want: MessageKind, deadline: float
-    ) -> dict[str, Any]:
-        while True:
-            self._check_peer(_src(job.handoff))
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                raise TransferTimeoutError(f"no {want.value} from the sender before the transfer deadline")
-            reply = self._poll(sock, nonce, min(left_ms, int(POLL_S * 1000)))
-            if reply is None:
-                continue
-            if reply[0] is not want:
-                raise TransferError(f"expected {want.value} from the sender, got {reply[0].value}")
-            body: dict[str, Any] = reply[1]
-            return body
-
-    def _serve(self, job: _Job, header: Any = None) -> tuple[TransferResult, TransferError | None]:
-        """One fetch; `header`: the sender's answer to a posted fetch (its REQUEST went out already)."""
+    def _serve(self, job: _Job, header: Any) -> tuple[TransferResult, TransferError | None]:
+        """The rest of a posted fetch, from the sender's `header` on."""
         t0 = time.monotonic()
         error: TransferError | None = None
         handoff, dst_ids = job.handoff, job.dst_block_ids
         src = _src(handoff)
         result = TransferResult(handoff.request_id, ok=False, num_blocks=len(dst_ids))
         sock = self._dealer(handoff.src_endpoint)
-        is_sent = header is not None
-        if is_sent:  # NOTE: from the sender's answer on, a posted fetch has the usual bound
-            job.deadline = min(job.deadline, t0 + self.timeout_s)
-        else:
-            job.nonce, job.generation = secrets.randbits(63), self._channel.generation(src, self.me)
+        # NOTE: from the sender's answer on, a fetch that waited for the offer has the usual bound too
+        job.deadline = min(job.deadline, t0 + self.timeout_s)
         nonce, generation = job.nonce, job.generation
         key: PairKey | None = None
         ops: list[PendingOp] = []
         try:
             self._check_peer(src)
-            if header is None:
-                if time.monotonic() >= job.deadline:
-                    raise TransferTimeoutError(f"deadline passed while {handoff.request_id!r} was queued")
-                self._send(sock, src, MessageKind.REQUEST, nonce, request=self._request(job))
-                is_sent = True
-                header = self._await(sock, job, nonce, MessageKind.HEADER, job.deadline)["header"]
             validate_header(
                 header,
                 request_id=handoff.request_id,
@@ -382,7 +356,7 @@ class KVReceiver(Side):
         except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
             error = as_transfer_error(e)
             fail(result, error)
-            if is_sent and not isinstance(error, TransferPeerLostError):
+            if not isinstance(error, TransferPeerLostError):
                 with contextlib.suppress(zmq.ZMQError):  # best effort: the sender times out anyway
                     sock.send(abort_frame(self._frames, src, nonce, error), zmq.NOBLOCK)
         if not result.ok:
