@@ -229,6 +229,9 @@ class RouterConfig:
     colocated_fallback: bool = True
     # scale-down: how long a draining worker's requests may take before they migrate
     drain_timeout_s: float = 30.0
+    # early decode admission: the decode worker is chosen with the prefill worker and reserves blocks and
+    # posts its KV fetch while the prefill runs, so the transfer starts the moment the KV is offered
+    early_decode_admission: bool = True
 
     def __post_init__(self) -> None:
         _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")

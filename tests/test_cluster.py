@@ -120,9 +120,11 @@ def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(disagg: ClusterHand
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> None:
-    """A lease that expires before the decode side asks makes every handoff fail for real."""
+    """A lease that expires before the decode side asks makes every handoff fail for real. (Without
+    early decode admission: with it, the decode side asks before the offer, so no lease runs out.)"""
     prompts, max_tokens, reference = workload
-    cfg = cluster_config(model_dir, transfer={"lease_s": 0.001, "failure_policy": policy})
+    transfer = {"lease_s": 0.001, "failure_policy": policy}
+    cfg = cluster_config(model_dir, transfer=transfer, router={"early_decode_admission": False})
     handle = start_cluster(cfg)
     try:
         n = 8
