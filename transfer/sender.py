@@ -107,6 +107,7 @@ class KVSender(Side):
         self._leases: dict[str, _Lease] = {}
         self._pending: deque[tuple[bytes, TransferRequest]] = deque()
         self._parked = ParkedRequests()  # under the lock, with the leases
+        self._unparked: set[int] = set()  # nonces of queued requests that were parked and are offered now
         self._wakeup = Wakeup()  # cuts the transfer thread's poll short when a parked request is offered
         self._num_posted = 0  # chunks of the transfer in flight posted so far
         self._is_done_early = False  # its `done` came while we waited for our sends to complete
@@ -226,7 +227,9 @@ class KVSender(Side):
     def _park(self, ident: bytes, req: TransferRequest) -> bool:
         """Park a request that came before its offer and may wait for it. False: serve it now (offered,
         or it may not wait: then it is refused as unknown)."""
-        if req.offer_wait_until <= 0:
+        if req.offer_wait_until <= 0 or req.nonce in self._unparked:
+            # NOTE: offered once: served (or refused, its lease gone) now, never parked again
+            self._unparked.discard(req.nonce)
             return False
         with self._lock:
             if req.request_id in self._leases or time.time() >= req.offer_wait_until:
@@ -242,6 +245,7 @@ class KVSender(Side):
         with self._lock:
             ready, refused = self._parked.take(time.time(), self.me.name)
         self._pending.extendleft(reversed(ready))
+        self._unparked.update(req.nonce for _, req in ready)
         for (ident, req), error in refused:
             self._reply(ident, abort_frame(self._frames, _dst(req), req.nonce, error))
 
@@ -252,6 +256,7 @@ class KVSender(Side):
             return
         for item in [p for p in self._pending if _dst(p[1]) in dropped]:
             self._pending.remove(item)
+            self._unparked.discard(item[1].nonce)
         with self._lock:
             self._parked.forget(dropped)
         for key in [k for k, v in self._abandoned.items() if v[0].decode in dropped]:
@@ -312,6 +317,7 @@ class KVSender(Side):
             for item in gone:
                 if item in self._pending:
                     self._pending.remove(item)
+                self._unparked.discard(nonce)
                 self._finish_lease(item[1].request_id, False)
         return None
 
