@@ -27,11 +27,13 @@ from cluster.frames import FrameSigner, new_secret
 from deploy.launch import KVStore
 from tests.cluster_utils import wait_for
 from transfer.channel import TORCH_DTYPES, Channel, CudaIpcChannel, OpLane, PendingOp
+from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import (
     KVHandoff,
     KVLayout,
     TransferError,
+    TransferRequest,
     TransferTimeoutError,
     handoff_from_dict,
     to_dict,
@@ -925,3 +927,30 @@ def test_a_posted_fetch_cancelled_or_past_its_bound_leaves_nothing_parked(pair: 
     assert (out["ok"], out["error_type"]) == (False, "TransferTimeoutError")
     wait_for(lambda: pair.call(0, "parked", "S-float32") == 0, 10, "the late fetch forgotten")
     assert pair.call(0, "held", "S-float32") == 0
+
+
+def test_a_parked_request_is_answered_ready_so_a_stopped_receiver_blocks_no_transfer(pair: Pair) -> None:
+    """A receiver that parked a request and then stopped answering (SIGSTOP, a stuck process): the offer
+    gets it a READY, never a header whose ack the sender would wait out its transfer timeout for; the
+    next transfer goes through at once and the offer stays held for its owner to end."""
+    stalled, usual = new_id("stalled"), new_id("usual")
+    frames = HandshakeFrames(pair.secret, "ghost/p9")
+    ctx: zmq.Context[Any] = zmq.Context()
+    ghost = ctx.socket(zmq.DEALER)
+    ghost.setsockopt(zmq.LINGER, 0)
+    try:
+        ghost.connect(pair.endpoints["S-float32"])
+        request = TransferRequest(stalled, 77, "ghost", "p9", 0, 0, 1, time.time() + 60.0)
+        ghost.send(frames.encode("S-float32/p0", MessageKind.REQUEST, 77, request=request))
+        wait_for(lambda: pair.call(0, "parked", "S-float32") == 1, 10, "the ghost's request parked")
+        pair.call(0, "offer", "S-float32", stalled, [5], None)
+        assert ghost.poll(10_000)
+        assert frames.decode(ghost.recv()) == (MessageKind.READY, 77, {})
+        handoff = pair.call(0, "offer", "S-float32", usual, [6], None)
+        [out] = pair.call(1, "receive", "R-float32", [(handoff, [9], 0)])
+        assert out["ok"] and pair.call(0, "wait_sent", usual, 10.0) is True
+        assert pair.call(0, "held", "S-float32") == 1 and pair.call(0, "parked", "S-float32") == 0
+        assert pair.call(0, "abort", "S-float32", stalled) is True
+    finally:
+        ghost.close()
+        ctx.term()

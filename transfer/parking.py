@@ -2,9 +2,9 @@
 
 Early decode admission: the decode side posts its REQUEST while the prefill is still running, with a
 bound (``TransferRequest.offer_wait_until``). The sender parks it; `offered` makes it ready (the transfer
-thread serves it next), a withdrawal (the request was aborted on the prefill side) or the bound passing
-refuses it (the thread answers with an abort), and the receiver's own abort or a dropped peer just
-forgets it. Nothing parked holds blocks: the lease starts with the offer.
+thread tells the receiver, which asks again), a withdrawal (the request was aborted on the prefill side)
+or the bound passing refuses it (the thread answers with an abort), and the receiver's own abort or a
+dropped peer just forgets it. Nothing parked holds blocks: the lease starts with the offer.
 """
 
 from __future__ import annotations
@@ -62,15 +62,12 @@ class ParkedRequests:
         refused, self._refused = self._refused, []
         return ready, refused
 
-    def cancel(self, ident: bytes, nonce: int) -> list[Parked]:
-        """The receiver aborted its request (``ident``, ``nonce``): forget it. Returns it if it was
-        ready (offered: the caller ends that lease)."""
+    def cancel(self, ident: bytes, nonce: int) -> None:
+        """The receiver aborted its request (``ident``, ``nonce``): forget it (an offer made meanwhile
+        stays; its owner ends it)."""
         for rid in [r for r, (i, req) in self._parked.items() if (i, req.nonce) == (ident, nonce)]:
             del self._parked[rid]
-        ready = [p for p in self._ready if (p[0], p[1].nonce) == (ident, nonce)]
-        for item in ready:
-            self._ready.remove(item)
-        return ready
+        self._ready = [p for p in self._ready if (p[0], p[1].nonce) != (ident, nonce)]
 
     def forget(self, dropped: set[PeerId]) -> None:
         """Forget the requests of dropped (dead) peers; nobody is left to answer."""

@@ -25,8 +25,10 @@ Handshake for one request (decode side D asks prefill side P; see transfer/conne
     either  abort    {error_type, message}   the transfer failed on the sender of this frame
 
 Early decode admission: D may send its request before P holds R (``offer_wait_until`` > 0, while R is
-still being prefilled). P keeps such a request parked and answers it with its header the moment it
-offers R, or with an abort once ``offer_wait_until`` passes or R is withdrawn; D may abort it meanwhile.
+still being prefilled). P keeps such a request parked and answers ``ready`` the moment it offers R (D then
+asks again, as above), or ``abort`` once ``offer_wait_until`` passes or R is withdrawn; D may abort it
+meanwhile. NOTE: P never sends a header to a request that waited: D may have stopped in the meantime,
+and P would sit out its transfer timeout waiting for the ack, with every other transfer queued behind.
 
 Both sides stage through a small ring of chunk slots, so a transfer of any size needs a few chunks of
 memory and the bytes stay in cache between the channel and the copies. D posts the recv of every chunk

@@ -8,7 +8,8 @@ sync the side's stream -> DONE. See transfer/protocol.py and transfer/ring.py.
 Every fetch is *posted*: its REQUEST goes out as soon as the thread takes it, and the thread serves
 whichever posted fetch's HEADER comes first, so it never sits waiting for one sender's answer while
 another sender waits for its ACK. A fetch submitted with ``wait_for_offer`` (early decode admission) may
-be posted before the sender holds the request: the sender parks it and answers when it offers it.
+be posted before the sender holds the request: the sender parks it and answers READY when it offers
+it, and the fetch is posted again, as a usual one.
 """
 
 from __future__ import annotations
@@ -256,6 +257,12 @@ class KVReceiver(Side):
                 if kind is MessageKind.HEADER:
                     del self._posted[job.nonce]
                     self._resolve(job, *self._serve(job, body["header"]))
+                    continue
+                if kind is MessageKind.READY and job.offer_wait_until > 0:
+                    del self._posted[job.nonce]  # NOTE: offered now: ask again, with the usual bound
+                    job.offer_wait_until, job.inbox = 0.0, []
+                    job.deadline = min(job.deadline, time.monotonic() + self.timeout_s)
+                    self._post(job)
                     continue
                 if kind is MessageKind.ABORT:
                     error, tell = error_from_remote(body["error_type"], body["message"]), False

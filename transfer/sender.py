@@ -6,8 +6,8 @@ and posted all its chunk recvs) -> pipelined chunks: gather chunk i into a ring 
 it with its digest while the chunks before it are on the wire, send it once the receiver credited the
 slot it lands in -> receiver's DONE. See transfer/protocol.py and transfer/ring.py.
 
-A REQUEST that may come before the offer (early decode admission) is parked until the offer, then served
-ahead of other queued requests (transfer/parking.py).
+A REQUEST that may come before the offer (early decode admission) is parked until the offer, then
+answered READY (the receiver asks again; transfer/parking.py, transfer/protocol.py).
 """
 
 from __future__ import annotations
@@ -107,7 +107,6 @@ class KVSender(Side):
         self._leases: dict[str, _Lease] = {}
         self._pending: deque[tuple[bytes, TransferRequest]] = deque()
         self._parked = ParkedRequests()  # under the lock, with the leases
-        self._unparked: set[int] = set()  # nonces of queued requests that were parked and are offered now
         self._wakeup = Wakeup()  # cuts the transfer thread's poll short when a parked request is offered
         self._num_posted = 0  # chunks of the transfer in flight posted so far
         self._is_done_early = False  # its `done` came while we waited for our sends to complete
@@ -227,9 +226,7 @@ class KVSender(Side):
     def _park(self, ident: bytes, req: TransferRequest) -> bool:
         """Park a request that came before its offer and may wait for it. False: serve it now (offered,
         or it may not wait: then it is refused as unknown)."""
-        if req.offer_wait_until <= 0 or req.nonce in self._unparked:
-            # NOTE: offered once: served (or refused, its lease gone) now, never parked again
-            self._unparked.discard(req.nonce)
+        if req.offer_wait_until <= 0:
             return False
         with self._lock:
             if req.request_id in self._leases or time.time() >= req.offer_wait_until:
@@ -241,11 +238,12 @@ class KVSender(Side):
         return True
 
     def _unpark(self) -> None:
-        """Queue the parked requests offered since (first in line); refuse withdrawn and late ones."""
+        """Tell the receivers of parked requests offered since to ask again; refuse withdrawn and late
+        ones."""
         with self._lock:
             ready, refused = self._parked.take(time.time(), self.me.name)
-        self._pending.extendleft(reversed(ready))
-        self._unparked.update(req.nonce for _, req in ready)
+        for ident, req in ready:
+            self._reply(ident, self._frames.encode(_dst(req).name, MessageKind.READY, req.nonce))
         for (ident, req), error in refused:
             self._reply(ident, abort_frame(self._frames, _dst(req), req.nonce, error))
 
@@ -256,7 +254,6 @@ class KVSender(Side):
             return
         for item in [p for p in self._pending if _dst(p[1]) in dropped]:
             self._pending.remove(item)
-            self._unparked.discard(item[1].nonce)
         with self._lock:
             self._parked.forget(dropped)
         for key in [k for k, v in self._abandoned.items() if v[0].decode in dropped]:
@@ -312,12 +309,9 @@ class KVSender(Side):
                 logger.exception("KVSender %s: could not feed an abandoned recv", self.me.name)
         elif kind is MessageKind.ABORT:  # the receiver gave up before we served it
             with self._lock:
-                gone = self._parked.cancel(ident, nonce)  # NOTE: a parked one has no lease to finish
-            gone += [p for p in self._pending if p[0] == ident and p[1].nonce == nonce]
-            for item in gone:
-                if item in self._pending:
-                    self._pending.remove(item)
-                self._unparked.discard(nonce)
+                self._parked.cancel(ident, nonce)  # NOTE: a parked one has no lease to finish
+            for item in [p for p in self._pending if p[0] == ident and p[1].nonce == nonce]:
+                self._pending.remove(item)
                 self._finish_lease(item[1].request_id, False)
         return None
 
