@@ -242,6 +242,9 @@ class RouterConfig:
     cost_profile: str = ""
     # live advice (/v1/pdserve/advice): the planner replays the traffic of this many recent seconds
     advice_window_s: float = 300.0
+    # early decode admission: the decode worker is chosen with the prefill worker and reserves blocks and
+    # posts its KV fetch while the prefill runs, so the transfer starts the moment the KV is offered
+    early_decode_admission: bool = True
 
     def __post_init__(self) -> None:
         _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")

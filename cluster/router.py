@@ -25,6 +25,13 @@ Modes: ``disaggregated`` (prefill pool, then a decode pool), ``colocated`` (one 
 without a cost profile, when the prompt has at most ``conditional_max_prompt_tokens``).
 Placement policy: cluster/placement.py; route decisions and their reasons: cluster/routing.py;
 SLO-aware admission: cluster/admission.py.
+
+Early decode admission (``early_decode_admission``): the decode worker is picked when the prefill is
+dispatched and told at once (``PrepareDecode``), so it reserves blocks and posts its KV fetch while the
+prefill runs; the ``DecodeHandoff`` after the prefill then only brings the first token. Until then the
+flight's decode worker is a reservation: the request still depends on its prefill worker alone (that one
+dying migrates it, and the reservation is aborted with the attempt), and a reserving worker that dies is
+just replaced at the handoff.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ from cluster.wire import (
     Message,
     PeerDead,
     Prefilled,
+    PrepareDecode,
     RequestFailed,
     Transferred,
     WireDecoder,
@@ -151,6 +159,7 @@ class _Flight:
     attempt: int = 0
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
+    is_early_decode: bool = False  # `decode` holds an early reservation; the handoff has not happened
     # NOTE: counted when a delta arrives, not when the caller consumes it: every received token will reach
     # the caller, so a migration continues after all of them (none twice, none lost).
     token_ids: list[int] = field(default_factory=list)
@@ -176,9 +185,16 @@ class _Flight:
             self.finished = self.finished or event.delta.finish_reason is not None
         self.events.put_nowait((self.attempt, event))
 
+    @property
+    def is_handed_off(self) -> bool:
+        """A decode worker has taken the request over (an early reservation does not count)."""
+        return self.decode is not None and not self.is_early_decode
+
     def depends_on(self, w: WorkerRef) -> bool:
         """Its progress needs ``w``: w decodes it, or w prefills it and no decode worker took over yet."""
-        return self.decode is w or (self.prefill is w and self.decode is None)
+        if self.decode is w and not self.is_early_decode:
+            return True
+        return self.prefill is w and not self.is_handed_off
 
 
 class Router:
@@ -301,7 +317,8 @@ class Router:
         f = self._flights.get(request_id)
         if f is None:
             return None, None
-        return (f.prefill.worker_id if f.prefill else None, f.decode.worker_id if f.decode else None)
+        decode = f.decode.worker_id if f.decode is not None and f.is_handed_off else None
+        return (f.prefill.worker_id if f.prefill else None, decode)
 
     def worker_stats(self) -> list[WorkerStats]:
         """Latest stats of every admitted worker; ``healthy`` is the router's verdict."""
@@ -422,6 +439,8 @@ class Router:
         num_tokens = len(flight.req.prompt_token_ids) + len(flight.token_ids)
         self._assign(flight, w, "prefill" if route.hold else "decode", num_tokens)
         self._send_generate(flight, w, hold=route.hold)
+        if route.hold and self.config.early_decode_admission and flight.req.params.max_tokens > 1:
+            self._admit_decode_early(flight, w)
 
     def route_decisions(self) -> dict[tuple[str, str], int]:
         """Routing decisions so far by (mode, reason): ``pdserve_route_decisions_total``."""
@@ -434,22 +453,60 @@ class Router:
         )
         self._send(w, op)
 
-    def _hand_off(self, flight: _Flight, event: Prefilled) -> None:
-        """Prefill sampled the first token (already on its way to the caller): start the decode side."""
-        req = flight.req
+    def _pick_decode_for(self, prefill: WorkerRef | None) -> WorkerRef | None:
+        """A healthy decode worker for a handoff from ``prefill`` (None if there is none)."""
         decodes = self._healthy("decode")
         if not decodes:
-            self._migrate(flight, "no healthy decode worker for the handoff")
-            return
-        prefill = flight.prefill
+            return None
         if prefill is not None:
             # NOTE: a broken pair is rebuilt on its next use; take another pair while one exists
             sound = [
                 d for d in decodes if not (prefill.has_broken_pair_with(d) or d.has_broken_pair_with(prefill))
             ]
             decodes = sound or decodes
-        w = pick_decode(decodes)
+        return pick_decode(decodes)
+
+    def _admit_decode_early(self, flight: _Flight, prefill: WorkerRef) -> None:
+        """Pick the decode worker now and let it reserve blocks and post its fetch (best effort)."""
+        w = self._pick_decode_for(prefill)
+        if w is None or not prefill.info.kv_endpoint:
+            return
         self._assign(flight, w, "decode", 0)
+        flight.is_early_decode = True
+        req, info = flight.req, prefill.info
+        op = PrepareDecode(
+            flight.wire_id,
+            req.prompt_token_ids,
+            req.params,
+            flight.deadline,
+            info.worker_id,
+            info.incarnation,
+            info.kv_endpoint,
+        )
+        try:
+            self._send(w, op)
+        except ClusterUnavailableError:
+            self._drop_early_decode(flight)  # NOTE: its queue is full: the handoff picks one later
+
+    def _drop_early_decode(self, flight: _Flight) -> None:
+        """Forget the flight's early decode reservation (the worker is dead or never got it)."""
+        if flight.is_early_decode and flight.decode is not None:
+            flight.decode.num_assigned -= 1
+            flight.decode = None
+        flight.is_early_decode = False
+
+    def _hand_off(self, flight: _Flight, event: Prefilled) -> None:
+        """Prefill sampled the first token (already on its way to the caller): start the decode side."""
+        req = flight.req
+        w = flight.decode
+        if w is None or not flight.is_early_decode or w.state == WorkerState.DEAD:
+            self._drop_early_decode(flight)
+            w = self._pick_decode_for(flight.prefill)
+            if w is None:
+                self._migrate(flight, "no healthy decode worker for the handoff")
+                return
+            self._assign(flight, w, "decode", 0)
+        flight.is_early_decode = False
         self._note_decode_side(flight, w)
         first = event.delta.token_ids[0]
         op = DecodeHandoff(
@@ -486,13 +543,16 @@ class Router:
         self.traffic.record(flight.arrival, len(flight.req.prompt_token_ids), out)
 
     def _release(self, flight: _Flight, abort: bool) -> None:
-        """Drop the flight's worker assignments (telling live ones to abort its current attempt)."""
+        """Drop the flight's worker assignments (telling live ones to abort its current attempt; an
+        early decode reservation is aborted even when the request is done: it ended at its prefill)."""
         for w in {id(x): x for x in (flight.prefill, flight.decode) if x is not None}.values():
-            if abort and w.state != WorkerState.DEAD:
+            is_reservation = w is flight.decode and flight.is_early_decode
+            if (abort or is_reservation) and w.state != WorkerState.DEAD:
                 self._send(w, Abort(flight.wire_id))
             w.num_assigned -= 1
         self._unqueue(flight)
         flight.prefill = flight.decode = None
+        flight.is_early_decode = False
 
     def _unqueue(self, flight: _Flight) -> None:
         """The current attempt left its worker's prefill queue (first token back, or released)."""
@@ -767,6 +827,8 @@ class Router:
             return
         self._set_state(w, WorkerState.DEAD, why)
         self._tell_peers_dead(w)
+        for flight in [f for f in self._flights.values() if f.decode is w and f.is_early_decode]:
+            self._drop_early_decode(flight)  # NOTE: its prefill goes on; the handoff picks another worker
         for flight in [f for f in self._flights.values() if f.depends_on(w) and not f.done]:
             self._migrate(flight, f"worker {w.worker_id} failed: {why}")
 

@@ -1,7 +1,7 @@
 """The control-plane protocol between the router and the workers: every message a frozen dataclass, one
 tagged codec, strict decoding.
 
-Ops (router -> worker): Generate, DecodeHandoff, Abort, PeerDead, ExtendLease.
+Ops (router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease.
 Events (worker -> router): Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed, KeepAlive.
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
@@ -89,6 +89,22 @@ class Generate:
     deadline: float  # time.time() seconds
     hold: bool = False
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrepareDecode:
+    """Early decode admission: the request is being prefilled on the worker whose KV sender listens on
+    ``src_endpoint``; reserve blocks for its prompt and post the KV fetch now. Its DecodeHandoff (the
+    first token) follows once the prefill is done; an Abort may come instead."""
+
+    TAG: ClassVar[str] = "prepare_decode"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float  # time.time() seconds
+    src_worker_id: str
+    src_incarnation: str
+    src_endpoint: str
 
 
 @dataclass(frozen=True)
@@ -195,9 +211,9 @@ class KeepAlive:
     request_id: str
 
 
-Op = Generate | DecodeHandoff | Abort | PeerDead | ExtendLease
+Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease
 Event = Heartbeat | Delta | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
-OPS: tuple[type[Message], ...] = (Generate, DecodeHandoff, Abort, PeerDead, ExtendLease)
+OPS: tuple[type[Message], ...] = (Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease)
 EVENTS: tuple[type[Message], ...] = (
     Heartbeat,
     Delta,

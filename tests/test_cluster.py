@@ -5,6 +5,8 @@ worker)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -120,9 +122,11 @@ def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(disagg: ClusterHand
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> None:
-    """A lease that expires before the decode side asks makes every handoff fail for real."""
+    """A lease that expires before the decode side asks makes every handoff fail for real. (Without
+    early decode admission: with it, the decode side asks before the offer, so no lease runs out.)"""
     prompts, max_tokens, reference = workload
-    cfg = cluster_config(model_dir, transfer={"lease_s": 0.001, "failure_policy": policy})
+    transfer = {"lease_s": 0.001, "failure_policy": policy}
+    cfg = cluster_config(model_dir, transfer=transfer, router={"early_decode_admission": False})
     handle = start_cluster(cfg)
     try:
         n = 8
@@ -210,5 +214,60 @@ def test_killed_decode_worker_migrates_or_fails_only_its_requests(
         assert [w.worker_id for w in router.workers if not w.healthy] == ["decode-0"]
         handle.wait_until_quiet(timeout_s=30)
         assert handle.check_leaks() == {"prefill-0": None, "decode-1": None}
+    finally:
+        handle.shutdown()
+
+
+def test_a_dead_prefill_worker_while_the_decode_side_is_reserved_migrates_and_leaks_nothing(
+    model_dir: str,
+) -> None:
+    """Early admission: the decode worker reserved blocks and posted its fetch; the prefill worker is
+    stopped mid-prefill (so it cannot finish), then killed. The attempt migrates to the other prefill
+    worker, the reservation is released (the same decode worker takes the new attempt), the output is
+    HF's, and nothing leaks."""
+    prompt = [3 + (i * 37) % 500 for i in range(900)]
+    reference = hf_greedy(model_dir, [prompt], [8])[0]
+    # NOTE: 8-token prefill chunks: ~110 steps, far longer than it takes to stop the worker
+    cfg = cluster_config(model_dir, prefill={"num_workers": 2}, engine={"max_num_batched_tokens": 8})
+    handle = start_cluster(cfg)
+    router = handle.router
+    try:
+        pids = {
+            wid: ray.get(handle.actors[wid].ping.remote(), timeout=30) for wid in ("prefill-0", "prefill-1")
+        }
+
+        async def until(condition: Any, what: str) -> Any:
+            """Poll (bounded) without blocking this loop, which runs the request's stream."""
+            for _ in range(2000):
+                value = condition()
+                if value:
+                    return value
+                await asyncio.sleep(0.005)
+            raise TimeoutError(f"{what} not reached within 10 s")
+
+        def decode_waiting_for_kv() -> list[int]:
+            return [s.num_waiting_for_kv for s in handle.worker_stats() if s.pool == "decode"]
+
+        async def main() -> tuple[str, list[int], int]:
+            tokens: list[int] = []
+            migrations = -1
+            stream = handle.agenerate(prompt, greedy(8), request_id="victim")
+            first = asyncio.ensure_future(stream.__anext__())
+            victim = await until(lambda: router.placement("victim")[0], "prefill placed")
+            os.kill(pids[victim], signal.SIGSTOP)
+            await until(lambda: decode_waiting_for_kv() == [1], "the decode worker's reservation")
+            assert not first.done()  # no first token: the stopped worker never finished the prefill
+            handle.kill_worker(victim)
+            for delta in [await first, *[d async for d in stream]]:
+                tokens += delta.token_ids
+                if delta.timings is not None:
+                    migrations = delta.timings.num_migrations
+            return victim, tokens, migrations
+
+        victim, tokens, migrations = asyncio.run(main())
+        assert tokens == reference and migrations == 1
+        survivor = "prefill-1" if victim == "prefill-0" else "prefill-0"
+        handle.wait_until_quiet(timeout_s=30)
+        assert handle.check_leaks() == {survivor: None, "decode-0": None}
     finally:
         handle.shutdown()

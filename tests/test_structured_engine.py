@@ -183,7 +183,9 @@ def test_logprobs_are_of_the_masked_distribution() -> None:
 def test_handoff_and_recompute_continue_the_grammar(is_async: bool) -> None:
     """Prefill engine (held after its first token, sampled under the mask) -> its KV copied into the
     blocks a decode engine reserved -> the decode engine's matcher starts after that token. Equal to the
-    request run whole, and to the recompute fallback (``add_request(output_token_ids=[first])``)."""
+    request run whole, and to the recompute fallback (``add_request(output_token_ids=[first])``), and to
+    a decode engine that reserved its blocks before the prefill ran (early admission: the first token
+    comes with the commit)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=42, structured=json_spec(SCHEMAS[9]))
     whole = make_engine(is_async)
     prompt = whole.tokenizer.encode(PROMPT)
@@ -192,6 +194,9 @@ def test_handoff_and_recompute_continue_the_grammar(is_async: bool) -> None:
     assert ref.finish_reason == FinishReason.STOP
 
     prefill, decode, recompute = make_engine(is_async), make_engine(is_async), make_engine(is_async)
+    early = make_engine(is_async)
+    early_reserved = early.add_prefilled_request("r", prompt, None, params)
+    assert early_reserved is not None and early_reserved[1] == 0
     prefill.add_request("r", prompt, params, hold_after_prefill=True)
     first = drive(prefill)["r"]
     assert first.token_ids == ref.token_ids[:1] and prefill.request_status("r") == RequestStatus.SENDING_KV
@@ -205,14 +210,17 @@ def test_handoff_and_recompute_continue_the_grammar(is_async: bool) -> None:
     source = prefill.held_block_ids("r")
     assert source is not None and num_cached == 0
     decode.runner.kv_cache[:, blocks] = prefill.runner.kv_cache[:, source[: len(blocks)]]
+    early.runner.kv_cache[:, early_reserved[0]] = prefill.runner.kv_cache[:, source[: len(blocks)]]
     prefill.release("r")
     decode.commit_prefilled("r")
     rest = drive(decode)["r"]
+    early.commit_prefilled("r", first.token_ids[0])
+    assert drive(early)["r"].token_ids == ref.token_ids[1:]
     recompute.add_request("r", prompt, params, output_token_ids=first.token_ids)
     recomputed = drive(recompute)["r"]
     assert rest.token_ids == recomputed.token_ids == ref.token_ids[1:]
     assert rest.finish_reason == recomputed.finish_reason == FinishReason.STOP
-    for engine in (whole, prefill, decode, recompute):
+    for engine in (whole, prefill, decode, recompute, early):
         engine.check_no_leaks()
 
 

@@ -27,8 +27,17 @@ from cluster.frames import FrameSigner, new_secret
 from deploy.launch import KVStore
 from tests.cluster_utils import wait_for
 from transfer.channel import TORCH_DTYPES, Channel, CudaIpcChannel, OpLane, PendingOp
+from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PairKey, PeerId
-from transfer.protocol import KVLayout, TransferError, TransferTimeoutError, handoff_from_dict, to_dict
+from transfer.protocol import (
+    KVHandoff,
+    KVLayout,
+    TransferError,
+    TransferRequest,
+    TransferTimeoutError,
+    handoff_from_dict,
+    to_dict,
+)
 from transfer.side import DEFAULT_CHUNK_BYTES, NUM_SLOTS
 from transfer.staging import TRAILER_BYTES
 
@@ -264,6 +273,20 @@ def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, re
             name, key, handoff, ids = args
             submitted[key] = (sides[name].submit(handoff_from_dict(handoff), ids), time.monotonic())
             return None
+        if cmd == "post":  # a fetch sent before the offer, waiting up to wait_s for it (early admission)
+            name, key, handoff, ids, wait_s = args
+            deadline = time.time() + wait_s
+            future = sides[name].submit(
+                handoff_from_dict(handoff), ids, deadline=deadline, wait_for_offer=True
+            )
+            submitted[key] = (future, time.monotonic())
+            return None
+        if cmd == "is_done":  # -> whether a submitted fetch has its outcome yet
+            return submitted[args[0]][0].done()
+        if cmd == "cancel":
+            return sides[args[0]].cancel(args[1])
+        if cmd == "parked":
+            return sides[args[0]].num_parked()
         if cmd == "collect":
             return outcome(*submitted.pop(args[0]))
         if cmd == "wait_sent":  # -> on_sent's ok, or None if it did not come within the bound
@@ -852,3 +875,82 @@ def test_every_handshake_frame_is_authenticated_and_a_bad_one_is_counted_and_dro
     assert out["ok"]
     check_blocks(before_kv, read_kv(pair, 1, "R-float32", like), "float32", {8: 6, 9: 7})
     assert pair.call(1, "rejected", "R-float32") == {}
+
+
+def expected_handoff(pair: Pair, sender: str, request_id: str, num_blocks: int) -> dict[str, Any]:
+    """The handoff a decode worker builds before the prefill side offers anything (early admission)."""
+    layout = KVLayout(NUM_LAYERS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, "float32")
+    endpoint = pair.endpoints[sender]
+    handoff = KVHandoff(request_id, sender, "p0", endpoint, layout, num_blocks * BLOCK_SIZE, num_blocks, 0.0)
+    return to_dict(handoff)
+
+
+def test_fetches_posted_before_the_offer_are_served_when_it_comes_and_block_nothing(pair: Pair) -> None:
+    """Early admission: two fetches wait at the sender for their offers; an offered request fetched the
+    usual way passes them, the second offer is served at once while the first still waits, then the
+    first is withdrawn on the prefill side and fails there and then."""
+    like = make_kv(DST_SEED, "float32")
+    before = read_kv(pair, 1, "R-float32", like)
+    first, second, usual = new_id("early"), new_id("early"), new_id("usual")
+    pair.call(1, "post", "R-float32", first, expected_handoff(pair, "S-float32", first, 2), [4, 5], 60.0)
+    pair.call(1, "post", "R-float32", second, expected_handoff(pair, "S-float32", second, 3), [6, 7, 9], 60.0)
+    wait_for(lambda: pair.call(0, "parked", "S-float32") == 2, 10, "both fetches parked")
+    offered = pair.call(0, "offer", "S-float32", usual, [12], None)
+    [out] = pair.call(1, "receive", "R-float32", [(offered, [13], 0)])
+    assert out["ok"] and pair.call(0, "wait_sent", usual, 10.0) is True
+    pair.call(0, "offer", "S-float32", second, [20, 21, 22], None)
+    assert pair.call(1, "collect", second)["ok"]
+    assert pair.call(0, "wait_sent", second, 10.0) is True
+    check_blocks(before, read_kv(pair, 1, "R-float32", like), "float32", {13: 12, 6: 20, 7: 21, 9: 22})
+    assert pair.call(1, "is_done", first) is False and pair.call(0, "parked", "S-float32") == 1
+    assert pair.call(0, "abort", "S-float32", first) is False  # nothing offered, so no lease withdrawn
+    refused = pair.call(1, "collect", first)
+    assert (refused["ok"], refused["error_type"]) == (False, "TransferRejectedError")
+    assert "withdrew" in refused["error"]
+    assert pair.call(0, "parked", "S-float32") == 0 and pair.call(0, "held", "S-float32") == 0
+    check_blocks(before, read_kv(pair, 1, "R-float32", like), "float32", {13: 12, 6: 20, 7: 21, 9: 22})
+
+
+def test_a_posted_fetch_cancelled_or_past_its_bound_leaves_nothing_parked(pair: Pair) -> None:
+    cancelled, late = new_id("cancelled"), new_id("late")
+    pair.call(1, "post", "R-float32", cancelled, expected_handoff(pair, "S-float32", cancelled, 1), [3], 60.0)
+    wait_for(lambda: pair.call(0, "parked", "S-float32") == 1, 10, "fetch parked")
+    pair.call(1, "cancel", "R-float32", cancelled)
+    out = pair.call(1, "collect", cancelled)
+    assert (out["ok"], out["error_type"]) == (False, "TransferError") and "cancelled" in out["error"]
+    wait_for(lambda: pair.call(0, "parked", "S-float32") == 0, 10, "the sender forgot the fetch")
+    # its offer comes after all: nothing asks for it any more, the lease is the prefill side's to end
+    pair.call(0, "offer", "S-float32", cancelled, [3], None)
+    assert pair.call(0, "abort", "S-float32", cancelled) is True
+    pair.call(1, "post", "R-float32", late, expected_handoff(pair, "S-float32", late, 1), [3], 0.3)
+    out = pair.call(1, "collect", late)
+    assert (out["ok"], out["error_type"]) == (False, "TransferTimeoutError")
+    wait_for(lambda: pair.call(0, "parked", "S-float32") == 0, 10, "the late fetch forgotten")
+    assert pair.call(0, "held", "S-float32") == 0
+
+
+def test_a_parked_request_is_answered_ready_so_a_stopped_receiver_blocks_no_transfer(pair: Pair) -> None:
+    """A receiver that parked a request and then stopped answering (SIGSTOP, a stuck process): the offer
+    gets it a READY, never a header whose ack the sender would wait out its transfer timeout for; the
+    next transfer goes through at once and the offer stays held for its owner to end."""
+    stalled, usual = new_id("stalled"), new_id("usual")
+    frames = HandshakeFrames(pair.secret, "ghost/p9")
+    ctx: zmq.Context[Any] = zmq.Context()
+    ghost = ctx.socket(zmq.DEALER)
+    ghost.setsockopt(zmq.LINGER, 0)
+    try:
+        ghost.connect(pair.endpoints["S-float32"])
+        request = TransferRequest(stalled, 77, "ghost", "p9", 0, 0, 1, time.time() + 60.0)
+        ghost.send(frames.encode("S-float32/p0", MessageKind.REQUEST, 77, request=request))
+        wait_for(lambda: pair.call(0, "parked", "S-float32") == 1, 10, "the ghost's request parked")
+        pair.call(0, "offer", "S-float32", stalled, [5], None)
+        assert ghost.poll(10_000)
+        assert frames.decode(ghost.recv()) == (MessageKind.READY, 77, {})
+        handoff = pair.call(0, "offer", "S-float32", usual, [6], None)
+        [out] = pair.call(1, "receive", "R-float32", [(handoff, [9], 0)])
+        assert out["ok"] and pair.call(0, "wait_sent", usual, 10.0) is True
+        assert pair.call(0, "held", "S-float32") == 1 and pair.call(0, "parked", "S-float32") == 0
+        assert pair.call(0, "abort", "S-float32", stalled) is True
+    finally:
+        ghost.close()
+        ctx.term()

@@ -36,6 +36,7 @@ class MessageKind(str, enum.Enum):
     CREDIT = "credit"
     DONE = "done"
     ABORT = "abort"
+    READY = "ready"  # a parked request was offered: ask again (early decode admission)
 
 
 _BODY_FIELDS: dict[MessageKind, dict[str, type]] = {
@@ -45,6 +46,7 @@ _BODY_FIELDS: dict[MessageKind, dict[str, type]] = {
     MessageKind.CREDIT: {"chunk": int},
     MessageKind.DONE: {},
     MessageKind.ABORT: {"error_type": str, "message": str},
+    MessageKind.READY: {},
 }
 
 Message = tuple[MessageKind, int, dict[str, Any]]  # (kind, nonce, fields)

@@ -24,6 +24,12 @@ Handshake for one request (decode side D asks prefill side P; see transfer/conne
     D -> P  done                             every chunk verified and scattered; P may free its blocks
     either  abort    {error_type, message}   the transfer failed on the sender of this frame
 
+Early decode admission: D may send its request before P holds R (``offer_wait_until`` > 0, while R is
+still being prefilled). P keeps such a request parked and answers ``ready`` the moment it offers R (D then
+asks again, as above), or ``abort`` once ``offer_wait_until`` passes or R is withdrawn; D may abort it
+meanwhile. NOTE: P never sends a header to a request that waited: D may have stopped in the meantime,
+and P would sit out its transfer timeout waiting for the ack, with every other transfer queued behind.
+
 Both sides stage through a small ring of chunk slots, so a transfer of any size needs a few chunks of
 memory and the bytes stay in cache between the channel and the copies. D posts the recv of every chunk
 into its slot before acking (chunk i into slot i % num_slots): posting a recv while the channel reads
@@ -174,7 +180,9 @@ class KVHandoff:
 @dataclass
 class TransferRequest:
     """The decode side's ask: send `request_id` minus the first `skip_first_n_blocks` blocks to the
-    process (`dst_worker_id`, `dst_incarnation`), over the pair at `generation` or a later one."""
+    process (`dst_worker_id`, `dst_incarnation`), over the pair at `generation` or a later one.
+    `offer_wait_until` > 0 (time.time() seconds): the request may come before the prefill side offers
+    R (early decode admission); the prefill side keeps it until the offer, or refuses it at that time."""
 
     request_id: str
     nonce: int
@@ -183,6 +191,7 @@ class TransferRequest:
     generation: int
     skip_first_n_blocks: int
     num_dst_blocks: int
+    offer_wait_until: float = 0.0
 
 
 @dataclass

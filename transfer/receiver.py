@@ -4,18 +4,23 @@ Per transfer: REQUEST (with the least pair generation this side accepts) -> send
 -> join the pair at the header's generation (built and warmed up if new) -> post the recv of every chunk
 into its slot of a staging ring -> ACK -> verify and scatter chunk i while the next chunks arrive, then CREDIT its slot ->
 sync the side's stream -> DONE. See transfer/protocol.py and transfer/ring.py.
+
+Every fetch is *posted*: its REQUEST goes out as soon as the thread takes it, and the thread serves
+whichever posted fetch's HEADER comes first, so it never sits waiting for one sender's answer while
+another sender waits for its ACK. A fetch submitted with ``wait_for_offer`` (early decode admission) may
+be posted before the sender holds the request: the sender parks it and answers READY when it offers
+it, and the fetch is posted again, as a usual one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +43,7 @@ from transfer.protocol import (
 )
 from transfer.side import NUM_SLOTS, POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
 from transfer.staging import ChunkPlan, block_index
+from transfer.wakeup import Wakeup
 
 
 @dataclass
@@ -47,6 +53,10 @@ class _Job:
     skip_first_n_blocks: int
     deadline: float  # time.monotonic()
     future: Future[TransferResult]
+    offer_wait_until: float = 0.0  # time.time(); > 0: posted before the offer (see the module docstring)
+    nonce: int = 0  # of a posted fetch's REQUEST
+    generation: int = 0
+    inbox: list[tuple[MessageKind, dict[str, Any]]] = field(default_factory=list)  # a posted fetch's frames
 
 
 class KVReceiver(Side):
@@ -70,8 +80,12 @@ class KVReceiver(Side):
     ) -> None:
         super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots)
         self._jobs: deque[_Job] = deque()
-        self._jobs_cond = threading.Condition(self._lock)
         self._dealers: dict[str, zmq.Socket[Any]] = {}
+        self._posted: dict[int, _Job] = {}  # by nonce; the transfer thread's own
+        self._cancelled: set[str] = set()  # request ids, under the lock
+        self._wakeup = Wakeup()
+        self._poller = zmq.Poller()  # the transfer thread's: every dealer and the wakeup
+        self._wakeup.register(self._poller)
 
     def submit(
         self,
@@ -79,6 +93,7 @@ class KVReceiver(Side):
         dst_block_ids: Sequence[int],
         skip_first_n_blocks: int = 0,
         deadline: float | None = None,
+        wait_for_offer: bool = False,
     ) -> Future[TransferResult]:
         """Queue a fetch of `handoff` minus its first `skip_first_n_blocks` blocks into `dst_block_ids`.
 
@@ -89,6 +104,10 @@ class KVReceiver(Side):
         (chunks verified before the failure; a sender failing mid-transfer may also land junk in a slot
         between its digest check and its scatter) and stay the caller's to free or reuse: never use
         them. Raises ValueError on bad block ids.
+
+        `wait_for_offer` (early decode admission): the sender may not hold the request yet; it keeps the
+        fetch until it does, up to `deadline` (else `timeout_s`) from now, and the transfer gets its
+        `timeout_s` from the moment the sender answers. `cancel` gives up on it before that.
         """
         if not self._thread.is_alive():
             raise TransferError("KVReceiver is not running: call start() (or it was closed)")
@@ -99,16 +118,34 @@ class KVReceiver(Side):
         if skip_first_n_blocks < 0:
             raise ValueError(f"skip_first_n_blocks must be >= 0, got {skip_first_n_blocks}")
         budget = self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.time())
+        if wait_for_offer and deadline is not None:
+            budget = deadline - time.time()
         job = _Job(handoff, ids, skip_first_n_blocks, time.monotonic() + budget, Future())
-        with self._jobs_cond:
+        if wait_for_offer:
+            job.offer_wait_until = time.time() + budget
+        with self._lock:
             self._seen.add(_src(handoff))
             is_dropped = _src(handoff) in self._dropped
             if not is_dropped:
                 self._jobs.append(job)
-                self._jobs_cond.notify()
         if is_dropped:
             self._fail_job(job)
+        else:
+            self._wakeup.set()
         return job.future
+
+    def cancel(self, request_id: str) -> None:
+        """Give up on the fetches of `request_id` that are queued, or posted and not answered yet (their
+        futures fail with TransferError; the sender is told). A fetch already moving bytes is not
+        stopped: it ends as it would have (its blocks are written until its future resolves)."""
+        with self._lock:
+            queued = [j for j in self._jobs if j.handoff.request_id == request_id]
+            for job in queued:
+                self._jobs.remove(job)
+            self._cancelled.add(request_id)
+        for job in queued:
+            self._fail_job(job, TransferError(f"fetch of {request_id!r} cancelled by {self.me.name}"))
+        self._wakeup.set()
 
     def receive(
         self,
@@ -123,53 +160,136 @@ class KVReceiver(Side):
     def drop_peer(self, worker_id: str, incarnation: str | None = None) -> set[PeerId]:
         """Side.drop_peer, and the queued fetches from it fail at once (TransferPeerLostError)."""
         peers = super().drop_peer(worker_id, incarnation)
-        with self._jobs_cond:
+        with self._lock:
             dropped_jobs = [j for j in self._jobs if _src(j.handoff) in peers]
             for job in dropped_jobs:
                 self._jobs.remove(job)
         for job in dropped_jobs:
             self._fail_job(job)
+        self._wakeup.set()  # NOTE: its posted fetches fail on the transfer thread
         return peers
 
-    def _fail_job(self, job: _Job) -> None:
-        error = TransferPeerLostError(
-            f"peer {_src(job.handoff).name} was dropped (marked dead) by {self.me.name}: "
-            f"not fetching {job.handoff.request_id!r}"
-        )
+    def _fail_job(self, job: _Job, error: TransferError | None = None, is_running: bool = False) -> None:
+        if error is None:
+            error = TransferPeerLostError(
+                f"peer {_src(job.handoff).name} was dropped (marked dead) by {self.me.name}: "
+                f"not fetching {job.handoff.request_id!r}"
+            )
         result = TransferResult(job.handoff.request_id, ok=False, num_blocks=len(job.dst_block_ids))
         fail(result, error)
         self._record(result)
-        if job.future.set_running_or_notify_cancel():
+        if is_running or job.future.set_running_or_notify_cancel():
             job.future.set_exception(error)
 
     def _next_job(self) -> _Job | None:
-        with self._jobs_cond:
-            if not self._jobs:
-                self._jobs_cond.wait(POLL_S)
-            return self._jobs.popleft() if self._jobs else None
+        """The next queued fetch; when none, wait (bounded) for one or for a frame of a posted one."""
+        with self._lock:
+            if self._jobs:
+                return self._jobs.popleft()
+        if self._wakeup.is_set(dict(self._poller.poll(int(POLL_S * 1000)))):
+            self._wakeup.drain()
+        return None
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._check_posted()
                 job = self._next_job()
                 if job is None or not job.future.set_running_or_notify_cancel():
                     continue  # nothing queued, or cancelled by the caller before it started
-                result, error = self._serve(job)
-                if error is None:
-                    job.future.set_result(result)
-                else:
-                    job.future.set_exception(error)
-            with self._jobs_cond:
+                self._post(job)
+            with self._lock:
                 left, self._jobs = list(self._jobs), deque()
             for job in left:
                 if job.future.set_running_or_notify_cancel():
                     job.future.set_exception(TransferError("receiver closed"))
+            for job in self._posted.values():
+                job.future.set_exception(TransferError("receiver closed"))
         finally:
             for sock in self._dealers.values():
                 sock.close(linger=0)
+            self._wakeup.close()
 
     def _close_sockets(self) -> None:
-        pass  # owned and closed by the transfer thread
+        if not self._thread.is_alive():
+            self._wakeup.close()  # NOTE: else owned and closed by the transfer thread, with the dealers
+
+    @staticmethod
+    def _resolve(job: _Job, result: TransferResult, error: TransferError | None) -> None:
+        if error is None:
+            job.future.set_result(result)
+        else:
+            job.future.set_exception(error)
+
+    def _post(self, job: _Job) -> None:
+        """Send a fetch's REQUEST; `_check_posted` serves it when the sender's HEADER comes (at once if
+        it holds the request; with the offer if it parked a request that waits for it)."""
+        src = _src(job.handoff)
+        job.nonce = secrets.randbits(63)
+        job.generation = self._channel.generation(src, self.me)
+        try:
+            self._check_peer(src)
+            sock = self._dealer(job.handoff.src_endpoint)
+            self._send(sock, src, MessageKind.REQUEST, job.nonce, request=self._request(job))
+        except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad fetch)
+            self._fail_job(job, as_transfer_error(e), is_running=True)
+            return
+        self._posted[job.nonce] = job
+
+    def _check_posted(self) -> None:
+        """Serve the posted fetches whose HEADER came; fail those refused, cancelled, from dropped
+        peers or past their deadline (telling the sender when it still waits on us)."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        for sock in self._dealers.values():
+            while sock.poll(0):  # NOTE: files the frames of posted fetches in their inboxes, drops the rest
+                self._poll(sock, -1, 0)
+        for job in list(self._posted.values()):
+            if job.nonce not in self._posted:
+                continue
+            src, error, tell = _src(job.handoff), None, True
+            if job.handoff.request_id in cancelled:
+                error = TransferError(f"fetch of {job.handoff.request_id!r} cancelled by {self.me.name}")
+            elif self.is_dropped(src):
+                error, tell = TransferPeerLostError(f"peer {src.name} was dropped by {self.me.name}"), False
+            elif job.inbox:
+                kind, body = job.inbox.pop(0)
+                if kind is MessageKind.HEADER:
+                    del self._posted[job.nonce]
+                    self._resolve(job, *self._serve(job, body["header"]))
+                    continue
+                if kind is MessageKind.READY and job.offer_wait_until > 0:
+                    del self._posted[job.nonce]  # NOTE: offered now: ask again, with the usual bound
+                    job.offer_wait_until, job.inbox = 0.0, []
+                    job.deadline = min(job.deadline, time.monotonic() + self.timeout_s)
+                    self._post(job)
+                    continue
+                if kind is MessageKind.ABORT:
+                    error, tell = error_from_remote(body["error_type"], body["message"]), False
+                else:
+                    error = TransferError(f"expected header from the sender, got {kind.value}")
+            elif time.monotonic() >= job.deadline:
+                error = TransferTimeoutError(f"no header for {job.handoff.request_id!r} before its deadline")
+            if error is not None:
+                del self._posted[job.nonce]
+                if tell:
+                    with contextlib.suppress(zmq.ZMQError):  # best effort: the sender's bound ends it anyway
+                        self._dealer(job.handoff.src_endpoint).send(
+                            abort_frame(self._frames, src, job.nonce, error), zmq.NOBLOCK
+                        )
+                self._fail_job(job, error, is_running=True)
+
+    def _request(self, job: _Job) -> TransferRequest:
+        return TransferRequest(
+            job.handoff.request_id,
+            job.nonce,
+            self.me.worker_id,
+            self.me.incarnation,
+            job.generation,
+            job.skip_first_n_blocks,
+            len(job.dst_block_ids),
+            job.offer_wait_until,
+        )
 
     def _dealer(self, endpoint: str) -> zmq.Socket[Any]:
         sock = self._dealers.get(endpoint)
@@ -178,13 +298,15 @@ class KVReceiver(Side):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
+            self._poller.register(sock, zmq.POLLIN)
         return sock
 
     def _poll(
         self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int
     ) -> tuple[MessageKind, dict[str, Any]] | None:
         """One frame of this transfer if it comes within `timeout_ms`; raises PeerAbort on `abort`.
-        Frames that fail a check are counted and dropped (transfer/handshake.py)."""
+        Frames that fail a check are counted and dropped (transfer/handshake.py); those of a posted
+        fetch go to its inbox."""
         if not sock.poll(timeout_ms):
             return None
         message = self._frames.decode(sock.recv())
@@ -192,55 +314,29 @@ class KVReceiver(Side):
             return None
         kind, got_nonce, body = message
         if got_nonce != nonce:
-            return None  # a late frame of an abandoned transfer
+            posted = self._posted.get(got_nonce)
+            if posted is not None:
+                posted.inbox.append((kind, body))
+            return None  # else a late frame of an abandoned transfer
         if kind is MessageKind.ABORT:
             raise PeerAbort(error_from_remote(body["error_type"], body["message"]))
         return kind, body
 
-    def _await(
-        self, sock: zmq.Socket[Any], job: _Job, nonce: int, want: MessageKind, deadline: float
-    ) -> dict[str, Any]:
-        while True:
-            self._check_peer(_src(job.handoff))
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                raise TransferTimeoutError(f"no {want.value} from the sender before the transfer deadline")
-            reply = self._poll(sock, nonce, min(left_ms, int(POLL_S * 1000)))
-            if reply is None:
-                continue
-            if reply[0] is not want:
-                raise TransferError(f"expected {want.value} from the sender, got {reply[0].value}")
-            body: dict[str, Any] = reply[1]
-            return body
-
-    def _serve(self, job: _Job) -> tuple[TransferResult, TransferError | None]:
+    def _serve(self, job: _Job, header: Any) -> tuple[TransferResult, TransferError | None]:
+        """The rest of a posted fetch, from the sender's `header` on."""
         t0 = time.monotonic()
         error: TransferError | None = None
         handoff, dst_ids = job.handoff, job.dst_block_ids
         src = _src(handoff)
         result = TransferResult(handoff.request_id, ok=False, num_blocks=len(dst_ids))
         sock = self._dealer(handoff.src_endpoint)
-        nonce = secrets.randbits(63)
-        generation = self._channel.generation(src, self.me)
-        request = TransferRequest(
-            handoff.request_id,
-            nonce,
-            self.me.worker_id,
-            self.me.incarnation,
-            generation,
-            job.skip_first_n_blocks,
-            len(dst_ids),
-        )
+        # NOTE: from the sender's answer on, a fetch that waited for the offer has the usual bound too
+        job.deadline = min(job.deadline, t0 + self.timeout_s)
+        nonce, generation = job.nonce, job.generation
         key: PairKey | None = None
         ops: list[PendingOp] = []
-        is_sent = False
         try:
             self._check_peer(src)
-            if time.monotonic() >= job.deadline:
-                raise TransferTimeoutError(f"deadline passed while {handoff.request_id!r} was queued")
-            self._send(sock, src, MessageKind.REQUEST, nonce, request=request)
-            is_sent = True
-            header = self._await(sock, job, nonce, MessageKind.HEADER, job.deadline)["header"]
             validate_header(
                 header,
                 request_id=handoff.request_id,
@@ -267,7 +363,7 @@ class KVReceiver(Side):
         except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
             error = as_transfer_error(e)
             fail(result, error)
-            if is_sent and not isinstance(error, TransferPeerLostError):
+            if not isinstance(error, TransferPeerLostError):
                 with contextlib.suppress(zmq.ZMQError):  # best effort: the sender times out anyway
                     sock.send(abort_frame(self._frames, src, nonce, error), zmq.NOBLOCK)
         if not result.ok:

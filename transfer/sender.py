@@ -5,6 +5,9 @@ generation; the sender joins that pair, building it if new) -> receiver's ACK (i
 and posted all its chunk recvs) -> pipelined chunks: gather chunk i into a ring slot and seal
 it with its digest while the chunks before it are on the wire, send it once the receiver credited the
 slot it lands in -> receiver's DONE. See transfer/protocol.py and transfer/ring.py.
+
+A REQUEST that may come before the offer (early decode admission) is parked until the offer, then
+answered READY (the receiver asks again; transfer/parking.py, transfer/protocol.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import zmq
 from cluster.frames import REASON_BAD_FIELD, REASON_MALFORMED
 from transfer.channel import Channel, OpLane, PendingOp
 from transfer.handshake import Message, MessageKind
+from transfer.parking import ParkedRequests
 from transfer.peers import PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import (
     CHECKSUM_SCHEME,
@@ -50,6 +54,7 @@ from transfer.side import (
     fail,
 )
 from transfer.staging import ChunkPlan, block_index, chunk_view, junk_chunk
+from transfer.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,8 @@ class KVSender(Side):
     runs exactly once, on the transfer thread: ok=True after the receiver's `done`, ok=False when a
     transfer failed (its peer dropped included) or the lease expired; the owner frees the blocks then
     (keep the callback quick and thread-safe). A request withdrawn with `abort()` while not in flight gets
-    no callback. A request asked for by a dropped peer is refused and stays offered (lease, abort).
+    no callback. A request asked for by a dropped peer is refused and stays offered (lease, abort). A
+    transfer request that came before the offer and may wait for it is parked (transfer/parking.py).
 
     `offer` takes the request's block ids and keeps a frozen copy: the transfer thread never reads the
     engine's tables, and the blocks' bytes must not change until `on_sent` (or a withdrawing `abort`). Bind
@@ -100,6 +106,8 @@ class KVSender(Side):
         self.chunk_bytes = chunk_bytes
         self._leases: dict[str, _Lease] = {}
         self._pending: deque[tuple[bytes, TransferRequest]] = deque()
+        self._parked = ParkedRequests()  # under the lock, with the leases
+        self._wakeup = Wakeup()  # cuts the transfer thread's poll short when a parked request is offered
         self._num_posted = 0  # chunks of the transfer in flight posted so far
         self._is_done_early = False  # its `done` came while we waited for our sends to complete
         # (ident, nonce) -> (pair, tag, plan) of transfers we gave up on while waiting for the ack
@@ -137,6 +145,9 @@ class KVSender(Side):
             if request_id in self._leases:
                 raise TransferRejectedError(f"request {request_id!r} is already offered")
             self._leases[request_id] = _Lease(ids, expiry=time.monotonic() + lease, ready=ready)
+            was_parked = self._parked.offered(request_id)
+        if was_parked:
+            self._wakeup.set()
         return KVHandoff(
             request_id=request_id,
             src_worker_id=self.me.worker_id,
@@ -161,8 +172,11 @@ class KVSender(Side):
 
     def abort(self, request_id: str) -> bool:
         """Withdraw an offer. True: withdrawn, no callback will come. False: in flight (its `on_sent`
-        still comes) or unknown."""
+        still comes) or unknown. A transfer request parked for it (not offered yet) is refused."""
         with self._lock:
+            error = TransferRejectedError(f"{self.me.name} withdrew {request_id!r} before offering it")
+            if self._parked.withdraw(request_id, error):
+                self._wakeup.set()
             lease = self._leases.get(request_id)
             if lease is None or lease.in_flight:
                 return False
@@ -173,24 +187,65 @@ class KVSender(Side):
         with self._lock:
             return len(self._leases)
 
+    def num_parked(self) -> int:
+        """Transfer requests waiting for their offer (or for the transfer thread to answer them)."""
+        with self._lock:
+            return len(self._parked)
+
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        self._wakeup.register(poller)
         try:
             while not self._stop.is_set():
                 try:
                     self._expire_leases()
                     self._forget_dropped()
+                    self._unpark()
                     if self._pending:
-                        self._serve(*self._pending.popleft())
-                    elif self._sock.poll(int(POLL_S * 1000)):
+                        ident, req = self._pending.popleft()
+                        if not self._park(ident, req):
+                            self._serve(ident, req)
+                        continue
+                    events = dict(poller.poll(int(POLL_S * 1000)))
+                    if self._wakeup.is_set(events):
+                        self._wakeup.drain()
+                    if self._sock in events:
                         self._on_frame(self._sock.recv_multipart(), None)
                 except Exception:  # NOTE: e.g. a raising on_sent callback must not stop all transfers
                     logger.exception("KVSender %s: transfer thread error", self.me.name)
         finally:
             self._sock.close(linger=0)
+            self._wakeup.close()
 
     def _close_sockets(self) -> None:
         if not self._thread.is_alive():
             self._sock.close(linger=0)
+            self._wakeup.close()
+
+    def _park(self, ident: bytes, req: TransferRequest) -> bool:
+        """Park a request that came before its offer and may wait for it. False: serve it now (offered,
+        or it may not wait: then it is refused as unknown)."""
+        if req.offer_wait_until <= 0:
+            return False
+        with self._lock:
+            if req.request_id in self._leases or time.time() >= req.offer_wait_until:
+                return False
+            is_parked = self._parked.park(ident, req)
+        if not is_parked:
+            error = TransferRejectedError(f"{req.request_id!r} already has a transfer request waiting")
+            self._reply(ident, abort_frame(self._frames, _dst(req), req.nonce, error))
+        return True
+
+    def _unpark(self) -> None:
+        """Tell the receivers of parked requests offered since to ask again; refuse withdrawn and late
+        ones."""
+        with self._lock:
+            ready, refused = self._parked.take(time.time(), self.me.name)
+        for ident, req in ready:
+            self._reply(ident, self._frames.encode(_dst(req).name, MessageKind.READY, req.nonce))
+        for (ident, req), error in refused:
+            self._reply(ident, abort_frame(self._frames, _dst(req), req.nonce, error))
 
     def _forget_dropped(self) -> None:
         with self._lock:
@@ -199,6 +254,8 @@ class KVSender(Side):
             return
         for item in [p for p in self._pending if _dst(p[1]) in dropped]:
             self._pending.remove(item)
+        with self._lock:
+            self._parked.forget(dropped)
         for key in [k for k, v in self._abandoned.items() if v[0].decode in dropped]:
             del self._abandoned[key]
 
@@ -251,6 +308,8 @@ class KVSender(Side):
             except Exception:  # NOTE: must not fail the transfer this frame interrupted
                 logger.exception("KVSender %s: could not feed an abandoned recv", self.me.name)
         elif kind is MessageKind.ABORT:  # the receiver gave up before we served it
+            with self._lock:
+                self._parked.cancel(ident, nonce)  # NOTE: a parked one has no lease to finish
             for item in [p for p in self._pending if p[0] == ident and p[1].nonce == nonce]:
                 self._pending.remove(item)
                 self._finish_lease(item[1].request_id, False)

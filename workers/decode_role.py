@@ -4,6 +4,13 @@ A handoff waiting for its KV holds its reserved blocks and a seat among max_num_
 the handoff waits here (bounded by its deadline) and is retried every step-loop turn. An abort during an
 in-flight transfer is deferred until the transfer ends: the transfer thread may still be writing into the
 reserved blocks, so they must not go back to the pool before then.
+
+Early admission (``PrepareDecode``, sent while the prefill still runs): blocks are reserved at once (or,
+when short, retried while no real handoff waits) and the fetch is posted to the prefill worker's sender,
+which serves it the moment it offers the KV. The request commits once both the KV and its first token
+(the ``DecodeHandoff`` that follows the prefill) are here. An early request never reserved when its
+handoff comes takes the usual path; an early fetch that fails before the first token comes frees its
+blocks and keeps the error for the handoff, which then applies the failure policy as usual.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
-from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
+from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, PrepareDecode, RequestFailed, Transferred
 from transfer.connector import KVReceiver
 from transfer.pairs import PairChannel
 from transfer.protocol import KVHandoff, TransferError, TransferResult
@@ -28,6 +35,16 @@ class _KVDone:
 
     request_id: str
     future: Future[TransferResult]
+
+
+@dataclass
+class _Early:
+    """A request admitted before its prefill finished (see the module docstring)."""
+
+    op: PrepareDecode
+    is_reserved: bool = False  # blocks reserved and the fetch posted (or done)
+    result: TransferResult | None = None  # the KV landed; the first token has not come yet
+    error: TransferError | None = None  # the fetch failed before the first token came (blocks freed)
 
 
 class PendingHandoffs:
@@ -62,7 +79,10 @@ class DecodeRole:
         self.receiver: KVReceiver | None = None
         self._channel: PairChannel | None = None  # this worker's KV-transfer pairs
         self._pending = PendingHandoffs()
-        self._in_flight: dict[str, DecodeHandoff] = {}
+        # NOTE: an early fetch is in flight with None until its DecodeHandoff (first token) comes
+        self._in_flight: dict[str, DecodeHandoff | None] = {}
+        self._early: dict[str, _Early] = {}
+        self._next_early_expiry = 0.0
         self._abort_after_transfer: set[str] = set()
         self._last_keep_alive = 0.0
 
@@ -86,7 +106,50 @@ class DecodeRole:
     def on_first_token(self, delta: TokenDelta) -> None:
         raise RuntimeError("a decode worker never holds a prefill")
 
+    def on_prepare(self, op: PrepareDecode) -> None:
+        """Early admission: reserve and post the fetch now if blocks allow and no handoff waits."""
+        if self.receiver is None or op.request_id in self._early or op.request_id in self._in_flight:
+            return  # NOTE: the DecodeHandoff that follows takes the usual path (or fails it)
+        early = self._early[op.request_id] = _Early(op)
+        if not self._pending:
+            self._try_reserve_early(early)
+
+    def _try_reserve_early(self, early: _Early) -> bool:
+        """Reserve an early request's blocks and post its fetch; False if blocks or seats are short."""
+        assert self.receiver is not None
+        op = early.op
+        try:
+            reserved = self.ctx.engine.add_prefilled_request(
+                op.request_id, op.prompt_token_ids, None, op.params
+            )
+        except ValueError as e:
+            del self._early[op.request_id]
+            self._fail(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
+            return True
+        if reserved is None:
+            return False
+        block_ids, num_hit = reserved
+        block_size = self.receiver.layout.block_size
+        handoff = KVHandoff(
+            request_id=op.request_id,
+            src_worker_id=op.src_worker_id,
+            src_incarnation=op.src_incarnation,
+            src_endpoint=op.src_endpoint,
+            layout=self.receiver.layout,
+            num_tokens=len(op.prompt_token_ids),
+            num_blocks=-(-len(op.prompt_token_ids) // block_size),
+            lease_expiry=op.deadline,
+        )
+        self._submit(op.request_id, None, handoff, block_ids, num_hit, op.deadline, wait_for_offer=True)
+        early.is_reserved = True
+        return True
+
     def on_decode(self, op: DecodeHandoff) -> None:
+        early = self._early.get(op.request_id)
+        if early is not None and early.is_reserved:
+            self._on_first_token(early, op)
+            return
+        self._early.pop(op.request_id, None)
         if self.receiver is None:
             self._fail(op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (no KV store)")
             return
@@ -111,14 +174,41 @@ class DecodeRole:
         if reserved is None:
             return False
         block_ids, num_hit = reserved
-        future = self.receiver.submit(
-            handoff, block_ids[num_hit:], skip_first_n_blocks=num_hit, deadline=op.deadline
-        )
-        self._in_flight[op.request_id] = op
-        future.add_done_callback(lambda f: self.ctx.post(_KVDone(op.request_id, f)))
+        self._submit(op.request_id, op, handoff, block_ids, num_hit, op.deadline, wait_for_offer=False)
         return True
 
+    def _submit(
+        self,
+        request_id: str,
+        op: DecodeHandoff | None,
+        handoff: KVHandoff,
+        block_ids: list[int],
+        num_hit: int,
+        deadline: float,
+        wait_for_offer: bool,
+    ) -> None:
+        assert self.receiver is not None
+        future = self.receiver.submit(
+            handoff, block_ids[num_hit:], num_hit, deadline=deadline, wait_for_offer=wait_for_offer
+        )
+        self._in_flight[request_id] = op
+        future.add_done_callback(lambda f: self.ctx.post(_KVDone(request_id, f)))
+
+    def _on_first_token(self, early: _Early, op: DecodeHandoff) -> None:
+        """The DecodeHandoff of a reserved early request: commit if its KV is here, else wait for it."""
+        rid = op.request_id
+        if rid in self._in_flight:
+            self._in_flight[rid] = op  # NOTE: committed when the fetch ends
+            return
+        del self._early[rid]
+        if early.error is not None:
+            self._on_transfer_failed(op, early.error)
+        elif early.result is not None:
+            self._commit(op, early.result, is_early=True)
+
     def poll(self) -> None:
+        if self._early:
+            self._poll_early()
         if not self._pending:
             return
         for op in self._pending.expired(time.time()):
@@ -136,9 +226,31 @@ class DecodeRole:
             for op, _ in self._pending.items:
                 self.ctx.send(KeepAlive(self.ctx.worker_id, op.request_id))
 
+    def _poll_early(self) -> None:
+        """Reserve early requests still waiting for blocks (after every real handoff); drop those past
+        their deadline that no fetch holds (the router has failed them by then)."""
+        if not self._pending:
+            for early in [e for e in self._early.values() if not e.is_reserved]:
+                if not self._try_reserve_early(early):
+                    break
+        now = time.time()
+        if now < self._next_early_expiry:
+            return
+        self._next_early_expiry = now + 1.0
+        for rid, early in list(self._early.items()):
+            if early.op.deadline < now and rid not in self._in_flight:
+                del self._early[rid]
+                self.ctx.engine.abort(rid)
+
     def on_abort(self, request_id: str) -> bool:
+        early = self._early.pop(request_id, None)
         if request_id in self._in_flight:
             self._abort_after_transfer.add(request_id)
+            if self.receiver is not None and early is not None:
+                self.receiver.cancel(request_id)  # NOTE: a fetch still waiting for the offer ends now
+            return True
+        if early is not None:
+            self.ctx.engine.abort(request_id)
             return True
         return self._pending.remove(request_id)
 
@@ -151,12 +263,28 @@ class DecodeRole:
             self._abort_after_transfer.discard(rid)
             engine.abort(rid)
             return
+        # NOTE: op None: an early fetch whose first token has not come; its entry waits for it
+        early = self._early.get(rid) if op is None else self._early.pop(rid, None)
         try:
             result = cmd.future.result()
         except TransferError as e:
-            self._on_transfer_failed(op, e)
+            if op is not None:
+                self._on_transfer_failed(op, e)
+                return
+            engine.abort(rid)
+            if early is not None:
+                early.error = e
             return
-        engine.commit_prefilled(rid)
+        if op is not None:
+            self._commit(op, result, is_early=early is not None)
+        elif early is not None:
+            early.result = result
+        else:
+            engine.abort(rid)  # NOTE: unreachable: an early entry leaves only by abort, handoff or expiry
+
+    def _commit(self, op: DecodeHandoff, result: TransferResult, is_early: bool) -> None:
+        rid = op.request_id
+        self.ctx.engine.commit_prefilled(rid, op.first_token_id if is_early else None)
         self.ctx.send(Transferred(self.ctx.worker_id, rid, result.seconds, result.nbytes))
 
     def _on_transfer_failed(self, op: DecodeHandoff, error: TransferError) -> None:
@@ -181,7 +309,7 @@ class DecodeRole:
 
     # ---- observability --------------------------------------------------------------------------------
     def num_waiting_for_kv(self) -> int:
-        return len(self._in_flight) + len(self._pending)
+        return len(self._in_flight.keys() | self._early.keys()) + len(self._pending)
 
     def transfer_stats(self) -> TransferStats:
         return self.receiver.stats() if self.receiver is not None else TransferStats()
@@ -199,9 +327,10 @@ class DecodeRole:
         return [self.receiver.thread] if self.receiver is not None else []
 
     def check_leaks(self) -> None:
-        if self._in_flight or self._pending:
+        if self._in_flight or self._pending or self._early:
             raise AssertionError(
-                f"handoffs left: in flight {sorted(self._in_flight)}, pending {len(self._pending)}"
+                f"handoffs left: in flight {sorted(self._in_flight)}, pending {len(self._pending)}, "
+                f"early {sorted(self._early)}"
             )
 
     def close(self) -> None:

@@ -143,21 +143,37 @@ class Engine:
             detok.get_delta(finished=False)  # that text already went to the client
 
     def add_prefilled_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int | None,
+        params: SamplingParams,
     ) -> tuple[list[int], int] | None:
         """Decode side of a handoff: reserve blocks for the prompt's KV. Returns (block ids, leading
         blocks already held from the prefix cache) or None when blocks or seats are short; then
-        ``commit_prefilled`` once the KV landed, or ``abort`` on failure (frees the blocks)."""
-        request = self._new_request(
-            request_id, prompt_token_ids, params, hold=False, output_token_ids=[first_token_id]
-        )
-        self._resume(request, [first_token_id])
+        ``commit_prefilled`` once the KV landed, or ``abort`` on failure (frees the blocks).
+        ``first_token_id`` None: reserved while the prefill still runs (early decode admission); the
+        first token then comes with ``commit_prefilled``."""
+        first = [] if first_token_id is None else [first_token_id]
+        request = self._new_request(request_id, prompt_token_ids, params, hold=False, output_token_ids=first)
+        if first:
+            self._resume(request, first)
         reserved = self.scheduler.reserve_prefilled(request)
         if reserved is None:
             self._drop(request_id)
         return reserved
 
-    def commit_prefilled(self, request_id: str) -> None:
+    def commit_prefilled(self, request_id: str, first_token_id: int | None = None) -> None:
+        """The prompt's KV has landed: decode on. ``first_token_id``: the first token of a request
+        reserved without it (its grammar matcher and detokenizer take it here)."""
+        if first_token_id is not None:
+            request = self.scheduler.requests[request_id]
+            if request.output_token_ids:
+                raise RuntimeError(f"commit_prefilled({request_id!r}): its first token is known already")
+            if request.params.structured is not None:
+                self.structured.remove(request_id)
+                self.structured.add(request_id, request.params.structured, [first_token_id])
+            self._resume(request, [first_token_id])
         self.scheduler.commit_prefilled(request_id)
 
     # ---- stepping ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats
-from cluster.wire import DecodeHandoff, PeerDead, Prefilled, RequestFailed
+from cluster.wire import DecodeHandoff, PeerDead, Prefilled, PrepareDecode, RequestFailed
 from transfer.connector import KVSender
 from transfer.pairs import PairChannel
 from workers.request import RequestStatus
@@ -70,13 +70,21 @@ class PrefillRole:
         handoff = self.sender.offer(rid, block_ids, num_tokens=prompt_len)
         self.ctx.send(Prefilled(self.ctx.worker_id, delta, handoff.to_bytes()))
 
+    def on_prepare(self, op: PrepareDecode) -> None:
+        raise RuntimeError("a prefill worker accepts no handoffs")
+
     def on_decode(self, op: DecodeHandoff) -> None:
         raise RuntimeError("a prefill worker accepts no handoffs")
 
     def on_abort(self, request_id: str) -> bool:
+        if self.sender is None:
+            return False
         held = self.ctx.engine.request_status(request_id) == RequestStatus.SENDING_KV
-        # NOTE: an offer in flight cannot be withdrawn; its on_sent comes and frees the blocks then.
-        return held and self.sender is not None and not self.sender.abort(request_id)
+        # NOTE: an offer in flight cannot be withdrawn; its on_sent comes and frees the blocks then. A
+        # request still prefilling has no offer, but maybe a fetch parked for it (early admission): the
+        # sender refuses that one now.
+        is_withdrawn = self.sender.abort(request_id)
+        return held and not is_withdrawn
 
     def on_peer_dead(self, op: PeerDead) -> None:
         if self.sender is not None:
@@ -114,8 +122,11 @@ class PrefillRole:
         return [self.sender.thread] if self.sender is not None else []
 
     def check_leaks(self) -> None:
-        if self.sender is not None and self.sender.num_held():
-            raise AssertionError(f"KV sender still holds {self.sender.num_held()} offers")
+        if self.sender is not None and (self.sender.num_held() or self.sender.num_parked()):
+            raise AssertionError(
+                f"KV sender still holds {self.sender.num_held()} offers, "
+                f"{self.sender.num_parked()} parked transfer requests"
+            )
 
     def close(self) -> None:
         if self.sender is not None:

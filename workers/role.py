@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from cluster.config import TransferConfig
 from cluster.protocol import TokenDelta, TransferStats
-from cluster.wire import DecodeHandoff, PeerDead
+from cluster.wire import DecodeHandoff, PeerDead, PrepareDecode
 from transfer.pairs import PairChannel
 from transfer.peers import PeerId
 from workers.engine import Engine
@@ -62,7 +62,7 @@ class WorkerContext:
 
 class Role(Protocol):
     holds_prefills: bool  # Generate(hold=True) is allowed here
-    accepts_handoffs: bool  # DecodeHandoff is allowed here
+    accepts_handoffs: bool  # PrepareDecode and DecodeHandoff are allowed here
 
     def start(self) -> None:
         """Start the KV sender / receiver (its pairs are built on first use)."""
@@ -78,6 +78,9 @@ class Role(Protocol):
 
     def on_first_token(self, delta: TokenDelta) -> None:
         """A held request produced its first token (SENDING_KV): offer its KV, tell the router."""
+
+    def on_prepare(self, op: PrepareDecode) -> None:
+        """Early decode admission: reserve blocks and post the fetch while the prefill runs."""
 
     def on_decode(self, op: DecodeHandoff) -> None: ...
 

@@ -50,6 +50,7 @@ from cluster.wire import (
     Generate,
     Heartbeat,
     PeerDead,
+    PrepareDecode,
     RequestFailed,
     WireDecoder,
     WireEncoder,
@@ -337,6 +338,10 @@ class EngineWorker:
                 )
             else:
                 self.role.on_decode(cmd)
+        elif isinstance(cmd, PrepareDecode):
+            # NOTE: elsewhere it is a hint to ignore; the DecodeHandoff that follows fails the request
+            if self.role is not None and self.role.accepts_handoffs:
+                self.role.on_prepare(cmd)
         elif isinstance(cmd, PeerDead):
             if self.role is not None:
                 self.role.on_peer_dead(cmd)
