@@ -1,0 +1,100 @@
+"""The router and real workers in one process (tests/local_cluster.py: no Ray): what the disaggregated
+path moves and reuses, counted exactly, and the colocated mode, each equal to transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import RouterConfig
+from cluster.protocol import WorkerStats
+from tests.cluster_utils import greedy, shared_prefix_prompts
+from tests.hf_models import hf_greedy, make_random_hf_model
+from tests.local_cluster import LocalCluster, engine_config
+from transfer.channel import layout_of
+
+BLOCK_SIZE = 4
+# first blocks all differ (no hit inside a pass); lengths with and without a partial last block
+PROMPTS = [
+    [40 + i, *range(100 + 7 * i, 100 + 7 * i + n - 1)] for i, n in enumerate([5, 8, 9, 13, 16, 23, 3, 30])
+]
+MAX_TOKENS = [6, 3, 7, 5, 4, 8, 6, 2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_random_hf_model("qwen3", tmp_path_factory.mktemp("local-cluster")))
+
+
+def tokens(out: list[list]) -> list[list[int]]:  # type: ignore[type-arg]
+    return [[t for d in deltas for t in d.token_ids] for deltas in out]
+
+
+def settled(cluster: LocalCluster) -> dict[str, WorkerStats]:
+    cluster.wait_until_quiet()
+    return {wid: w.stats() for wid, w in cluster.workers.items()}
+
+
+def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(model_dir: str) -> None:
+    """Pass 1 moves every prompt block; pass 2 (same prompts) hits each prompt's full blocks on the
+    decode worker (so only a partial last block moves) and all but the block holding the last prompt
+    token on the prefill worker that affinity picks again."""
+    reference = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    cluster = LocalCluster(engine_config(model_dir), {"prefill": 2, "decode": 1})
+    try:
+        bytes_per_block = layout_of(cluster.workers["decode-0"].engine.runner.kv_cache).bytes_per_block
+        params = [greedy(m) for m in MAX_TOKENS]
+        full = [len(p) // BLOCK_SIZE for p in PROMPTS]
+        blocks = [-(-len(p) // BLOCK_SIZE) for p in PROMPTS]
+        before = settled(cluster)
+        expected_moved = {1: sum(blocks), 2: sum(b - f for b, f in zip(blocks, full, strict=True))}
+        expected_decode_hits = {1: 0, 2: BLOCK_SIZE * sum(full)}
+        expected_prefill_hits = {1: 0, 2: BLOCK_SIZE * sum((len(p) - 1) // BLOCK_SIZE for p in PROMPTS)}
+        for n in (1, 2):
+            assert tokens(cluster.generate(PROMPTS, params)) == reference
+            after = settled(cluster)
+            d0, d1 = before["decode-0"], after["decode-0"]
+            assert d1.transfer.num_ok - d0.transfer.num_ok == len(PROMPTS)
+            assert d1.transfer.bytes_total - d0.transfer.bytes_total == expected_moved[n] * bytes_per_block
+            assert d1.engine.prefix_cache_hits - d0.engine.prefix_cache_hits == expected_decode_hits[n]
+            prefill_hits = sum(
+                after[w].engine.prefix_cache_hits - before[w].engine.prefix_cache_hits
+                for w in ("prefill-0", "prefill-1")
+            )
+            assert prefill_hits == expected_prefill_hits[n]
+            # what the prefill side sent is what the decode side received
+            sent = sum(
+                after[w].transfer.bytes_total - before[w].transfer.bytes_total
+                for w in ("prefill-0", "prefill-1")
+            )
+            assert sent == expected_moved[n] * bytes_per_block
+            before = after
+        assert expected_moved[2] < expected_moved[1]
+        assert cluster.fatal == []
+    finally:
+        cluster.close()
+
+
+def test_colocated_mode_equals_transformers(model_dir: str) -> None:
+    prompts = shared_prefix_prompts(12, seed=5)
+    max_tokens = [3 + i % 6 for i in range(len(prompts))]
+    reference = hf_greedy(model_dir, prompts, max_tokens)
+    cluster = LocalCluster(
+        engine_config(model_dir, max_num_batched_tokens=64),
+        {"colocated": 2},
+        router=RouterConfig(mode="colocated", health_interval_s=0.1, health_timeout_s=10.0),
+    )
+    try:
+        before = settled(cluster)
+        assert tokens(cluster.generate(prompts, [greedy(m) for m in max_tokens])) == reference
+        after = settled(cluster)
+        generated = {
+            wid: after[wid].engine.num_generation_tokens - before[wid].engine.num_generation_tokens
+            for wid in after
+        }
+        # every request ran whole on one worker, and the router spread them over both
+        assert sum(generated.values()) == sum(max_tokens)
+        assert all(n > 0 for n in generated.values())
+        assert all(s.transfer.num_ok == 0 for s in after.values())
+        assert cluster.fatal == []
+    finally:
+        cluster.close()
