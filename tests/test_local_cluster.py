@@ -74,6 +74,47 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(mode
         cluster.close()
 
 
+def test_multi_turn_follow_ups_hit_what_each_side_computed_and_move_only_the_rest(model_dir: str) -> None:
+    """Each turn's prompt is the previous prompt + its answer + new text. The decode worker holds every
+    full block of what it computed (the prompt it received, then its decode: all but the last sampled
+    token), the prefill worker every full block of the prompt it computed; only the blocks past the
+    decode side's hit move."""
+    cluster = LocalCluster(engine_config(model_dir), {"prefill": 1, "decode": 1})
+    try:
+        bytes_per_block = layout_of(cluster.workers["decode-0"].engine.runner.kv_cache).bytes_per_block
+        max_tokens = [9, 6, 4]
+        new_text = [[5, 77, 402, 18, 260], [90, 91, 92]]
+        prompts = [[11, 48, 301, 7, 250, 99, 3, 480, 17, 64]]  # 10 tokens
+        outputs: list[list[int]] = []
+        seen: list[tuple[int, int, int]] = []  # (decode hit, prefill hit, blocks moved) per turn
+        before = settled(cluster)
+        for turn, num in enumerate(max_tokens):
+            if turn > 0:
+                prompts.append(prompts[-1] + outputs[-1] + new_text[turn - 1])
+            (out,) = tokens(cluster.generate([prompts[-1]], [greedy(num)]))
+            outputs.append(out)
+            after = settled(cluster)
+            d0, d1, p0, p1 = before["decode-0"], after["decode-0"], before["prefill-0"], after["prefill-0"]
+            moved = d1.transfer.bytes_total - d0.transfer.bytes_total
+            assert moved % bytes_per_block == 0
+            seen.append(
+                (
+                    d1.engine.prefix_cache_hits - d0.engine.prefix_cache_hits,
+                    p1.engine.prefix_cache_hits - p0.engine.prefix_cache_hits,
+                    moved // bytes_per_block,
+                )
+            )
+            before = after
+        # turn 2 (24 tokens): decode computed 10 + 9 - 1 = 18 tokens (4 full blocks), prefill 10 (2);
+        # turn 3 (33 tokens): decode computed 24 + 6 - 1 = 29 (7 full blocks), prefill 24 (6)
+        assert [len(p) for p in prompts] == [10, 24, 33]
+        assert seen == [(0, 0, 3), (16, 8, 6 - 4), (28, 24, 9 - 7)]
+        assert outputs == hf_greedy(model_dir, prompts, max_tokens)
+        assert cluster.fatal == []
+    finally:
+        cluster.close()
+
+
 def test_colocated_mode_equals_transformers(model_dir: str) -> None:
     prompts = shared_prefix_prompts(12, seed=5)
     max_tokens = [3 + i % 6 for i in range(len(prompts))]
