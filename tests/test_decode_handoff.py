@@ -101,6 +101,23 @@ def test_an_abort_while_the_kv_is_in_flight_ends_the_request_on_the_decode_worke
     d.check_no_leaks()
 
 
+def test_an_abort_while_decoding_stops_the_request_at_once(
+    model_dir: str, prefill: PrefillEngine, reference: dict[str, list[int]]
+) -> None:
+    d = DecodeSide(model_dir, num_kv_blocks=32)
+    first, rows = prefill.prefill("A", PROMPT_A, greedy(NUM_TOKENS))
+    d.handoff("A", PROMPT_A, first, greedy(NUM_TOKENS))
+    d.receiver.land("A", rows)
+    d.turn()
+    d.turn()
+    assert [first, *d.tokens["A"]] == reference["A"][:3]
+    d.abort("A")
+    assert d.engine.request_status("A") is None
+    d.run_until_idle()
+    assert [first, *d.tokens["A"]] == reference["A"][:3]
+    d.check_no_leaks()
+
+
 @pytest.mark.parametrize("outcome", ["landed", "failed"])
 def test_blocks_of_an_aborted_in_flight_transfer_are_not_reused_until_it_ends(
     model_dir: str, reference: dict[str, list[int]], outcome: str
