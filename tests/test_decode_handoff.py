@@ -11,8 +11,8 @@ import pytest
 from cluster.config import TransferConfig
 from cluster.protocol import ErrorCode
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
-from tests.handoff_fakes import DecodeSide, PrefillEngine, greedy
-from tests.hf_models import hf_greedy, make_random_hf_model
+from tests.handoff_fakes import DecodeSide, PrefillEngine, greedy, qwen3_model
+from tests.hf_models import hf_greedy
 
 PROMPT_A = [11, 48, 301, 7, 250, 99, 3, 480, 17, 64]  # 10 tokens: 3 blocks of 4
 PROMPT_B = [5, 77, 402, 18, 260, 90, 91, 92, 33, 8, 140, 9]  # 12 tokens: 3 blocks
@@ -22,7 +22,7 @@ NUM_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_random_hf_model("qwen3", tmp_path_factory.mktemp("decode-handoff")))
+    return qwen3_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

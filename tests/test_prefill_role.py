@@ -9,8 +9,8 @@ import pytest
 from cluster.config import TransferConfig
 from cluster.protocol import ErrorCode
 from cluster.wire import PeerDead, Prefilled, RequestFailed
-from tests.handoff_fakes import PrefillSide, greedy
-from tests.hf_models import hf_greedy, make_random_hf_model
+from tests.handoff_fakes import PrefillSide, greedy, qwen3_model
+from tests.hf_models import hf_greedy
 from transfer.protocol import KVHandoff
 from workers.request import RequestStatus
 
@@ -19,7 +19,7 @@ PROMPT = [11, 48, 301, 7, 250, 99, 3, 480, 17, 64]  # 10 tokens: 3 blocks of 4, 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_random_hf_model("qwen3", tmp_path_factory.mktemp("prefill-role")))
+    return qwen3_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
