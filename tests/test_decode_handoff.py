@@ -49,6 +49,8 @@ def test_a_handoff_lands_in_its_reserved_blocks_and_decodes_like_transformers(
     assert d.role.num_waiting_for_kv() == 1
     d.turn()
     assert d.tokens["C"] == []  # nothing decodes before the KV is there
+    with pytest.raises(AssertionError, match=r"handoffs left: in flight \['C'\], pending 0"):
+        d.role.check_leaks()
     d.receiver.land("C", rows)
     d.run_until_idle()
     assert [first, *d.tokens["C"]] == reference["C"]
@@ -197,6 +199,20 @@ def test_handoffs_short_of_seats_wait_in_order_keep_the_lease_and_obey_aborts(
     assert not [e for e in d.events_for("E") if not isinstance(e, KeepAlive)]
     assert [first_a, *d.tokens["A"]] == reference["A"]
     assert [first_b, *d.tokens["B"]] == reference["B"]
+    d.check_no_leaks()
+
+
+def test_keep_alives_for_waiting_handoffs_are_paced_at_a_quarter_lease(model_dir: str) -> None:
+    d = DecodeSide(model_dir, TransferConfig(lease_s=3.0), num_kv_blocks=32, max_num_seqs=1)
+    d.handoff("A", PROMPT_A, 1, greedy(NUM_TOKENS))  # takes the only seat, its KV never comes
+    d.handoff("B", PROMPT_B, 1, greedy(NUM_TOKENS))
+    for _ in range(3):  # three turns well within 0.75 s (nothing to step): one keep-alive
+        d.turn()
+    assert d.events == [KeepAlive("worker-0", "B")]
+    d.abort("B")
+    d.abort("A")
+    d.receiver.fail("A")
+    d.run_until_idle()
     d.check_no_leaks()
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.protocol import WorkerStats
-from tests.cluster_utils import greedy, shared_prefix_prompts
+from cluster.router import WorkerState
+from tests.cluster_utils import greedy, shared_prefix_prompts, wait_for
 from tests.hf_models import hf_greedy, make_random_hf_model
 from tests.local_cluster import LocalCluster, engine_config
 from transfer.channel import layout_of
@@ -70,6 +71,34 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(mode
             before = after
         assert expected_moved[2] < expected_moved[1]
         assert cluster.fatal == []
+    finally:
+        cluster.close()
+    # shutdown ends every KV-transfer thread
+    assert [
+        t.name for w in cluster.workers.values() if w.role for t in w.role.threads() if t.is_alive()
+    ] == []
+
+
+def test_a_dead_transfer_thread_makes_its_worker_say_so_and_leave_the_cluster(model_dir: str) -> None:
+    cluster = LocalCluster(engine_config(model_dir), {"prefill": 1, "decode": 1})
+    try:
+        for wid, name in (("decode-0", "KVReceiver-decode-0"), ("prefill-0", "KVSender-prefill-0")):
+            role = cluster.workers[wid].role
+            assert role is not None
+            (thread,) = role.threads()
+            assert thread.name == name and thread.is_alive()
+            role.close()  # the transfer thread ends under a live worker
+            reason = f"step thread died: RuntimeError: transfer thread(s) ['{name}'] died"
+            wait_for(lambda r=reason: r in cluster.fatal, 10, f"{wid} reports its dead transfer thread")
+            assert not cluster.workers[wid].health()
+            wait_for(
+                lambda w=wid: any(
+                    x.worker_id == w and x.state == WorkerState.DEAD for x in cluster.router.workers
+                ),
+                10,
+                f"the router drops {wid}",
+            )
+        assert not cluster.router.is_healthy()
     finally:
         cluster.close()
 
