@@ -9,14 +9,17 @@ through ONE PUSH socket, so the router handles events in exactly the order a tes
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from cluster.config import RouterConfig
+from cluster.frames import new_secret
 from cluster.protocol import (
     EngineStats,
+    FinishReason,
     GenerateRequest,
     RouterError,
     SamplingParams,
@@ -24,7 +27,17 @@ from cluster.protocol import (
     WorkerStats,
 )
 from cluster.router import Router
-from cluster.wire import OPS, ROUTER_ID, Heartbeat, WireDecoder, WireEncoder, WorkerInfo
+from cluster.wire import (
+    OPS,
+    ROUTER_ID,
+    DecodeHandoff,
+    Generate,
+    Heartbeat,
+    Prefilled,
+    WireDecoder,
+    WireEncoder,
+    WorkerInfo,
+)
 
 TIMEOUT_S = 10.0
 BLOCK_SIZE = 4
@@ -33,6 +46,8 @@ STREAM_TASK = "stream-"
 
 
 class FakeWorkers:
+    """The fake workers of one router (see the module docstring)."""
+
     def __init__(self, router: Router, secret: bytes) -> None:
         self.router = router
         self.secret = secret
@@ -167,3 +182,62 @@ async def until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> None
         if loop.time() > deadline:
             raise TimeoutError(f"{what} not reached within {timeout_s} s")
         await asyncio.sleep(0.005)
+
+
+Scenario = Callable[[Router, FakeWorkers], Awaitable[None]]
+
+
+def run(scenario: Scenario, **config: Any) -> None:
+    """Run ``scenario`` against a fresh router (RouterConfig overrides in ``config``) and its fake
+    workers on a new event loop; then the router's own loops must all be running and no frame
+    rejected. Streams still running are cancelled before the router closes."""
+
+    async def main() -> None:
+        secret = new_secret()
+        options: dict[str, Any] = {"health_interval_s": 0.02, "health_timeout_s": 60.0, **config}
+        router = Router(RouterConfig(**options), secret)
+        await router.start()
+        fakes = FakeWorkers(router, secret)
+        try:
+            await scenario(router, fakes)
+            assert router.dead_tasks() == [] and router.rejected_frames() == {}
+        finally:
+            await cancel_streams()
+            fakes.close()
+            await router.close()
+
+    asyncio.run(main())
+
+
+def delta(rid: str, *tokens: int, finish: FinishReason | None = None) -> TokenDelta:
+    return TokenDelta(rid, list(tokens), finish_reason=finish)
+
+
+def assert_idle(router: Router) -> None:
+    """The router's per-worker bookkeeping is back to zero."""
+    assert {w.worker_id: (w.num_assigned, w.num_prompt_tokens) for w in router.workers} == {
+        w.worker_id: (0, 0) for w in router.workers
+    }
+
+
+async def prefilled(fakes: FakeWorkers, s: Stream, prefill: str, token: int) -> DecodeHandoff:
+    """``s`` is on ``prefill``: it sends the first token; returns the handoff the router sends on."""
+    gen = await fakes.op(prefill)
+    assert gen == Generate(s.req.request_id, s.req.prompt_token_ids, s.req.params, gen.deadline, True, [])
+    handoff = f"kv-{s.req.request_id}".encode()
+    await fakes.send(Prefilled(prefill, delta(s.req.request_id, token), handoff))
+    first = await s.next()
+    assert isinstance(first, TokenDelta) and first.token_ids == [token]
+    rid = s.req.request_id
+    await until(lambda: fakes.router.placement(rid)[1] is not None, f"{rid} handed off")
+    op = await fakes.op(decode_of(fakes.router, rid))
+    assert op == DecodeHandoff(
+        s.req.request_id, s.req.prompt_token_ids, token, s.req.params, handoff, gen.deadline
+    )
+    return op
+
+
+def decode_of(router: Router, rid: str) -> str:
+    decode = router.placement(rid)[1]
+    assert decode is not None, f"{rid} has no decode worker"
+    return decode

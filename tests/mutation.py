@@ -42,7 +42,7 @@ ENGINE_STAGE = ("tests/test_engine_scheduling.py", "tests/test_engine_hf.py", "-
 HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "tests/test_worker_roles.py")
 CLUSTER_STAGE = ("tests/test_local_cluster.py",)
 TRANSFER_STAGE = ("tests/test_transfer.py",)
-ROUTER_STAGE = ("tests/test_router_unit.py",)
+ROUTER_STAGE = ("tests/test_router_unit.py", "tests/test_router_migration.py")
 CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE, HANDOFF_STAGE)
 ROLE_STAGES = (HANDOFF_STAGE, CLUSTER_STAGE)
 
