@@ -10,7 +10,6 @@ role sends to the router are kept in ``events``.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -30,18 +29,6 @@ from workers.engine import Engine
 from workers.prefill_role import PrefillRole, _Sent
 from workers.request import RequestStatus
 from workers.role import WorkerContext
-
-_models: dict[pathlib.Path, str] = {}
-
-
-def qwen3_model(tmp_path_factory: Any) -> str:
-    """The random qwen3 checkpoint (tests/hf_models.py), built once per test session."""
-    base = tmp_path_factory.getbasetemp()
-    if base not in _models:
-        from tests.hf_models import make_random_hf_model
-
-        _models[base] = str(make_random_hf_model("qwen3", tmp_path_factory.mktemp("handoff-model")))
-    return _models[base]
 
 
 def greedy(max_tokens: int) -> SamplingParams:

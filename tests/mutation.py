@@ -58,6 +58,12 @@ TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "cluster/router.py": (ROUTER_STAGE,),
 }
 
+# NOTE: a fixed order; no cache files in the tree; hypothesis's plugin is a second of imports per run
+# and no stage uses it.
+PYTEST_PLUGINS_OFF = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+# tests/oracle_cache.py keeps the random checkpoint and transformers' outputs here for the whole run
+CACHE_ENV = "PDSERVE_TEST_CACHE"
+
 SKIP_MARK = "pragma: no mutate"
 _COMPARE_SWAPS: dict[type, type] = {
     ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
@@ -222,7 +228,7 @@ def copy_tree(dest: pathlib.Path) -> None:
 
 def run_stage(tree: pathlib.Path, stage: Sequence[str], timeout_s: float) -> str:
     """ "pass", "fail" or "timeout" for one stage's tests in ``tree``."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *stage]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_PLUGINS_OFF, *stage]
     # NOTE: no bytecode: a mutant of the same size written within the same second would otherwise load
     # the original's cached .pyc.
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
@@ -297,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # NOTE: SIGTERM unwinds like Ctrl-C, so the throwaway trees are removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="pdserve-mutation-") as tmp:
+        cache = pathlib.Path(tmp) / "cache"
+        cache.mkdir()
+        os.environ[CACHE_ENV] = str(cache)
         trees = [pathlib.Path(tmp) / f"tree{i}" for i in range(max(1, args.jobs))]
         for tree in trees:
             copy_tree(tree)

@@ -11,8 +11,8 @@ import pytest
 from cluster.config import TransferConfig
 from cluster.protocol import ErrorCode
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
-from tests.handoff_fakes import DecodeSide, PrefillEngine, greedy, qwen3_model
-from tests.hf_models import hf_greedy
+from tests.handoff_fakes import DecodeSide, PrefillEngine, greedy
+from tests.oracle_cache import hf_reference, qwen3_model
 
 PROMPT_A = [11, 48, 301, 7, 250, 99, 3, 480, 17, 64]  # 10 tokens: 3 blocks of 4
 PROMPT_B = [5, 77, 402, 18, 260, 90, 91, 92, 33, 8, 140, 9]  # 12 tokens: 3 blocks
@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(model_dir: str) -> dict[str, list[int]]:
     prompts = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_C}
-    outs = hf_greedy(model_dir, list(prompts.values()), [NUM_TOKENS] * 3)
+    outs = hf_reference(model_dir, list(prompts.values()), [NUM_TOKENS] * 3)
     return dict(zip(prompts, outs, strict=True))
 
 

@@ -9,8 +9,8 @@ from cluster.config import RouterConfig
 from cluster.protocol import WorkerStats
 from cluster.router import WorkerState
 from tests.cluster_utils import greedy, shared_prefix_prompts, wait_for
-from tests.hf_models import hf_greedy, make_random_hf_model
 from tests.local_cluster import LocalCluster, engine_config
+from tests.oracle_cache import hf_reference, qwen3_model
 from transfer.channel import layout_of
 
 BLOCK_SIZE = 4
@@ -23,7 +23,7 @@ MAX_TOKENS = [6, 3, 7, 5, 4, 8, 6, 2]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_random_hf_model("qwen3", tmp_path_factory.mktemp("local-cluster")))
+    return qwen3_model(tmp_path_factory)
 
 
 def tokens(out: list[list]) -> list[list[int]]:  # type: ignore[type-arg]
@@ -39,7 +39,7 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(mode
     """Pass 1 moves every prompt block; pass 2 (same prompts) hits each prompt's full blocks on the
     decode worker (so only a partial last block moves) and all but the block holding the last prompt
     token on the prefill worker that affinity picks again."""
-    reference = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    reference = hf_reference(model_dir, PROMPTS, MAX_TOKENS)
     cluster = LocalCluster(engine_config(model_dir), {"prefill": 2, "decode": 1})
     try:
         bytes_per_block = layout_of(cluster.workers["decode-0"].engine.runner.kv_cache).bytes_per_block
@@ -138,7 +138,7 @@ def test_multi_turn_follow_ups_hit_what_each_side_computed_and_move_only_the_res
         # turn 3 (33 tokens): decode computed 24 + 6 - 1 = 29 (7 full blocks), prefill 24 (6)
         assert [len(p) for p in prompts] == [10, 24, 33]
         assert seen == [(0, 0, 3), (16, 8, 6 - 4), (28, 24, 9 - 7)]
-        assert outputs == hf_greedy(model_dir, prompts, max_tokens)
+        assert outputs == hf_reference(model_dir, prompts, max_tokens)
         assert cluster.fatal == []
     finally:
         cluster.close()
@@ -147,7 +147,7 @@ def test_multi_turn_follow_ups_hit_what_each_side_computed_and_move_only_the_res
 def test_colocated_mode_equals_transformers(model_dir: str) -> None:
     prompts = shared_prefix_prompts(12, seed=5)
     max_tokens = [3 + i % 6 for i in range(len(prompts))]
-    reference = hf_greedy(model_dir, prompts, max_tokens)
+    reference = hf_reference(model_dir, prompts, max_tokens)
     cluster = LocalCluster(
         engine_config(model_dir, max_num_batched_tokens=64),
         {"colocated": 2},

@@ -9,8 +9,8 @@ import pytest
 from cluster.config import TransferConfig
 from cluster.protocol import ErrorCode
 from cluster.wire import PeerDead, Prefilled, RequestFailed
-from tests.handoff_fakes import PrefillSide, greedy, qwen3_model
-from tests.hf_models import hf_greedy
+from tests.handoff_fakes import PrefillSide, greedy
+from tests.oracle_cache import hf_reference, qwen3_model
 from transfer.protocol import KVHandoff
 from workers.request import RequestStatus
 
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def first_token(model_dir: str) -> int:
-    return hf_greedy(model_dir, [PROMPT], [1])[0][0]
+    return hf_reference(model_dir, [PROMPT], [1])[0][0]
 
 
 def held(model_dir: str, rid: str = "A", **transfer: float) -> PrefillSide:
