@@ -41,6 +41,7 @@ UNIT_STAGE = ("tests/test_block_manager.py", "tests/test_scheduler.py", "tests/t
 ENGINE_STAGE = ("tests/test_engine_scheduling.py", "tests/test_engine_hf.py", "-k", "scheduling or qwen3")
 HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "tests/test_worker_roles.py")
 CLUSTER_STAGE = ("tests/test_local_cluster.py",)
+RECEIVER_STAGE = ("tests/test_receiver_unit.py", "tests/test_local_cluster.py")
 TRANSFER_STAGE = ("tests/test_transfer.py",)
 ROUTER_STAGE = ("tests/test_router_unit.py", "tests/test_router_migration.py")
 CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE, HANDOFF_STAGE)
@@ -54,7 +55,7 @@ TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "workers/prefix_cache.py": CORE_STAGES,
     "workers/decode_role.py": ROLE_STAGES,
     "workers/prefill_role.py": ROLE_STAGES,
-    "transfer/receiver.py": (CLUSTER_STAGE, TRANSFER_STAGE),
+    "transfer/receiver.py": (RECEIVER_STAGE, TRANSFER_STAGE),
     "cluster/router.py": (ROUTER_STAGE,),
 }
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import RouterConfig
-from cluster.protocol import WorkerStats
+from cluster.protocol import TransferStats, WorkerStats
 from cluster.router import WorkerState
 from tests.cluster_utils import greedy, shared_prefix_prompts, wait_for
 from tests.local_cluster import LocalCluster, engine_config
 from tests.oracle_cache import hf_reference, qwen3_model
 from transfer.channel import layout_of
+from transfer.protocol import TransferResult
+from workers.decode_role import DecodeRole
+from workers.prefill_role import PrefillRole
 
 BLOCK_SIZE = 4
 # first blocks all differ (no hit inside a pass); lengths with and without a partial last block
@@ -28,6 +31,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def tokens(out: list[list]) -> list[list[int]]:  # type: ignore[type-arg]
     return [[t for d in deltas for t in d.token_ids] for deltas in out]
+
+
+def check_results(results: list[TransferResult], stats: TransferStats, bytes_per_block: int) -> None:
+    """Every transfer one side saw: whole blocks, a pair of generation 0, and its phases inside its
+    wire time inside its total time; the side's counters are the sums."""
+    eps = 1e-6  # NOTE: float sums of the phase times only
+    for r in results:
+        assert r.ok and r.error is None and r.generation == 0, r
+        assert r.nbytes == r.num_blocks * bytes_per_block, r
+        phases = r.gather_seconds + r.hash_seconds + r.scatter_seconds + r.blocked_seconds
+        assert 0.0 <= phases <= r.wire_seconds + eps and r.wire_seconds <= r.seconds, r
+        assert min(r.gather_seconds, r.hash_seconds, r.scatter_seconds, r.blocked_seconds) >= 0.0, r
+    assert (stats.num_ok, stats.num_failed) == (len(results), 0)
+    assert stats.bytes_total == sum(r.nbytes for r in results)
+    assert stats.seconds_total == sum(r.seconds for r in results)
 
 
 def settled(cluster: LocalCluster) -> dict[str, WorkerStats]:
@@ -70,6 +88,20 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(mode
             assert sent == expected_moved[n] * bytes_per_block
             before = after
         assert expected_moved[2] < expected_moved[1]
+        decode = cluster.workers["decode-0"].role
+        senders = [cluster.workers[w].role for w in ("prefill-0", "prefill-1")]
+        assert isinstance(decode, DecodeRole) and decode.receiver is not None
+        received = decode.receiver.results()
+        check_results(received, decode.receiver.stats(), bytes_per_block)
+        sent = []
+        for role in senders:
+            assert isinstance(role, PrefillRole) and role.sender is not None
+            check_results(role.sender.results(), role.sender.stats(), bytes_per_block)
+            sent += role.sender.results()
+        assert sorted((r.request_id, r.num_blocks) for r in sent) == sorted(
+            (r.request_id, r.num_blocks) for r in received
+        )
+        assert sum(r.num_blocks for r in received) == expected_moved[1] + expected_moved[2]
         assert cluster.fatal == []
     finally:
         cluster.close()
