@@ -37,7 +37,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # not depend on it; the full suite covers all four), then the handoff roles driven turn by turn (a real
 # engine, a fake KV mover), then a whole cluster in this process (router + workers, real KV transfers,
 # no Ray), then the KV transfer between real processes, and the router against fake workers.
-UNIT_STAGE = ("tests/test_block_manager.py", "tests/test_scheduler.py", "tests/test_prefix_cache.py")
+UNIT_STAGE = (
+    "tests/test_block_manager.py",
+    "tests/test_scheduler.py",
+    "tests/test_scheduler_steps.py",
+    "tests/test_prefix_cache.py",
+)
 ENGINE_STAGE = ("tests/test_engine_scheduling.py", "tests/test_engine_hf.py", "-k", "scheduling or qwen3")
 HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "tests/test_worker_roles.py")
 CLUSTER_STAGE = ("tests/test_local_cluster.py",)
