@@ -34,17 +34,41 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # A stage is pytest arguments (a -k applies to the whole stage). Torch-free unit tests (about a second a
 # run), then engine-level tests against transformers on one architecture (scheduling and block bugs do
-# not depend on it; the full suite covers all four).
-UNIT_STAGE = ("tests/test_block_manager.py", "tests/test_scheduler.py", "tests/test_prefix_cache.py")
+# not depend on it; the full suite covers all four), then the handoff roles driven turn by turn (a real
+# engine, a fake KV mover), then a whole cluster in this process (router + workers, real KV transfers,
+# no Ray), then the KV transfer between real processes, and the router against fake workers.
+UNIT_STAGE = (
+    "tests/test_block_manager.py",
+    "tests/test_scheduler.py",
+    "tests/test_scheduler_steps.py",
+    "tests/test_prefix_cache.py",
+)
 ENGINE_STAGE = ("tests/test_engine_scheduling.py", "tests/test_engine_hf.py", "-k", "scheduling or qwen3")
-CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE)
+HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "tests/test_worker_roles.py")
+CLUSTER_STAGE = ("tests/test_local_cluster.py",)
+RECEIVER_STAGE = ("tests/test_receiver_unit.py", "tests/test_local_cluster.py")
+TRANSFER_STAGE = ("tests/test_transfer.py",)
+ROUTER_STAGE = ("tests/test_router_unit.py", "tests/test_router_migration.py")
+CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE, HANDOFF_STAGE)
+ROLE_STAGES = (HANDOFF_STAGE, CLUSTER_STAGE)
 
-# module -> its test stages. Adding a module is one line.
+# module -> its test stages. Adding a module is one line. A whole run (`make mutation`) takes hours on a
+# 2-core box (the transfer receiver's mutants the most); name modules to run a subset.
 TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "workers/scheduler.py": CORE_STAGES,
     "workers/block_manager.py": CORE_STAGES,
     "workers/prefix_cache.py": CORE_STAGES,
+    "workers/decode_role.py": ROLE_STAGES,
+    "workers/prefill_role.py": ROLE_STAGES,
+    "transfer/receiver.py": (RECEIVER_STAGE, TRANSFER_STAGE),
+    "cluster/router.py": (ROUTER_STAGE,),
 }
+
+# NOTE: a fixed order; no cache files in the tree; hypothesis's plugin is a second of imports per run
+# and no stage uses it.
+PYTEST_PLUGINS_OFF = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+# tests/oracle_cache.py keeps the random checkpoint and transformers' outputs here for the whole run
+CACHE_ENV = "PDSERVE_TEST_CACHE"
 
 SKIP_MARK = "pragma: no mutate"
 _COMPARE_SWAPS: dict[type, type] = {
@@ -210,7 +234,7 @@ def copy_tree(dest: pathlib.Path) -> None:
 
 def run_stage(tree: pathlib.Path, stage: Sequence[str], timeout_s: float) -> str:
     """ "pass", "fail" or "timeout" for one stage's tests in ``tree``."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *stage]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_PLUGINS_OFF, *stage]
     # NOTE: no bytecode: a mutant of the same size written within the same second would otherwise load
     # the original's cached .pyc.
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
@@ -285,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # NOTE: SIGTERM unwinds like Ctrl-C, so the throwaway trees are removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="pdserve-mutation-") as tmp:
+        cache = pathlib.Path(tmp) / "cache"
+        cache.mkdir()
+        os.environ[CACHE_ENV] = str(cache)
         trees = [pathlib.Path(tmp) / f"tree{i}" for i in range(max(1, args.jobs))]
         for tree in trees:
             copy_tree(tree)

@@ -95,12 +95,14 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
-    def get_computed_blocks(self, request: Request) -> PrefixHit:
-        """Longest cached prefix of the request's tokens, leaving >= 1 token to compute (for logits)."""
+    def get_computed_blocks(self, request: Request, num_pending_tokens: int = 0) -> PrefixHit:
+        """Longest cached prefix of the request's tokens, leaving >= 1 token to compute (for logits).
+        ``num_pending_tokens``: tokens that will follow before anything is computed (a decode-side
+        reservation made before its first token is known: that token is the one left to compute)."""
         if self.prefix_cache is None:
             return PrefixHit([])
         hashes = self._request_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = (request.num_tokens + num_pending_tokens - 1) // self.block_size
         hit = self.prefix_cache.lookup(hashes[:max_blocks])
         self.prefix_cache.record_query(request.num_tokens, len(hit) * self.block_size)
         return PrefixHit(hit)

@@ -105,7 +105,9 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if len(self.running) + self._num_waiting_for_kv() >= self.config.max_num_seqs:
             return None
-        hit = self.kv.get_computed_blocks(request)
+        # NOTE: reserved before its first token is known (early decode admission), the request still
+        # has that token to compute: every full prompt block may hit, as when the token is known.
+        hit = self.kv.get_computed_blocks(request, num_pending_tokens=0 if request.output_token_ids else 1)
         num_hit = len(hit.block_ids)
         if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit * self.kv.block_size, hit):
             self.kv.free(request.request_id)  # NOTE: the lookup's per-request hash state must not outlive it

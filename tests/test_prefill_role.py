@@ -1,0 +1,112 @@
+"""PrefillRole driven turn by turn (tests/handoff_fakes.py) with a fake KV sender: a held request is
+offered with its block table and prompt length, keeps its blocks until the sender is done with it (an
+abort during the send waits for that too), then leaves them to the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import TransferConfig
+from cluster.protocol import ErrorCode
+from cluster.wire import PeerDead, Prefilled, RequestFailed
+from tests.handoff_fakes import PrefillSide, greedy
+from tests.oracle_cache import hf_reference, qwen3_model
+from transfer.protocol import KVHandoff
+from workers.request import RequestStatus
+
+PROMPT = [11, 48, 301, 7, 250, 99, 3, 480, 17, 64]  # 10 tokens: 3 blocks of 4, 2 of them full
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return qwen3_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def first_token(model_dir: str) -> int:
+    return hf_reference(model_dir, [PROMPT], [1])[0][0]
+
+
+def held(model_dir: str, rid: str = "A", **transfer: float) -> PrefillSide:
+    """A prefill side whose request ``rid`` has sampled its first token and is offered."""
+    p = PrefillSide(model_dir, TransferConfig(**transfer), num_kv_blocks=32)
+    p.engine.add_request(rid, PROMPT, greedy(8), hold_after_prefill=True)
+    p.turn()
+    assert p.engine.request_status(rid) == RequestStatus.SENDING_KV
+    return p
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_held_prefill_is_offered_and_its_blocks_kept_until_the_sender_is_done(
+    model_dir: str, first_token: int, ok: bool
+) -> None:
+    p = held(model_dir)
+    assert p.sender.offers == {"A": ([1, 2, 3], len(PROMPT))}
+    (event,) = p.events
+    assert isinstance(event, Prefilled) and event.worker_id == "worker-0"
+    assert event.delta.request_id == "A" and event.delta.token_ids == [first_token]
+    handoff = KVHandoff.from_bytes(event.handoff)
+    assert (handoff.request_id, handoff.num_tokens, handoff.num_blocks) == ("A", len(PROMPT), 3)
+    p.turn()
+    assert p.engine.held_block_ids("A") == [1, 2, 3]  # still held for the transfer
+    with pytest.raises(AssertionError, match="holds 1 offers"):
+        p.role.check_leaks()
+    p.sent("A", ok)
+    p.turn()
+    assert p.engine.request_status("A") is None
+    p.engine.check_no_leaks()
+    p.role.check_leaks()
+    cache = p.engine.scheduler.kv.prefix_cache
+    assert cache is not None and [cache.is_cached(b) for b in (1, 2, 3)] == [True, True, False]
+    p.sent("A", ok)  # a second word about it changes nothing
+    p.turn()
+    p.engine.check_no_leaks()
+
+
+def test_an_abort_during_the_send_waits_for_the_sender(model_dir: str) -> None:
+    p = held(model_dir)
+    p.sender.in_flight.add("A")
+    p.abort("A")
+    p.turn()
+    assert p.engine.held_block_ids("A") == [1, 2, 3]  # the sender may still read them
+    p.sent("A", False)
+    p.turn()
+    assert p.engine.request_status("A") is None
+    p.engine.check_no_leaks()
+    p.role.check_leaks()
+
+
+def test_an_abort_before_the_send_frees_at_once(model_dir: str) -> None:
+    p = held(model_dir)
+    p.abort("A")  # the offer is withdrawn: no on_sent will come
+    assert p.engine.request_status("A") is None and p.sender.offers == {}
+    p.engine.check_no_leaks()
+    # a request still prefilling is the engine's to abort
+    p.engine.add_request("B", PROMPT, greedy(8), hold_after_prefill=True)
+    p.abort("B")
+    assert p.engine.request_status("B") is None
+    p.engine.check_no_leaks()
+    p.role.check_leaks()
+
+
+def test_lease_and_peer_ops_reach_the_sender(model_dir: str) -> None:
+    p = held(model_dir, lease_s=7.5)
+    p.role.on_extend_lease("A")
+    p.role.on_peer_dead(PeerDead("decode-1", "inc7"))
+    p.role.on_peer_dead(PeerDead("decode-2", ""))
+    assert p.sender.leases == [("A", 7.5)]
+    assert p.sender.dropped == [("decode-1", "inc7"), ("decode-2", None)]
+    p.sent("A", True)
+    p.turn()
+    p.engine.check_no_leaks()
+
+
+def test_without_a_sender_a_held_request_fails_and_frees(model_dir: str) -> None:
+    p = PrefillSide(model_dir, num_kv_blocks=32)
+    p.role.sender = None
+    p.engine.add_request("A", PROMPT, greedy(8), hold_after_prefill=True)
+    p.turn()
+    (event,) = p.events
+    assert isinstance(event, RequestFailed) and (event.request_id, event.code) == ("A", ErrorCode.INTERNAL)
+    assert event.message == "prefill worker has no KV sender (no KV store)"
+    p.engine.check_no_leaks()
