@@ -155,7 +155,12 @@ def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle
     wait_for(lambda: victim.healthy, 10, f"{victim.worker_id} healthy again")
     outputs = run_concurrently(cluster, prompts, [greedy(6)] * len(prompts))
     assert outputs == reference
-    assert victim.stats is not None and victim.stats.transfer.num_ok > 0
+    # NOTE: the router's copy of its stats comes with its next heartbeat
+    wait_for(
+        lambda: victim.stats is not None and victim.stats.transfer.num_ok > 0,
+        10,
+        f"{victim.worker_id} took KV",
+    )
     cluster.wait_until_quiet(timeout_s=30)
     assert set(cluster.check_leaks().values()) == {None}
 
