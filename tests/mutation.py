@@ -67,6 +67,10 @@ TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
 # NOTE: a fixed order; no cache files in the tree; hypothesis's plugin is a second of imports per run
 # and no stage uses it.
 PYTEST_PLUGINS_OFF = ("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+# NOTE: a mutant that hangs a test (e.g. a worker half built, its sockets never closed) fails that test
+# after this long instead of holding the stage until its bound, twice; every unmutated test of a stage
+# takes well under it even on a loaded box (the baseline check runs with it too).
+PER_TEST_TIMEOUT = ("-o", "timeout=180")
 # tests/oracle_cache.py keeps the random checkpoint and transformers' outputs here for the whole run
 CACHE_ENV = "PDSERVE_TEST_CACHE"
 
@@ -234,7 +238,7 @@ def copy_tree(dest: pathlib.Path) -> None:
 
 def run_stage(tree: pathlib.Path, stage: Sequence[str], timeout_s: float) -> str:
     """ "pass", "fail" or "timeout" for one stage's tests in ``tree``."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_PLUGINS_OFF, *stage]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_PLUGINS_OFF, *PER_TEST_TIMEOUT, *stage]
     # NOTE: no bytecode: a mutant of the same size written within the same second would otherwise load
     # the original's cached .pyc.
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}

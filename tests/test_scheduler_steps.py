@@ -51,6 +51,27 @@ def test_a_steps_counts_equal_those_derived_from_its_sequences() -> None:
     s.check_no_leaks()
 
 
+def test_a_resumed_request_with_its_prefix_cached_decodes_straight_from_the_queue() -> None:
+    """A migrated request (prompt + the tokens it had) whose prompt is cached: its first step computes
+    only its last token, which is a decode, and the step counts it as one."""
+    s = make(max_num_batched_tokens=8, enable_prefix_caching=True)
+    s.add_request(request("p", [5, 6, 7, 8], 1))
+    step(s)  # computes the 4-token prompt: one full block, cached
+    resumed = request("m", [5, 6, 7, 8], 3)
+    resumed.output_token_ids.append(11)
+    s.add_request(resumed)
+    out = step(s)
+    assert [(x.request_id, x.start_position, x.token_ids, x.is_decode) for x in out.scheduled] == [
+        ("m", 4, [11], True)
+    ]
+    assert counts(out) == (1, 1, False, 0) and resumed.num_cached_tokens == 4
+    derived = SchedulerOutput(out.scheduled, out.num_batched_tokens, out.preempted_ids)
+    assert counts(derived) == counts(out)
+    while s.num_unfinished:
+        step(s)
+    s.check_no_leaks()
+
+
 def test_a_request_waiting_for_kv_holds_its_seat_until_committed_or_ended() -> None:
     s = make(max_num_seqs=1)
     d = request("d", [1, 2, 3, 4, 5], 4)
