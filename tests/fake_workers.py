@@ -39,7 +39,7 @@ from cluster.wire import (
     WorkerInfo,
 )
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 5.0  # NOTE: every wait is bounded; a loopback frame takes milliseconds
 BLOCK_SIZE = 4
 _END = object()
 STREAM_TASK = "stream-"
@@ -98,11 +98,17 @@ class FakeWorkers:
         )
         return info
 
-    async def beat(self, worker_id: str, *, num_free_blocks: int = 100, healthy: bool = True) -> None:
+    async def beat(
+        self,
+        worker_id: str,
+        *,
+        num_free_blocks: int = 100,
+        healthy: bool = True,
+        broken_peers: Sequence[str] = (),
+    ) -> None:
         info = self.infos[worker_id]
-        stats = WorkerStats(
-            worker_id, info.pool, healthy, engine=EngineStats(num_free_blocks=num_free_blocks)
-        )
+        engine = EngineStats(num_free_blocks=num_free_blocks)
+        stats = WorkerStats(worker_id, info.pool, healthy, engine=engine, broken_peers=list(broken_peers))
         await self.send(Heartbeat(info, stats))
 
     async def send(self, *events: Any) -> None:

@@ -17,6 +17,7 @@ from cluster.protocol import (
     InvalidRequestError,
     KVTransferFailedError,
     RequestAbortedError,
+    SamplingParams,
     TokenDelta,
     WorkerFailedError,
 )
@@ -136,6 +137,56 @@ def test_a_dead_decode_worker_migrates_its_requests_and_late_events_of_the_old_a
         ]
 
     run(scenario, max_migrations=max_migrations)
+
+
+def test_a_finished_request_whose_worker_dies_before_the_caller_read_the_end_is_not_migrated() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("colocated-0", "colocated")
+        await fakes.add("colocated-1", "colocated")
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        agen = router.generate(GenerateRequest("done", PROMPT, params))
+        first = asyncio.ensure_future(agen.__anext__())
+        assert (await fakes.op("colocated-0")).request_id == "done"
+        await fakes.send(Delta("colocated-0", delta("done", 3)))
+        assert (await first).token_ids == [3]
+        # the caller has not asked for more: the final delta waits in the router when the worker dies
+        await fakes.send(
+            Delta("colocated-0", delta("done", 4, finish=FinishReason.LENGTH)),
+            WorkerFailed("colocated-0", "exited"),
+        )
+        await until(lambda: router.workers[0].state == WorkerState.DEAD, "colocated-0 dead")
+        last = await agen.__anext__()
+        assert (last.token_ids, last.finish_reason) == ([4], FinishReason.LENGTH)
+        assert last.timings is not None and last.timings.num_migrations == 0
+        await agen.aclose()
+        assert_idle(router)
+        # colocated-1 was never asked to finish it: its next op is the next request
+        Stream(router, "next", PROMPT)
+        peer_dead, gen = await fakes.ops("colocated-1", 2)
+        assert peer_dead == PeerDead("colocated-0", "i0") and (gen.request_id, gen.output_token_ids) == (
+            "next",
+            [],
+        )
+
+    run(scenario, mode="colocated")
+
+
+def test_a_request_not_yet_handed_off_survives_the_death_of_a_decode_worker() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("prefill-0", "prefill")
+        await fakes.add("decode-0", "decode", num_free_blocks=90)
+        await fakes.add("decode-1", "decode", num_free_blocks=10)
+        s = Stream(router, "a", PROMPT)
+        gen = await fakes.op("prefill-0")
+        await fakes.send(WorkerFailed("decode-0", "exited"))  # a is still on prefill-0 alone
+        assert await fakes.op("prefill-0") == PeerDead("decode-0", "i0")
+        await fakes.send(Prefilled("prefill-0", delta(gen.request_id, 7), b"kv"))
+        assert (await s.next()).token_ids == [7]  # type: ignore[union-attr]
+        peer_dead, handoff = await fakes.ops("decode-1", 2)
+        assert peer_dead == PeerDead("decode-0", "i0")
+        assert (handoff.request_id, handoff.first_token_id) == ("a", 7)  # the first attempt, unmoved
+
+    run(scenario)
 
 
 def test_a_dead_prefill_worker_migrates_and_its_late_prefilled_is_let_go() -> None:

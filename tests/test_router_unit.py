@@ -63,6 +63,30 @@ def test_the_disaggregated_path_picks_decode_workers_by_load_then_free_blocks() 
     run(scenario)
 
 
+@pytest.mark.parametrize("reported_by", ["prefill", "decode"])
+def test_a_handoff_avoids_a_broken_kv_pair_while_a_sound_one_exists(reported_by: str) -> None:
+    """decode-0 is the better choice (more free blocks), but its pair with prefill-0 is broken (either
+    end may report it): the handoff takes decode-1. Once every pair is broken, any decode worker."""
+
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("prefill-0", "prefill")
+        await fakes.add("decode-0", "decode", num_free_blocks=90)
+        await fakes.add("decode-1", "decode", num_free_blocks=10)
+        if reported_by == "prefill":
+            await fakes.beat("prefill-0", broken_peers=["decode-0/i0"])
+        else:
+            await fakes.beat("decode-0", num_free_blocks=90, broken_peers=["prefill-0/i0"])
+        await until(lambda: any(w.stats and w.stats.broken_peers for w in router.workers), "stats")
+        await prefilled(fakes, Stream(router, "a", PROMPT), "prefill-0", 7)
+        assert decode_of(router, "a") == "decode-1"
+        await fakes.beat("decode-1", num_free_blocks=10, broken_peers=["prefill-0/i0"])
+        await until(lambda: bool(router.workers[2].stats and router.workers[2].stats.broken_peers), "stats")
+        await prefilled(fakes, Stream(router, "b", PROMPT), "prefill-0", 8)
+        assert decode_of(router, "b") == "decode-0"  # nothing sound left: fewest requests, most free
+
+    run(scenario)
+
+
 def test_prefix_affinity_keeps_a_first_block_on_one_prefill_worker_within_the_slack() -> None:
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
         for i in range(3):
