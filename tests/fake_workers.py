@@ -193,7 +193,7 @@ async def until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> None
 Scenario = Callable[[Router, FakeWorkers], Awaitable[None]]
 
 
-def run(scenario: Scenario, **config: Any) -> None:
+def run(scenario: Scenario, served_model_name: str | None = None, **config: Any) -> None:
     """Run ``scenario`` against a fresh router (RouterConfig overrides in ``config``) and its fake
     workers on a new event loop; then the router's own loops must all be running and no frame
     rejected. Streams still running are cancelled before the router closes."""
@@ -201,7 +201,7 @@ def run(scenario: Scenario, **config: Any) -> None:
     async def main() -> None:
         secret = new_secret()
         options: dict[str, Any] = {"health_interval_s": 0.02, "health_timeout_s": 60.0, **config}
-        router = Router(RouterConfig(**options), secret)
+        router = Router(RouterConfig(**options), secret, served_model_name=served_model_name)
         await router.start()
         fakes = FakeWorkers(router, secret)
         try:
@@ -220,10 +220,12 @@ def delta(rid: str, *tokens: int, finish: FinishReason | None = None) -> TokenDe
 
 
 def assert_idle(router: Router) -> None:
-    """The router's per-worker bookkeeping is back to zero."""
+    """The router's per-worker bookkeeping is back to zero and it holds no request (its leak check)."""
     assert {w.worker_id: (w.num_assigned, w.num_prompt_tokens) for w in router.workers} == {
         w.worker_id: (0, 0) for w in router.workers
     }
+    # NOTE: no public view of these maps; a request left in them is a leak
+    assert (router._flights, router._by_wire) == ({}, {})
 
 
 async def prefilled(fakes: FakeWorkers, s: Stream, prefill: str, token: int) -> DecodeHandoff:

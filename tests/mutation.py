@@ -49,7 +49,11 @@ HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "
 CLUSTER_STAGE = ("tests/test_local_cluster.py",)
 RECEIVER_STAGE = ("tests/test_receiver_unit.py", "tests/test_local_cluster.py")
 TRANSFER_STAGE = ("tests/test_transfer.py",)
-ROUTER_STAGE = ("tests/test_router_unit.py", "tests/test_router_migration.py")
+ROUTER_STAGE = (
+    "tests/test_router_unit.py",
+    "tests/test_router_migration.py",
+    "tests/test_router_lifecycle.py",
+)
 CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE, HANDOFF_STAGE)
 ROLE_STAGES = (HANDOFF_STAGE, CLUSTER_STAGE)
 
