@@ -101,6 +101,12 @@ def test_an_abort_while_the_kv_is_in_flight_ends_the_request_on_the_decode_worke
     assert d.events_for("A") == []  # the router gave up on it: neither Transferred nor a failure
     assert [first_c, *d.tokens["C"]] == reference["C"]
     d.check_no_leaks()
+    # the caller may use the id again: the old abort is spent, the new request decodes in full
+    d.handoff("A", PROMPT_A, first_a, greedy(NUM_TOKENS))
+    d.receiver.land("A", rows_a)
+    d.run_until_idle()
+    assert [first_a, *d.tokens["A"]] == reference["A"]
+    d.check_no_leaks()
 
 
 def test_an_abort_while_decoding_stops_the_request_at_once(
