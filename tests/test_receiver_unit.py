@@ -1,8 +1,11 @@
 """KVReceiver's own checks, without a peer (a channel that moves nothing): it refuses fetches it cannot
-run (not started or closed, bad block ids) and fails a fetch whose deadline passed while it was queued
-before a single frame goes out."""
+run (not started or closed, bad block ids), fails a fetch whose deadline passed while it was queued
+before a single frame goes out, and fails every fetch from a dropped peer (queued ones at once) while
+it goes on with the others."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -11,7 +14,14 @@ import zmq
 from cluster.frames import new_secret
 from transfer.channel import Channel, OpLane, PendingOp
 from transfer.peers import PairKey, PeerId
-from transfer.protocol import KVHandoff, KVLayout, TransferError, TransferTimeoutError
+from transfer.protocol import (
+    KVHandoff,
+    KVLayout,
+    TransferError,
+    TransferPeerLostError,
+    TransferResult,
+    TransferTimeoutError,
+)
 from transfer.receiver import KVReceiver
 
 NUM_BLOCKS = 8
@@ -82,7 +92,55 @@ def test_a_fetch_past_its_deadline_in_the_queue_fails_before_asking_the_sender()
             "TransferTimeoutError",
         )
         assert receiver.stats().num_failed == 1
+        with pytest.raises(TransferTimeoutError, match="'stale2' was queued"):  # the blocking form
+            receiver.receive(
+                handoff("stale2", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [4], deadline=0.0
+            )
+        assert receiver.stats().num_failed == 2
         assert not sender.poll(200)  # nothing was asked
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_dropping_a_peer_fails_its_queued_and_in_flight_fetches_and_the_receiver_goes_on() -> None:
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)  # every fake prefill side's handshake socket; it never answers
+    sender.bind("tcp://127.0.0.1:*")
+    endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+    receiver = make_receiver()
+    receiver.start()
+
+    def fetch(rid: str, src: str) -> Future[TransferResult]:
+        h = KVHandoff(rid, src, "p0", endpoint, KVLayout(2, 4, 2, 8, "float32"), 10, 3, 0.0)
+        return receiver.submit(h, [1, 2, 3])
+
+    try:
+        in_flight = fetch("a", "prefill-0")
+        assert sender.poll(5000) and sender.recv_multipart()  # a's request went out; no answer comes
+        queued, last = fetch("b", "prefill-1"), fetch("c", "prefill-2")
+        receiver.drop_peer("prefill-1")
+        with pytest.raises(TransferPeerLostError, match="not fetching 'b'"):
+            queued.result(timeout=0)  # at once, a still in flight
+        assert not in_flight.done() and not last.done()
+        receiver.drop_peer("prefill-0")
+        with pytest.raises(TransferPeerLostError):
+            in_flight.result(timeout=5)
+        assert sender.poll(5000) and sender.recv_multipart()  # c is asked next
+        receiver.drop_peer("prefill-2")
+        with pytest.raises(TransferPeerLostError):
+            last.result(timeout=5)
+        with pytest.raises(TransferPeerLostError, match="not fetching 'late'"):
+            fetch("late", "prefill-1").result(timeout=0)  # a dropped peer is never asked again
+        assert receiver.thread.is_alive()
+        assert [(r.request_id, r.error_type) for r in receiver.results()] == [
+            ("b", "TransferPeerLostError"),
+            ("a", "TransferPeerLostError"),
+            ("c", "TransferPeerLostError"),
+            ("late", "TransferPeerLostError"),
+        ]
+        assert receiver.stats().num_failed == 4 and not sender.poll(200)
     finally:
         receiver.close()
         sender.close(linger=0)
