@@ -1,5 +1,5 @@
 """KVReceiver's own checks, without a peer (a channel that moves nothing): it refuses fetches it cannot
-run (not started or closed, bad block ids), fails a fetch whose deadline passed while it was queued
+run (not started or closed, bad block ids), drops frames not of the transfer it runs, fails a fetch whose deadline passed while it was queued
 before a single frame goes out, and fails every fetch from a dropped peer (queued ones at once) while
 it goes on with the others."""
 
@@ -12,13 +12,16 @@ import torch
 import zmq
 
 from cluster.frames import new_secret
+from tests.cluster_utils import wait_for
 from transfer.channel import Channel, OpLane, PendingOp
+from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import (
     KVHandoff,
     KVLayout,
     TransferError,
     TransferPeerLostError,
+    TransferRejectedError,
     TransferResult,
     TransferTimeoutError,
 )
@@ -45,11 +48,10 @@ class IdleChannel(Channel):
         raise AssertionError("no bytes move in these tests")
 
 
-def make_receiver() -> KVReceiver:
+def make_receiver(secret: bytes | None = None, timeout_s: float = 5.0) -> KVReceiver:
     kv = torch.zeros(2, NUM_BLOCKS, 2, 4, 2, 8)
-    return KVReceiver(
-        kv, me=PeerId("decode-0", "d0"), channel=IdleChannel(), secret=new_secret(), timeout_s=5.0
-    )
+    me = PeerId("decode-0", "d0")
+    return KVReceiver(kv, me=me, channel=IdleChannel(), secret=secret or new_secret(), timeout_s=timeout_s)
 
 
 def handoff(rid: str, endpoint: str = "tcp://127.0.0.1:1") -> KVHandoff:
@@ -141,6 +143,65 @@ def test_dropping_a_peer_fails_its_queued_and_in_flight_fetches_and_the_receiver
             ("late", "TransferPeerLostError"),
         ]
         assert receiver.stats().num_failed == 4 and not sender.poll(200)
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_frames_that_are_not_this_transfers_are_dropped_and_an_abort_fails_it() -> None:
+    """While it waits for the header: junk is counted and dropped, a signed frame of another transfer
+    (a late one) is ignored, the sender's signed abort fails the fetch with the sender's error."""
+    secret = new_secret()
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)
+    sender.bind("tcp://127.0.0.1:*")
+    frames = HandshakeFrames(secret, "prefill-0/p0")
+    receiver = make_receiver(secret)
+    receiver.start()
+    try:
+        future = receiver.submit(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
+        assert sender.poll(5000)
+        peer, request = sender.recv_multipart()
+        message = frames.decode(request)
+        assert message is not None and message[0] is MessageKind.REQUEST
+        nonce, to = message[1], "decode-0/d0"
+        late_abort = frames.encode(to, MessageKind.ABORT, nonce + 1, error_type="X", message="x")
+        sender.send_multipart([peer, late_abort])
+        sender.send_multipart([peer, b"junk"])  # (after the late frame: counted means both were read)
+        wait_for(lambda: receiver.rejected_frames() == {"malformed": 1}, 5, "junk counted")
+        assert not future.done()
+        abort = frames.encode(
+            to, MessageKind.ABORT, nonce, error_type="TransferRejectedError", message="not held"
+        )
+        sender.send_multipart([peer, abort])
+        with pytest.raises(TransferRejectedError, match="peer: not held"):
+            future.result(timeout=5)
+        assert not sender.poll(200)  # no abort goes back for the sender's own
+        assert receiver.thread.is_alive()
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_closing_fails_the_fetches_still_queued() -> None:
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)  # never answers: the first fetch runs to its 0.5 s timeout
+    sender.bind("tcp://127.0.0.1:*")
+    receiver = make_receiver(timeout_s=0.5)
+    receiver.start()
+    try:
+        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+        first = receiver.submit(handoff("first", endpoint), [1, 2, 3])
+        assert sender.poll(5000)
+        queued = receiver.submit(handoff("queued", endpoint), [4, 5, 6])
+        receiver.close()
+        with pytest.raises(TransferTimeoutError):
+            first.result(timeout=0)
+        with pytest.raises(TransferError, match="receiver closed"):
+            queued.result(timeout=0)
+        assert not receiver.thread.is_alive()
     finally:
         receiver.close()
         sender.close(linger=0)
