@@ -1,7 +1,8 @@
 """KVReceiver's own checks, without a peer (a channel that moves nothing): it refuses fetches it cannot
-run (not started or closed, bad block ids), drops frames not of the transfer it runs, fails a fetch whose deadline passed while it was queued
-before a single frame goes out, and fails every fetch from a dropped peer (queued ones at once) while
-it goes on with the others."""
+run (not started or closed, bad block ids), drops frames not of the transfer it runs, fails a fetch
+whose deadline passed while it was queued before a single frame goes out, fails every fetch from a
+dropped peer (queued ones at once) while it goes on with the others, and fails what is queued when
+closed."""
 
 from __future__ import annotations
 
