@@ -68,8 +68,10 @@ class FakeWorkers:
         num_free_blocks: int = 100,
         incarnation: str = "i0",
         max_model_len: int = 1024,
+        model_dir: str = "/m",
+        wait: bool = True,
     ) -> WorkerInfo:
-        """Register a worker (its first heartbeat) and wait until the router admitted it."""
+        """Register a worker (its first heartbeat) and (``wait``) wait until the router admitted it."""
         if worker_id not in self.pulls:
             pull = self.ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.LINGER, 0)
@@ -87,12 +89,14 @@ class FakeWorkers:
             128,
             max_model_len,
             512,
-            "/m",
+            model_dir,
             "cpu",
             1,
         )
         self.infos[worker_id] = info
         await self.beat(worker_id, num_free_blocks=num_free_blocks)
+        if not wait:
+            return info
         await until(
             lambda: any(w.info == info and w.healthy for w in self.router.workers), f"{worker_id} admitted"
         )
@@ -193,10 +197,15 @@ async def until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> None
 Scenario = Callable[[Router, FakeWorkers], Awaitable[None]]
 
 
-def run(scenario: Scenario, served_model_name: str | None = None, **config: Any) -> None:
+def run(
+    scenario: Scenario,
+    served_model_name: str | None = None,
+    rejected: dict[str, int] | None = None,
+    **config: Any,
+) -> None:
     """Run ``scenario`` against a fresh router (RouterConfig overrides in ``config``) and its fake
-    workers on a new event loop; then the router's own loops must all be running and no frame
-    rejected. Streams still running are cancelled before the router closes."""
+    workers on a new event loop; then the router's own loops must all be running and the frames it
+    rejected, by reason, must be ``rejected`` (none by default). Streams still running are cancelled before the router closes."""
 
     async def main() -> None:
         secret = new_secret()
@@ -206,7 +215,7 @@ def run(scenario: Scenario, served_model_name: str | None = None, **config: Any)
         fakes = FakeWorkers(router, secret)
         try:
             await scenario(router, fakes)
-            assert router.dead_tasks() == [] and router.rejected_frames() == {}
+            assert router.dead_tasks() == [] and router.rejected_frames() == (rejected or {})
         finally:
             await cancel_streams()
             fakes.close()

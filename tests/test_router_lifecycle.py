@@ -222,3 +222,59 @@ def test_timings_split_the_request_at_its_scheduling_and_first_token() -> None:
         assert timings.e2e_s <= t1 - t0 and scheduled - t0 >= timings.queue_s
 
     run(scenario, mode="colocated")
+
+
+def test_drain_waits_for_the_workers_requests_then_migrates_the_rest_and_forgets_it() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        for wid in ("colocated-0", "colocated-1", "colocated-2"):
+            await fakes.add(wid, "colocated")
+        actor = FakeActor()
+        router.watch("colocated-0", actor)
+        fast, slow = Stream(router, "fast", PROMPT), Stream(router, "slow", PROMPT)
+        assert [op.request_id for op in await fakes.ops("colocated-0", 1)] == ["fast"]
+        assert (await fakes.op("colocated-1")).request_id == "slow"
+        draining = asyncio.create_task(router.drain("colocated-0", timeout_s=5.0))
+        await until(lambda: state(router, "colocated-0")[1] == WorkerState.DRAINING, "draining")
+        await fakes.beat("colocated-0")  # a draining worker's beat does not make it healthy
+        Stream(router, "new", PROMPT)  # routed elsewhere meanwhile
+        assert (await fakes.op("colocated-2")).request_id == "new"
+        assert not draining.done()
+        await fakes.send(Delta("colocated-0", delta("fast", 5, finish=FinishReason.LENGTH)))
+        assert [d.token_ids for d in await fast.rest()] == [[5]]  # type: ignore[union-attr]
+        await asyncio.wait_for(draining, 5.0)
+        assert [w.worker_id for w in router.workers] == ["colocated-1", "colocated-2"]
+        assert await fakes.op("colocated-1") == PeerDead("colocated-0", "i0")
+        n = len(actor.answers)
+        await asyncio.sleep(0.1)  # NOTE: several watch intervals: the drained worker is not watched
+        assert len(actor.answers) == n
+
+        # past its timeout, what is left moves on
+        await fakes.send(Delta("colocated-1", delta("slow", 6)))
+        assert (await slow.next()).token_ids == [6]  # type: ignore[union-attr]
+        await router.drain("colocated-1", timeout_s=0.1)
+        ops = await fakes.ops("colocated-2", 3)
+        assert ops[0] == Abort("slow")
+        assert ops[1] == Generate("slow~1", PROMPT, slow.req.params, ops[1].deadline, False, [6])
+        assert ops[2] == PeerDead("colocated-1", "i0")
+        with pytest.raises(ValueError, match="no worker 'colocated-1'"):
+            await router.drain("colocated-1", timeout_s=0.1)
+
+    run(scenario, mode="colocated")
+
+
+def test_a_worker_of_another_model_is_refused_and_events_of_unknown_workers_dropped() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("colocated-0", "colocated")
+        await fakes.add("colocated-1", "colocated", model_dir="/other", wait=False)
+        s = Stream(router, "r", PROMPT)
+        assert (await fakes.op("colocated-0")).request_id == "r"
+        await fakes.send(
+            Delta("colocated-1", delta("r", 9)),  # never admitted
+            Delta("nobody", delta("r", 9)),
+        )
+        await fakes.push.send(b"not a frame")
+        await fakes.send(Delta("colocated-0", delta("r", 3, finish=FinishReason.LENGTH)))
+        assert [d.token_ids for d in await s.rest()] == [[3]]  # type: ignore[union-attr]
+        assert [w.worker_id for w in router.workers] == ["colocated-0"]
+
+    run(scenario, rejected={"refused_worker": 1, "unknown_worker": 2, "malformed": 1}, mode="colocated")
