@@ -68,8 +68,10 @@ class FakeWorkers:
         num_free_blocks: int = 100,
         incarnation: str = "i0",
         max_model_len: int = 1024,
+        model_dir: str = "/m",
+        wait: bool = True,
     ) -> WorkerInfo:
-        """Register a worker (its first heartbeat) and wait until the router admitted it."""
+        """Register a worker (its first heartbeat) and (``wait``) wait until the router admitted it."""
         if worker_id not in self.pulls:
             pull = self.ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.LINGER, 0)
@@ -87,12 +89,14 @@ class FakeWorkers:
             128,
             max_model_len,
             512,
-            "/m",
+            model_dir,
             "cpu",
             1,
         )
         self.infos[worker_id] = info
         await self.beat(worker_id, num_free_blocks=num_free_blocks)
+        if not wait:
+            return info
         await until(
             lambda: any(w.info == info and w.healthy for w in self.router.workers), f"{worker_id} admitted"
         )
@@ -193,20 +197,25 @@ async def until(condition: Any, what: str, timeout_s: float = TIMEOUT_S) -> None
 Scenario = Callable[[Router, FakeWorkers], Awaitable[None]]
 
 
-def run(scenario: Scenario, **config: Any) -> None:
+def run(
+    scenario: Scenario,
+    served_model_name: str | None = None,
+    rejected: dict[str, int] | None = None,
+    **config: Any,
+) -> None:
     """Run ``scenario`` against a fresh router (RouterConfig overrides in ``config``) and its fake
-    workers on a new event loop; then the router's own loops must all be running and no frame
-    rejected. Streams still running are cancelled before the router closes."""
+    workers on a new event loop; then the router's own loops must all be running and the frames it
+    rejected, by reason, must be ``rejected`` (none by default). Streams still running are cancelled before the router closes."""
 
     async def main() -> None:
         secret = new_secret()
         options: dict[str, Any] = {"health_interval_s": 0.02, "health_timeout_s": 60.0, **config}
-        router = Router(RouterConfig(**options), secret)
+        router = Router(RouterConfig(**options), secret, served_model_name=served_model_name)
         await router.start()
         fakes = FakeWorkers(router, secret)
         try:
             await scenario(router, fakes)
-            assert router.dead_tasks() == [] and router.rejected_frames() == {}
+            assert router.dead_tasks() == [] and router.rejected_frames() == (rejected or {})
         finally:
             await cancel_streams()
             fakes.close()
@@ -220,10 +229,12 @@ def delta(rid: str, *tokens: int, finish: FinishReason | None = None) -> TokenDe
 
 
 def assert_idle(router: Router) -> None:
-    """The router's per-worker bookkeeping is back to zero."""
+    """The router's per-worker bookkeeping is back to zero and it holds no request (its leak check)."""
     assert {w.worker_id: (w.num_assigned, w.num_prompt_tokens) for w in router.workers} == {
         w.worker_id: (0, 0) for w in router.workers
     }
+    # NOTE: no public view of these maps; a request left in them is a leak
+    assert (router._flights, router._by_wire) == ({}, {})
 
 
 async def prefilled(fakes: FakeWorkers, s: Stream, prefill: str, token: int) -> DecodeHandoff:

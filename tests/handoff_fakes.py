@@ -10,6 +10,7 @@ role sends to the router are kept in ``events``.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -51,10 +52,26 @@ class Fetch:
     future: Future[TransferResult]
 
 
-class FakeReceiver:
+class FakeMover:
+    """What a KV sender and receiver both report (the values a test sets)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.Thread(target=lambda: None, name="fake-mover")
+        self.broken: list[str] = []
+        self.rejected: dict[str, int] = {}
+
+    def broken_peers(self) -> list[str]:
+        return list(self.broken)
+
+    def rejected_frames(self) -> dict[str, int]:
+        return dict(self.rejected)
+
+
+class FakeReceiver(FakeMover):
     """Stands in for KVReceiver: records each fetch; the test ends it (``land`` / ``fail``)."""
 
     def __init__(self, kv: torch.Tensor) -> None:
+        super().__init__()
         self.kv = kv
         self.fetches: dict[str, Fetch] = {}
         self.dropped: list[tuple[str, str | None]] = []
@@ -91,7 +108,7 @@ class FakeReceiver:
         self.dropped.append((worker_id, incarnation))
 
     def stats(self) -> TransferStats:
-        return TransferStats()
+        return TransferStats(num_ok=len(self.fetches), bytes_total=7)
 
 
 def context(
@@ -173,10 +190,11 @@ class PrefillEngine:
         return first[0], rows
 
 
-class FakeSender:
+class FakeSender(FakeMover):
     """Stands in for KVSender: records offers; ``abort`` answers what the test set in ``in_flight``."""
 
     def __init__(self, kv: torch.Tensor) -> None:
+        super().__init__()
         self.layout = layout_of(kv)
         self.offers: dict[str, tuple[list[int], int]] = {}
         self.in_flight: set[str] = set()
@@ -207,6 +225,13 @@ class FakeSender:
 
     def num_held(self) -> int:
         return len(self.offers)
+
+    def stats(self) -> TransferStats:
+        return TransferStats(num_ok=len(self.offers), bytes_total=9)
+
+    @property
+    def endpoint(self) -> str:
+        return "tcp://127.0.0.1:9"
 
 
 class PrefillSide:

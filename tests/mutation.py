@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -48,7 +49,11 @@ HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "
 CLUSTER_STAGE = ("tests/test_local_cluster.py",)
 RECEIVER_STAGE = ("tests/test_receiver_unit.py", "tests/test_local_cluster.py")
 TRANSFER_STAGE = ("tests/test_transfer.py",)
-ROUTER_STAGE = ("tests/test_router_unit.py", "tests/test_router_migration.py")
+ROUTER_STAGE = (
+    "tests/test_router_unit.py",
+    "tests/test_router_migration.py",
+    "tests/test_router_lifecycle.py",
+)
 CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE, HANDOFF_STAGE)
 ROLE_STAGES = (HANDOFF_STAGE, CLUSTER_STAGE)
 
@@ -241,14 +246,23 @@ def run_stage(tree: pathlib.Path, stage: Sequence[str], timeout_s: float) -> str
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", *PYTEST_PLUGINS_OFF, *PER_TEST_TIMEOUT, *stage]
     # NOTE: no bytecode: a mutant of the same size written within the same second would otherwise load
     # the original's cached .pyc.
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return "timeout"
-    if proc.returncode in (3, 4, 5):  # internal error, usage error, nothing collected: the runner's fault
+    except subprocess.TimeoutExpired as e:
+        # NOTE: a test that failed and then held the process (e.g. a half-built worker's ZMQ context
+        # blocking in the garbage collector) is a kill, not a slow box: no retry for it.
+        return "fail" if _reported_a_failure((e.stdout or b"").decode(errors="replace")) else "timeout"
+    # NOTE: usage error or nothing collected is the runner's fault; an internal error is not (a mutant can
+    # crash pytest itself, e.g. while it renders the mutant's failure), and the baseline ran clean.
+    if proc.returncode in (4, 5):
         raise RuntimeError(f"pytest {stage} exited {proc.returncode}:\n{proc.stdout.decode()[-2000:]}")
     return "pass" if proc.returncode == 0 else "fail"
+
+
+def _reported_a_failure(output: str) -> bool:
+    """pytest -q's progress line (unbuffered) shows a failed or erroring test."""
+    return re.search(r"^[.sxX]*[FE][.FEsxX]*\s*(\[\s*\d+%\])?\s*$", output, re.MULTILINE) is not None
 
 
 def check_baseline(tree: pathlib.Path, stages: Sequence[Sequence[str]]) -> list[float]:

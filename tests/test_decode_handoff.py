@@ -7,12 +7,14 @@ transformers after the late bytes land."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster.config import TransferConfig
-from cluster.protocol import ErrorCode
+from cluster.protocol import ErrorCode, TransferStats
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
-from tests.handoff_fakes import DecodeSide, PrefillEngine, greedy
+from tests.handoff_fakes import DecodeSide, FakeReceiver, PrefillEngine, context, greedy
 from tests.oracle_cache import hf_reference, qwen3_model
+from workers.decode_role import DecodeRole
 
 PROMPT_A = [11, 48, 301, 7, 250, 99, 3, 480, 17, 64]  # 10 tokens: 3 blocks of 4
 PROMPT_B = [5, 77, 402, 18, 260, 90, 91, 92, 33, 8, 140, 9]  # 12 tokens: 3 blocks
@@ -100,6 +102,12 @@ def test_an_abort_while_the_kv_is_in_flight_ends_the_request_on_the_decode_worke
     assert d.tokens["A"] == []
     assert d.events_for("A") == []  # the router gave up on it: neither Transferred nor a failure
     assert [first_c, *d.tokens["C"]] == reference["C"]
+    d.check_no_leaks()
+    # the caller may use the id again: the old abort is spent, the new request decodes in full
+    d.handoff("A", PROMPT_A, first_a, greedy(NUM_TOKENS))
+    d.receiver.land("A", rows_a)
+    d.run_until_idle()
+    assert [first_a, *d.tokens["A"]] == reference["A"]
     d.check_no_leaks()
 
 
@@ -248,3 +256,17 @@ def test_bad_handoffs_fail_the_request_and_leave_nothing(model_dir: str) -> None
     d.handoff("orphan", PROMPT_A, 1, greedy(2))
     assert d.events[-1].code == ErrorCode.INTERNAL and d.events[-1].request_id == "orphan"
     d.check_no_leaks()
+
+
+def test_the_role_reports_its_receivers_state() -> None:
+    """What the worker publishes (stats, broken pairs, dropped handshake frames, threads to watch) is
+    the receiver's; without a receiver, nothing."""
+    role = DecodeRole(context(None, TransferConfig(), [], []))  # type: ignore[arg-type]  # no engine needed
+    assert (role.transfer_stats(), role.broken_peers(), role.rejected_frames()) == (TransferStats(), [], {})
+    assert role.threads() == [] and role.kv_endpoint() == ""
+    receiver = FakeReceiver(torch.zeros(1, 2, 2, 1, 1, 1))
+    receiver.broken, receiver.rejected = ["prefill-1/p1"], {"bad_mac": 2}
+    role.receiver = receiver  # type: ignore[assignment]
+    assert role.transfer_stats() == TransferStats(num_ok=0, bytes_total=7)
+    assert (role.broken_peers(), role.rejected_frames()) == (["prefill-1/p1"], {"bad_mac": 2})
+    assert role.threads() == [receiver.thread] and role.kv_endpoint() == ""

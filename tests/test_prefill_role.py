@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import TransferConfig
-from cluster.protocol import ErrorCode
+from cluster.protocol import ErrorCode, TransferStats
 from cluster.wire import PeerDead, Prefilled, RequestFailed
 from tests.handoff_fakes import PrefillSide, greedy
 from tests.oracle_cache import hf_reference, qwen3_model
@@ -110,3 +110,20 @@ def test_without_a_sender_a_held_request_fails_and_frees(model_dir: str) -> None
     assert isinstance(event, RequestFailed) and (event.request_id, event.code) == ("A", ErrorCode.INTERNAL)
     assert event.message == "prefill worker has no KV sender (no KV store)"
     p.engine.check_no_leaks()
+
+
+def test_the_role_reports_its_senders_state(model_dir: str) -> None:
+    p = PrefillSide(model_dir, num_kv_blocks=32)
+    sender = p.sender
+    sender.broken, sender.rejected = ["decode-1/d1"], {"replayed": 1}
+    assert p.role.transfer_stats() == TransferStats(num_ok=0, bytes_total=9)
+    assert (p.role.broken_peers(), p.role.rejected_frames()) == (["decode-1/d1"], {"replayed": 1})
+    assert p.role.threads() == [sender.thread] and p.role.kv_endpoint() == "tcp://127.0.0.1:9"
+    assert p.role.num_waiting_for_kv() == 0
+    p.role.sender = None
+    assert (p.role.transfer_stats(), p.role.broken_peers(), p.role.rejected_frames()) == (
+        TransferStats(),
+        [],
+        {},
+    )
+    assert p.role.threads() == [] and p.role.kv_endpoint() == ""

@@ -1,17 +1,30 @@
 """KVReceiver's own checks, without a peer (a channel that moves nothing): it refuses fetches it cannot
-run (not started or closed, bad block ids) and fails a fetch whose deadline passed while it was queued
-before a single frame goes out."""
+run (not started or closed, bad block ids), drops frames not of the transfer it runs, fails a fetch
+whose header did not come before its deadline, fails every fetch from a dropped peer (queued ones at once) while it goes on with the others, and fails what is posted or queued
+when closed."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 import torch
 import zmq
 
 from cluster.frames import new_secret
+from tests.cluster_utils import wait_for
 from transfer.channel import Channel, OpLane, PendingOp
+from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PairKey, PeerId
-from transfer.protocol import KVHandoff, KVLayout, TransferError, TransferTimeoutError
+from transfer.protocol import (
+    KVHandoff,
+    KVLayout,
+    TransferError,
+    TransferPeerLostError,
+    TransferRejectedError,
+    TransferResult,
+    TransferTimeoutError,
+)
 from transfer.receiver import KVReceiver
 
 NUM_BLOCKS = 8
@@ -35,11 +48,10 @@ class IdleChannel(Channel):
         raise AssertionError("no bytes move in these tests")
 
 
-def make_receiver() -> KVReceiver:
+def make_receiver(secret: bytes | None = None, timeout_s: float = 5.0) -> KVReceiver:
     kv = torch.zeros(2, NUM_BLOCKS, 2, 4, 2, 8)
-    return KVReceiver(
-        kv, me=PeerId("decode-0", "d0"), channel=IdleChannel(), secret=new_secret(), timeout_s=5.0
-    )
+    me = PeerId("decode-0", "d0")
+    return KVReceiver(kv, me=me, channel=IdleChannel(), secret=secret or new_secret(), timeout_s=timeout_s)
 
 
 def handoff(rid: str, endpoint: str = "tcp://127.0.0.1:1") -> KVHandoff:
@@ -83,6 +95,107 @@ def test_a_fetch_past_its_deadline_fails_with_a_timeout_and_is_counted() -> None
             "TransferTimeoutError",
         )
         assert receiver.stats().num_failed == 1
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_dropping_a_peer_fails_its_queued_and_in_flight_fetches_and_the_receiver_goes_on() -> None:
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)  # every fake prefill side's handshake socket; it never answers
+    sender.bind("tcp://127.0.0.1:*")
+    endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+    receiver = make_receiver()
+    receiver.start()
+
+    def fetch(rid: str, src: str) -> Future[TransferResult]:
+        h = KVHandoff(rid, src, "p0", endpoint, KVLayout(2, 4, 2, 8, "float32"), 10, 3, 0.0)
+        return receiver.submit(h, [1, 2, 3])
+
+    try:
+        in_flight = fetch("a", "prefill-0")
+        assert sender.poll(5000) and sender.recv_multipart()  # a's request went out; no answer comes
+        queued, last = fetch("b", "prefill-1"), fetch("c", "prefill-2")
+        receiver.drop_peer("prefill-1")
+        with pytest.raises(TransferPeerLostError, match="not fetching 'b'"):
+            queued.result(timeout=0)  # at once, a still in flight
+        assert not in_flight.done() and not last.done()
+        receiver.drop_peer("prefill-0")
+        with pytest.raises(TransferPeerLostError):
+            in_flight.result(timeout=5)
+        assert sender.poll(5000) and sender.recv_multipart()  # c is asked next
+        receiver.drop_peer("prefill-2")
+        with pytest.raises(TransferPeerLostError):
+            last.result(timeout=5)
+        with pytest.raises(TransferPeerLostError, match="not fetching 'late'"):
+            fetch("late", "prefill-1").result(timeout=0)  # a dropped peer is never asked again
+        assert receiver.thread.is_alive()
+        assert [(r.request_id, r.error_type) for r in receiver.results()] == [
+            ("b", "TransferPeerLostError"),
+            ("a", "TransferPeerLostError"),
+            ("c", "TransferPeerLostError"),
+            ("late", "TransferPeerLostError"),
+        ]
+        assert receiver.stats().num_failed == 4 and not sender.poll(200)
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_frames_that_are_not_this_transfers_are_dropped_and_an_abort_fails_it() -> None:
+    """While it waits for the header: junk is counted and dropped, a signed frame of another transfer
+    (a late one) is ignored, the sender's signed abort fails the fetch with the sender's error."""
+    secret = new_secret()
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)
+    sender.bind("tcp://127.0.0.1:*")
+    frames = HandshakeFrames(secret, "prefill-0/p0")
+    receiver = make_receiver(secret)
+    receiver.start()
+    try:
+        future = receiver.submit(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
+        assert sender.poll(5000)
+        peer, request = sender.recv_multipart()
+        message = frames.decode(request)
+        assert message is not None and message[0] is MessageKind.REQUEST
+        nonce, to = message[1], "decode-0/d0"
+        late_abort = frames.encode(to, MessageKind.ABORT, nonce + 1, error_type="X", message="x")
+        sender.send_multipart([peer, late_abort])
+        sender.send_multipart([peer, b"junk"])  # (after the late frame: counted means both were read)
+        wait_for(lambda: receiver.rejected_frames() == {"malformed": 1}, 5, "junk counted")
+        assert not future.done()
+        abort = frames.encode(
+            to, MessageKind.ABORT, nonce, error_type="TransferRejectedError", message="not held"
+        )
+        sender.send_multipart([peer, abort])
+        with pytest.raises(TransferRejectedError, match="peer: not held"):
+            future.result(timeout=5)
+        assert not sender.poll(200)  # no abort goes back for the sender's own
+        assert receiver.thread.is_alive()
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_closing_fails_the_fetches_posted_and_still_queued() -> None:
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)  # never answers: the first fetch waits for a header till the close
+    sender.bind("tcp://127.0.0.1:*")
+    receiver = make_receiver()
+    receiver.start()
+    try:
+        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+        first = receiver.submit(handoff("first", endpoint), [1, 2, 3])
+        assert sender.poll(5000)
+        queued = receiver.submit(handoff("queued", endpoint), [4, 5, 6])
+        receiver.close()
+        for future in (first, queued):
+            with pytest.raises(TransferError, match="receiver closed"):
+                future.result(timeout=0)
+        assert not receiver.thread.is_alive()
     finally:
         receiver.close()
         sender.close(linger=0)

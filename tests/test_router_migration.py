@@ -112,6 +112,14 @@ def test_a_dead_decode_worker_migrates_its_requests_and_late_events_of_the_old_a
             error = await s.next()
             assert isinstance(error, WorkerFailedError)
             assert "worker decode-0 failed" in str(error) and "max_migrations 0" in str(error)
+            assert await fakes.ops("prefill-0", 2) == [PeerDead("decode-0", "i0"), Abort("m")]
+            # it was not dispatched again: decode-1's next op after the news is the next request's
+            z = Stream(router, "z", PROMPT)
+            assert (await fakes.op("prefill-0")).request_id == "z"
+            await fakes.send(Prefilled("prefill-0", delta("z", 5), b"kv"))
+            assert (await z.next()).token_ids == [5]  # type: ignore[union-attr]
+            peer_dead, handoff = await fakes.ops("decode-1", 2)
+            assert peer_dead == PeerDead("decode-0", "i0") and handoff.request_id == "z"
             return
         # peers stop waiting on the dead worker, then the request goes on whole: prompt + its 3 tokens
         assert await fakes.ops("prefill-0", 2) == [PeerDead("decode-0", "i0"), Abort("m")]

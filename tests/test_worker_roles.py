@@ -30,7 +30,11 @@ def started(request: pytest.FixtureRequest) -> Iterator[tuple[EngineWorker, Fake
     secret = new_secret()
     router = FakeRouter(secret)
     control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)  # no store: no KV mover
-    worker = EngineWorker(f"{request.param}-0", request.param, ENGINE, TransferConfig(), secret, control)
+    try:
+        worker = EngineWorker(f"{request.param}-0", request.param, ENGINE, TransferConfig(), secret, control)
+    except BaseException:
+        router.close()  # NOTE: an open ZMQ context would hold the process at exit
+        raise
     router.connect(worker)
     yield worker, router
     worker.shutdown()
