@@ -97,6 +97,9 @@ from cluster.wire import (
 
 logger = logging.getLogger(__name__)
 
+# NOTE: bounds how long a death Ray reported waits for frames already here (a busy socket never empties).
+_SETTLE_S = 0.5
+
 
 class WorkerState(str, enum.Enum):
     HEALTHY = "healthy"
@@ -812,8 +815,24 @@ class Router:
                 # NOTE: a ping sent before a restart can fail after the new incarnation registered; the
                 # failure is the old process's, so only an incarnation admitted before the ping dies here.
                 if w is not None and w.admitted_at < issued:
+                    await self._take_pending_events()
                     self._mark_dead(w, f"{type(e).__name__}: {str(e).splitlines()[0]}")
             await asyncio.sleep(self.config.health_interval_s)
+
+    async def _take_pending_events(self) -> None:
+        """Let the receive loop handle every frame already here before Ray's word on a death is acted
+        on: what a dying worker sent last (its deltas, its own ``WorkerFailed`` reason) came first."""
+        deadline = time.monotonic() + _SETTLE_S
+        while self._readable() and time.monotonic() < deadline:
+            await asyncio.sleep(0)
+        # NOTE: the last frame read may still wait in the receive task's future: two turns of the loop.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    def _readable(self) -> bool:
+        # NOTE: ``get``, not ``getsockopt``: reading EVENTS clears the socket's edge-triggered fd, and
+        # only the asyncio socket's ``get`` then re-arms the receive loop's reader.
+        return bool(int(self._pull.get(zmq.EVENTS)) & zmq.POLLIN)
 
     def _set_state(self, w: WorkerRef, state: WorkerState, why: str) -> None:
         if w.state == state:

@@ -93,6 +93,38 @@ def test_the_lifecycle_watch_kills_only_the_incarnation_admitted_before_the_fail
     run(scenario, mode="colocated")
 
 
+def test_what_a_dying_worker_said_last_comes_before_rays_word_on_its_death() -> None:
+    """The worker's own ``WorkerFailed`` is in the router's socket when Ray's failed ping wakes the
+    watch: the request fails (here: migrates) with the worker's reason, not Ray's."""
+
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("colocated-0", "colocated")
+        await fakes.add("colocated-1", "colocated")
+        actor = FakeActor()
+        router.watch("colocated-0", actor)
+        await until(lambda: len(actor.answers) == 1, "first ping")
+        s = Stream(router, "r", PROMPT)
+        assert (await fakes.op("colocated-0")).request_id == "r"
+        await fakes.send(Delta("colocated-0", delta("r", 7)))
+        assert (await s.next()).token_ids == [7]  # type: ignore[union-attr]
+        await fakes.send(WorkerFailed("colocated-0", "step thread died: RuntimeError: boom"))
+        # NOTE: holds the event loop (bounded) till the frame is in the router's socket, unread
+        deadline = time.monotonic() + 5.0
+        while not router._readable() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert router._readable()
+        actor.answers[0].set_exception(RuntimeError("ActorDiedError: the actor died"))
+        await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead")
+        (w,) = [w for w in router.workers if w.worker_id == "colocated-0"]
+        assert w.why == "it reported: step thread died: RuntimeError: boom"
+        ops = await fakes.ops("colocated-1", 2)
+        assert ops[0] == PeerDead("colocated-0", "i0")
+        assert ops[1] == Generate("r~1", PROMPT, s.req.params, ops[1].deadline, False, [7])
+        router.unwatch("colocated-0")
+
+    run(scenario, mode="colocated")
+
+
 def test_health_verdicts() -> None:
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
         await fakes.add("prefill-0", "prefill")
