@@ -3,8 +3,15 @@ beats while idle, and a dead thread makes it say so (WorkerFailed + on_fatal) in
 
 from __future__ import annotations
 
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import pytest
 import zmq
@@ -29,7 +36,7 @@ from cluster.wire import (
 )
 from tests.cluster_utils import wait_for
 from workers.llm import LLM
-from workers.worker import EngineWorker
+from workers.worker import EXIT_CODE_FATAL, EngineWorker
 
 PROMPT = [3, 40, 99, 7, 250, 18]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -167,6 +174,75 @@ def test_a_dead_thread_makes_the_worker_say_so(
     assert failed.reason.startswith(f"{kind} thread died: RuntimeError: injected fault")
     assert wait_for(lambda: fatal, 5, "on_fatal") == [failed.reason]
     assert not worker.health() and not worker.stats().healthy
+
+
+_DYING_WORKER = """
+import sys
+import threading
+from cluster.config import EngineConfig, TransferConfig
+from cluster.wire import WorkerControl
+from workers.worker import EXIT_CODE_FATAL, EngineWorker
+
+engine = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=16, max_num_seqs=2)
+control = WorkerControl(sys.argv[1], heartbeat_interval_s=60.0)
+worker = EngineWorker(
+    "colocated-9", "colocated", engine, TransferConfig(), bytes.fromhex(sys.argv[2]), control,
+    allow_fault_injection=True,
+)
+worker.inject_fault("step")
+threading.Event().wait(60)  # the step thread ends the process long before
+sys.exit(3)
+"""
+
+
+def test_a_worker_whose_thread_died_exits_only_after_its_last_words_left() -> None:
+    """The default ``on_fatal`` ends the process; the WorkerFailed said just before must still reach
+    the router, even one that only comes back (binds its socket) after the worker said it: a frame
+    left queued in ZMQ would die with the process."""
+    with socket.socket() as probe:  # a free port, nobody listening on it yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    secret = new_secret()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _DYING_WORKER, endpoint, secret.hex()],
+        cwd=Path(__file__).resolve().parent.parent,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ctx: zmq.Context[Any] = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    try:
+        assert child.stderr is not None
+        said = [line for line in _lines_until(child.stderr, "worker failed", 60.0)]
+        assert "worker failed: step thread died" in said[-1], said
+        pull.bind(endpoint)
+        decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
+        events = []
+        while pull.poll(10_000):
+            events.append(decoder.decode(pull.recv()))
+            if isinstance(events[-1], WorkerFailed):
+                break
+        assert isinstance(events[-1], WorkerFailed), events
+        assert events[-1].reason.startswith("step thread died: RuntimeError: injected fault")
+        assert child.wait(timeout=30) == EXIT_CODE_FATAL
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def _lines_until(stream: IO[str], marker: str, timeout_s: float) -> Iterator[str]:
+    """Lines of ``stream`` up to the first holding ``marker`` (a reader thread bounds the wait)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        yield line
+        if marker in line:
+            return
 
 
 def test_fault_injection_is_off_unless_asked() -> None:

@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # bound on one idle wait for work; wakes at once when a message arrives
 _POLL_MS = 100
+_LAST_WORDS_S = 2.0  # bound on flushing WorkerFailed before the process exits
 FAULT_KINDS = ("step", "inbound")
 EXIT_CODE_FATAL = 70
 
@@ -145,10 +146,13 @@ class EngineWorker:
         self.request_endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = WireDecoder(secret, worker_id, OPS)
         self._encoder = WireEncoder(secret)
-        self._push = self._ctx.socket(zmq.PUSH)
+        # NOTE: a context of its own, so the last words can be flushed by terminating it (see _send)
+        self._push_ctx: zmq.Context[Any] = zmq.Context()
+        self._push = self._push_ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(control.router_endpoint)
         self._push_lock = threading.Lock()  # NOTE: the step thread sends; a dying thread sends once too
+        self._silent = False  # the last words were said: nothing more goes out
         self._commands: queue.Queue[object] = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -247,7 +251,10 @@ class EngineWorker:
         if self.role is not None:
             self.role.close()
         self._pull.close(linger=0)
-        self._push.close(linger=0)
+        with self._push_lock:
+            self._silent = True
+            self._push.close(linger=0)
+            self._push_ctx.term()
         self._ctx.term()
 
     # ---- threads --------------------------------------------------------------------------------------
@@ -271,7 +278,7 @@ class EngineWorker:
         self._stats = dataclasses.replace(self._stats, healthy=False)
         try:
             # NOTE: flushed before on_fatal, which usually exits the process (a queued frame would die)
-            self._send(WorkerFailed(self.worker_id, reason), flush_timeout_s=2.0)
+            self._send(WorkerFailed(self.worker_id, reason), last_words_s=_LAST_WORDS_S)
         except Exception:
             logger.exception("%s: could not send WorkerFailed", self.worker_id)
         self._on_fatal(reason)
@@ -383,14 +390,22 @@ class EngineWorker:
             else:
                 self._send(Delta(self.worker_id, delta))
 
-    def _send(self, message: Any, flush_timeout_s: float | None = None) -> None:
+    def _send(self, message: Any, last_words_s: float | None = None) -> None:
+        """Send one frame to the router. ``last_words_s``: it is the last one; wait (bounded) till it
+        left the process, for the process may exit next (a frame still queued in ZMQ would die)."""
         frame = self._encoder.encode(ROUTER_ID, message)
         with self._push_lock:
-            if flush_timeout_s is None:
-                self._push.send(frame)
+            if self._silent:
                 return
-            tracker = self._push.send(frame, copy=False, track=True)
-        tracker.wait(flush_timeout_s)
+            self._push.send(frame)
+            if last_words_s is None:
+                return
+            # NOTE: a socket closed with a linger keeps sending its queue until the linger ends, and
+            # terminating its context waits for that (a message tracker would not: ZMQ copies small
+            # frames and reports them done at once).
+            self._silent = True
+            self._push.close(linger=int(last_words_s * 1000))
+            self._push_ctx.term()
 
     def _fail_request(self, request_id: str, code: ErrorCode, message: str) -> None:
         self._send(RequestFailed(self.worker_id, request_id, code, message))
