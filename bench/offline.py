@@ -314,14 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in args.overhead_running:
             o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed)
             results["variants"].setdefault(v.name, {})[f"host_ms_{n}"] = o
-            cpu = (
+            cpu_note = (
                 f"; thread CPU {o['host_cpu']:.3f} median, {o['host_cpu_min']:.3f} min"
                 if "host_cpu" in o
                 else ""
             )
             stage = f"; detokenizer thread {o['stage']:.3f} ms/step of its own CPU" if "stage" in o else ""
             print(
-                f"host overhead {v.name}, {n:3d} running: {o['host']:.3f} ms/step wall median{cpu}, forward "
+                f"host overhead {v.name}, {n:3d} running: {o['host']:.3f} ms/step wall median{cpu_note}, forward "
                 f"excluded (engine split: schedule+update {o['schedule+update']:.3f}, input prep "
                 f"{o['prepare']:.3f}, detokenize on the step thread {o['detokenize']:.3f}){stage}"
             )

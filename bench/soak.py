@@ -1,17 +1,20 @@
 """Soak benchmark (``pdserve bench soak``): mixed streaming traffic against a live cluster while faults
 land every few seconds, then the verdict.
 
-    pdserve bench soak --minutes 20 [--config deploy/cpu-disagg.yaml] [--lab] [--out soak.json]
+    pdserve bench soak --minutes 20 [--config deploy/cpu-disagg.yaml] [--lab] [--faults all]
+        [--rss-warmup 120] [--out soak.json]
 
 Traffic: ``--concurrency`` client loops send greedy and seeded-sampling requests (random token prompts,
 8-200 tokens; 16-128 new tokens) through the router's streaming API; some clients abort mid-stream.
 Faults, in turn every ``--fault-every`` seconds: kill -9 a worker (Ray restarts it; the router migrates
 its requests and re-admits it), SIGSTOP a worker for 2.5 s then SIGCONT, a burst of malformed control
-frames, and with ``--lab`` (two hosts on this machine, bench/netns_lab.py) a 3 s link flap.
+frames, and with ``--lab`` (two hosts on this machine, bench/netns_lab.py) a 3 s link flap. ``--faults``
+picks a subset (e.g. no kill -9, so every worker process lives the whole run and its RSS can be judged).
 
 Prints requests ok / migrated / aborted by the client / failed with a clear error / hung, leaked blocks
-per worker, RSS growth per worker process, and for each fault the time until the cluster was whole
-again (every pool back to its size, all healthy, a probe request answered).
+per worker, RSS growth per worker process (from the end of its warm-up, and warm-up included), and for
+each fault the time until the cluster was whole again (every pool back to its size, all healthy, a
+probe request answered).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from cluster.protocol import RouterError, SamplingParams
 
 HUNG_GRACE_S = 60.0  # a request silent this long past its deadline counts as hung
 RECOVERY_BOUND_S = 180.0
+RSS_MIN_SPAN_S = 300.0  # a steady-state RSS figure needs this long after the warm-up
 
 
 @dataclass
@@ -74,7 +78,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.tally = Tally()
         self.faults: list[FaultRecord] = []
-        self.rss: dict[tuple[str, int], list[int]] = {}  # (worker, pid) -> samples
+        self.rss: dict[tuple[str, int], list[tuple[float, int]]] = {}  # (worker, pid) -> (t, bytes)
         self.stop = threading.Event()
         self.vocab = handle.model_info.vocab_size
         self.pool_sizes = {p: len(ids) for p, ids in self._pools().items()}
@@ -146,7 +150,7 @@ class Soak:
             self.faults.append(FaultRecord(kind, target, at, self._await_recovery()))
 
     def fault_kinds(self) -> list[str]:
-        return ["frames", "sigstop", "kill9"] + (["link_flap"] if self.lab is not None else [])
+        return fault_kinds(self.args.faults, self.lab is not None)
 
     def _every_kind_landed(self) -> bool:
         return {f.kind for f in self.faults} >= set(self.fault_kinds())
@@ -201,7 +205,7 @@ class Soak:
         for w in self.handle.router.workers:
             rss = _rss_bytes(w.info.pid)
             if rss is not None:
-                self.rss.setdefault((w.worker_id, w.info.pid), []).append(rss)
+                self.rss.setdefault((w.worker_id, w.info.pid), []).append((time.monotonic(), rss))
 
     # ---- the run --------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -228,22 +232,55 @@ class Soak:
         return self.report(leaks)
 
     def report(self, leaks: dict[str, str | None]) -> dict[str, Any]:
-        growth = {
-            f"{wid} (pid {pid})": 100.0 * (samples[-1] - samples[0]) / samples[0]
-            for (wid, pid), samples in self.rss.items()
-            if len(samples) >= 10
-        }
+        growth, with_warmup = rss_growth(self.rss, self.args.rss_warmup)
         recovered = [f.recovered_s for f in self.faults if f.recovered_s is not None]
         return {
             "minutes": self.args.minutes,
             "tally": asdict(self.tally),
             "leaks": leaks,
+            "rss_warmup_s": self.args.rss_warmup,
             "rss_growth_pct": growth,
+            "rss_growth_incl_warmup_pct": with_warmup,
+            "fault_kinds": self.fault_kinds(),
             "faults": [asdict(f) for f in self.faults],
             "recovery_s_median": statistics.median(recovered) if recovered else None,
             "recovery_s_max": max(recovered) if recovered else None,
             "unrecovered": sum(1 for f in self.faults if f.recovered_s is None),
         }
+
+
+def rss_growth(
+    samples: dict[tuple[str, int], list[tuple[float, int]]], warmup_s: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per worker process, RSS growth in percent (1) from its first sample at least ``warmup_s`` after
+    its first to its last, for processes sampled at least ``RSS_MIN_SPAN_S`` after their warm-up: what
+    a leak would show; (2) from its first sample to its last, warm-up included (allocator and caches
+    filling up), for every process sampled at least 10 times."""
+    steady: dict[str, float] = {}
+    whole: dict[str, float] = {}
+    for (wid, pid), points in samples.items():
+        name = f"{wid} (pid {pid})"
+        if len(points) >= 10:
+            whole[name] = 100.0 * (points[-1][1] - points[0][1]) / points[0][1]
+        after = [(t, rss) for t, rss in points if t - points[0][0] >= warmup_s]
+        if after and after[-1][0] - after[0][0] >= RSS_MIN_SPAN_S:
+            steady[name] = 100.0 * (after[-1][1] - after[0][1]) / after[0][1]
+    return steady, whole
+
+
+def fault_kinds(asked: str, on_lab: bool) -> list[str]:
+    """The fault kinds of a run, in the order they take turns: those ``asked`` (comma-separated, or
+    "all"); a link flap needs the lab."""
+    known = ["frames", "sigstop", "kill9", "link_flap"]
+    kinds = known if asked == "all" else [k.strip() for k in asked.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in known]
+    if unknown or not kinds:
+        raise ValueError(f"--faults: unknown kinds {unknown}; choose from {known} or 'all'")
+    if not on_lab:
+        if asked != "all" and "link_flap" in kinds:
+            raise ValueError("--faults: link_flap needs --lab (a link to flap)")
+        kinds = [k for k in kinds if k != "link_flap"]
+    return kinds
 
 
 def _send_frames(frames: Sequence[tuple[str, bytes]]) -> None:
@@ -290,10 +327,16 @@ def print_report(report: dict[str, Any]) -> None:
     )
     leaked = {w: v for w, v in report["leaks"].items() if v is not None}
     print(f"leaked blocks: {leaked or 'none'} ({len(report['leaks'])} workers checked)")
-    growth = report["rss_growth_pct"]
-    if growth:
+    for key, what in (
+        ("rss_growth_pct", f"after a {report['rss_warmup_s']:.0f} s warm-up"),
+        ("rss_growth_incl_warmup_pct", "warm-up included"),
+    ):
+        growth = report[key]
+        if not growth:
+            print(f"RSS growth per worker process ({what}): no process lived long enough")
+            continue
         worst = max(growth.items(), key=lambda kv: kv[1])
-        print(f"RSS growth per worker process: max {worst[1]:+.1f}% ({worst[0]}); " + ", ".join(
+        print(f"RSS growth per worker process ({what}): max {worst[1]:+.1f}% ({worst[0]}); " + ", ".join(
             f"{k} {v:+.1f}%" for k, v in sorted(growth.items())))  # fmt: skip
     kinds: dict[str, list[float]] = {}
     for f in report["faults"]:
@@ -314,9 +357,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--fault-every", type=float, default=5.0, help="seconds between faults")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--faults",
+        default="all",
+        help="fault kinds taking turns, comma-separated: frames,sigstop,kill9,link_flap (default all; "
+        "link_flap only with --lab)",
+    )
+    ap.add_argument(
+        "--rss-warmup",
+        type=float,
+        default=120.0,
+        help="seconds of a worker process's life left out of its steady-state RSS growth",
+    )
     ap.add_argument("--lab", action="store_true", help="run on the two-host lab (root, netns)")
     ap.add_argument("--out", default=None, help="write the report as JSON here")
     args = ap.parse_args(argv)
+    try:
+        fault_kinds(args.faults, args.lab)
+    except ValueError as e:
+        ap.error(str(e))
     if args.lab:
         # NOTE: the lab's Ray cluster runs token auth, and Ray reads this once, at import
         os.environ["RAY_AUTH_MODE"] = "token"
