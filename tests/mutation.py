@@ -36,8 +36,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # A stage is pytest arguments (a -k applies to the whole stage). Torch-free unit tests (about a second a
 # run), then engine-level tests against transformers on one architecture (scheduling and block bugs do
 # not depend on it; the full suite covers all four), then the handoff roles driven turn by turn (a real
-# engine, a fake KV mover), then a whole cluster in this process (router + workers, real KV transfers,
-# no Ray), then the KV transfer between real processes, and the router against fake workers.
+# engine, a fake KV mover), early decode admission against a real KV sender, then a whole cluster in
+# this process (router + workers, real KV transfers, no Ray), then the KV transfer between real
+# processes, and the router against fake workers.
 UNIT_STAGE = (
     "tests/test_block_manager.py",
     "tests/test_scheduler.py",
@@ -46,6 +47,7 @@ UNIT_STAGE = (
 )
 ENGINE_STAGE = ("tests/test_engine_scheduling.py", "tests/test_engine_hf.py", "-k", "scheduling or qwen3")
 HANDOFF_STAGE = ("tests/test_decode_handoff.py", "tests/test_prefill_role.py", "tests/test_worker_roles.py")
+EARLY_STAGE = ("tests/test_early_admission.py",)  # the decode role's early admission, with a real sender
 CLUSTER_STAGE = ("tests/test_local_cluster.py",)
 RECEIVER_STAGE = ("tests/test_receiver_unit.py", "tests/test_local_cluster.py")
 TRANSFER_STAGE = ("tests/test_transfer.py",)
@@ -55,7 +57,7 @@ ROUTER_STAGE = (
     "tests/test_router_lifecycle.py",
 )
 CORE_STAGES = (UNIT_STAGE, ENGINE_STAGE, HANDOFF_STAGE)
-ROLE_STAGES = (HANDOFF_STAGE, CLUSTER_STAGE)
+ROLE_STAGES = (HANDOFF_STAGE, EARLY_STAGE, CLUSTER_STAGE)
 
 # module -> its test stages. Adding a module is one line. A whole run (`make mutation`) takes hours on a
 # 2-core box (the transfer receiver's mutants the most); name modules to run a subset.
