@@ -4,6 +4,7 @@ that cover its module. A mutant the tests still pass is a survivor: a bug class 
     python -m tests.mutation                      # every module in TARGETS (`make mutation`)
     python -m tests.mutation workers/scheduler.py --list      # print the mutants, run nothing
     python -m tests.mutation --json out.json --jobs 2
+    python -m tests.mutation transfer/receiver.py --sample 70 --seed 0   # a seeded sample per module
 
 Every mutant runs in a throwaway copy of the tree (tracked + untracked-not-ignored files), never in the
 working tree. Stages run in order with ``-x``: a mutant is killed by the first stage that fails (or
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import re
 import shutil
 import signal
@@ -298,6 +300,16 @@ def run_mutant(
         path.write_text(original)
 
 
+def sample_per_module(mutants: Sequence[Mutant], n: int, seed: int) -> list[Mutant]:
+    """A seeded sample of ``n`` mutants of each module (all of a module with fewer), in source order."""
+    rng = random.Random(seed)
+    by_module: dict[str, list[int]] = {}
+    for i, m in enumerate(mutants):
+        by_module.setdefault(m.module, []).append(i)
+    keep = {i for idx in by_module.values() for i in (idx if len(idx) <= n else rng.sample(idx, n))}
+    return [m for i, m in enumerate(mutants) if i in keep]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help=f"subset of {sorted(TARGETS)}")
@@ -308,6 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--match", action="append", help="only mutants whose name contains this (e.g. 'py:119:'); repeatable"
     )
+    parser.add_argument(
+        "--sample",
+        type=int,
+        help="run a seeded random sample of this many mutants per module (an estimate of the score when "
+        "the whole run does not fit the time at hand)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.modules) - set(TARGETS))
     if unknown:
@@ -320,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m in generate_mutants(module)
         if not args.match or any(text in m.name for text in args.match)
     ]
+    if args.sample is not None:
+        mutants = sample_per_module(mutants, args.sample, args.seed)
     if args.list:
         for m in mutants:
             print(m.name)
