@@ -1,7 +1,7 @@
 """KVReceiver's own checks, without a peer (a channel that moves nothing): it refuses fetches it cannot
 run (not started or closed, bad block ids), drops frames not of the transfer it runs, fails a fetch
-whose header did not come before its deadline, fails every fetch from a dropped peer (queued ones at once) while it goes on with the others, and fails what is posted or queued
-when closed."""
+whose header did not come before its deadline, fails every fetch from a dropped peer while it goes on
+with the others, and fails what is posted or queued when closed."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_a_fetch_past_its_deadline_fails_with_a_timeout_and_is_counted() -> None
         ctx.term()
 
 
-def test_dropping_a_peer_fails_its_queued_and_in_flight_fetches_and_the_receiver_goes_on() -> None:
+def test_dropping_a_peer_fails_its_fetches_and_the_receiver_goes_on_with_the_others() -> None:
     ctx = zmq.Context()
     sender = ctx.socket(zmq.ROUTER)  # every fake prefill side's handshake socket; it never answers
     sender.bind("tcp://127.0.0.1:*")
@@ -113,23 +113,30 @@ def test_dropping_a_peer_fails_its_queued_and_in_flight_fetches_and_the_receiver
         h = KVHandoff(rid, src, "p0", endpoint, KVLayout(2, 4, 2, 8, "float32"), 10, 3, 0.0)
         return receiver.submit(h, [1, 2, 3])
 
+    def asked() -> int:
+        n = 0
+        while sender.poll(200):
+            sender.recv_multipart()
+            n += 1
+        return n
+
     try:
-        in_flight = fetch("a", "prefill-0")
-        assert sender.poll(5000) and sender.recv_multipart()  # a's request went out; no answer comes
-        queued, last = fetch("b", "prefill-1"), fetch("c", "prefill-2")
+        a, b, c = fetch("a", "prefill-0"), fetch("b", "prefill-1"), fetch("c", "prefill-2")
+        # NOTE: every fetch's request goes out at once (early decode admission); no answer comes
+        assert asked() == 3
         receiver.drop_peer("prefill-1")
-        with pytest.raises(TransferPeerLostError, match="not fetching 'b'"):
-            queued.result(timeout=0)  # at once, a still in flight
-        assert not in_flight.done() and not last.done()
+        with pytest.raises(TransferPeerLostError, match="peer prefill-1/p0 was dropped"):
+            b.result(timeout=5)
+        assert not a.done() and not c.done()
         receiver.drop_peer("prefill-0")
-        with pytest.raises(TransferPeerLostError):
-            in_flight.result(timeout=5)
-        assert sender.poll(5000) and sender.recv_multipart()  # c is asked next
+        with pytest.raises(TransferPeerLostError, match="peer prefill-0/p0 was dropped"):
+            a.result(timeout=5)
+        assert not c.done()
         receiver.drop_peer("prefill-2")
         with pytest.raises(TransferPeerLostError):
-            last.result(timeout=5)
-        with pytest.raises(TransferPeerLostError, match="not fetching 'late'"):
-            fetch("late", "prefill-1").result(timeout=0)  # a dropped peer is never asked again
+            c.result(timeout=5)
+        with pytest.raises(TransferPeerLostError):
+            fetch("late", "prefill-1").result(timeout=5)  # a dropped peer is never asked again
         assert receiver.thread.is_alive()
         assert [(r.request_id, r.error_type) for r in receiver.results()] == [
             ("b", "TransferPeerLostError"),
@@ -137,7 +144,7 @@ def test_dropping_a_peer_fails_its_queued_and_in_flight_fetches_and_the_receiver
             ("c", "TransferPeerLostError"),
             ("late", "TransferPeerLostError"),
         ]
-        assert receiver.stats().num_failed == 4 and not sender.poll(200)
+        assert receiver.stats().num_failed == 4 and asked() == 0
     finally:
         receiver.close()
         sender.close(linger=0)
