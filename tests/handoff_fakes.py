@@ -73,6 +73,7 @@ class FakeReceiver(FakeMover):
     def __init__(self, kv: torch.Tensor) -> None:
         super().__init__()
         self.kv = kv
+        self.layout = layout_of(kv)
         self.fetches: dict[str, Fetch] = {}
         self.dropped: list[tuple[str, str | None]] = []
 
@@ -106,6 +107,12 @@ class FakeReceiver(FakeMover):
 
     def drop_peer(self, worker_id: str, incarnation: str | None = None) -> None:
         self.dropped.append((worker_id, incarnation))
+
+    def cancel(self, request_id: str) -> None:
+        """As KVReceiver.cancel: a fetch still waiting for its offer ends now (a failed transfer)."""
+        fetch = self.fetches[request_id]
+        if not fetch.future.done():
+            fetch.future.set_exception(TransferError(f"fetch of {request_id!r} cancelled"))
 
     def stats(self) -> TransferStats:
         return TransferStats(num_ok=len(self.fetches), bytes_total=7)

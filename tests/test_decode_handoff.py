@@ -6,12 +6,14 @@ transformers after the late bytes land."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from cluster.config import TransferConfig
 from cluster.protocol import ErrorCode, TransferStats
-from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, RequestFailed, Transferred
+from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, PrepareDecode, RequestFailed, Transferred
 from tests.handoff_fakes import DecodeSide, FakeReceiver, PrefillEngine, context, greedy
 from tests.oracle_cache import hf_reference, qwen3_model
 from workers.decode_role import DecodeRole
@@ -270,3 +272,31 @@ def test_the_role_reports_its_receivers_state() -> None:
     assert role.transfer_stats() == TransferStats(num_ok=0, bytes_total=7)
     assert (role.broken_peers(), role.rejected_frames()) == (["prefill-1/p1"], {"bad_mac": 2})
     assert role.threads() == [receiver.thread] and role.kv_endpoint() == ""
+
+
+def test_an_early_admission_posts_its_fetch_at_once_unless_handoffs_wait_before_it(model_dir: str) -> None:
+    """PrepareDecode reserves and posts the fetch in the same turn when nothing waits; behind a handoff
+    that waits for a seat it waits too (it never takes a seat or blocks a waiting handoff needs)."""
+    d = DecodeSide(model_dir, num_kv_blocks=32, max_num_seqs=1)
+
+    def prepare(rid: str, prompt: list[int]) -> None:
+        deadline = time.time() + 60
+        d.role.on_prepare(
+            PrepareDecode(rid, prompt, greedy(NUM_TOKENS), deadline, "prefill-0", "p0", "tcp://x:1")
+        )
+
+    prepare("C", PROMPT_C)
+    assert sorted(d.receiver.fetches) == ["C"]  # before any turn of the step loop
+    fetch = d.receiver.fetches["C"]
+    assert (fetch.dst_block_ids, fetch.handoff.num_blocks) == ([1, 2], 2)
+    num_free = d.engine.scheduler.kv.pool.num_free
+    d.handoff("A", PROMPT_A, 5, greedy(NUM_TOKENS))  # C holds the only seat: A waits
+    prepare("B", PROMPT_B)
+    for _ in range(3):
+        d.turn()
+    assert sorted(d.receiver.fetches) == ["C"] and d.engine.scheduler.kv.pool.num_free == num_free
+    for rid in ("B", "A", "C"):
+        d.abort(rid)  # C's fetch is cancelled (it waited for the offer)
+    d.run_until_idle()
+    assert d.tokens == {} and d.engine.scheduler.kv.pool.num_free == 31
+    d.check_no_leaks()
