@@ -300,3 +300,37 @@ def test_an_early_admission_posts_its_fetch_at_once_unless_handoffs_wait_before_
     d.run_until_idle()
     assert d.tokens == {} and d.engine.scheduler.kv.pool.num_free == 31
     d.check_no_leaks()
+
+
+def test_early_admissions_wait_their_turn_and_expire_only_when_no_fetch_holds_them(model_dir: str) -> None:
+    """Past its deadline an early request that holds no fetch is dropped; one whose fetch is in flight
+    is kept (its blocks are being written) until the fetch ends. Those that waited behind a handoff are
+    reserved, in order, once seats free up."""
+    d = DecodeSide(model_dir, num_kv_blocks=32, max_num_seqs=1)
+
+    def prepare(rid: str, prompt: list[int], deadline_s: float = 60) -> None:
+        op = PrepareDecode(
+            rid, prompt, greedy(NUM_TOKENS), time.time() + deadline_s, "prefill-0", "p0", "tcp://x:1"
+        )
+        d.role.on_prepare(op)
+
+    prepare("C", PROMPT_C, deadline_s=-1)  # the seat; its fetch posted, its deadline already passed
+    d.handoff("A", PROMPT_A, 5, greedy(NUM_TOKENS))  # waits for the seat
+    prepare("Y", PROMPT_B, deadline_s=-1)  # waits behind A, expired
+    prepare("B", PROMPT_B)  # waits behind A
+    d.turn()
+    assert d.role.num_waiting_for_kv() == 3  # C (in flight), A (pending), B: Y is gone
+    assert d.engine.request_status("C") is not None and sorted(d.receiver.fetches) == ["C"]
+    d.abort("C")  # its fetch is cancelled; the seat goes to A, not to B
+    d.turn()
+    d.turn()
+    assert sorted(d.receiver.fetches) == ["A", "C"]
+    d.abort("A")
+    d.receiver.fail("A")
+    d.turn()
+    d.turn()
+    assert sorted(d.receiver.fetches) == ["A", "B", "C"]  # B, reserved once nothing waits before it
+    d.abort("B")
+    d.run_until_idle()
+    assert d.tokens == {} and d.engine.scheduler.kv.pool.num_free == 31
+    d.check_no_leaks()
