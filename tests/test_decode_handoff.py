@@ -14,6 +14,7 @@ import torch
 from cluster.config import TransferConfig
 from cluster.protocol import ErrorCode, TransferStats
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, PrepareDecode, RequestFailed, Transferred
+from tests.cluster_utils import wait_for
 from tests.handoff_fakes import DecodeSide, FakeReceiver, PrefillEngine, context, greedy
 from tests.oracle_cache import hf_reference, qwen3_model
 from workers.decode_role import DecodeRole
@@ -333,4 +334,20 @@ def test_early_admissions_wait_their_turn_and_expire_only_when_no_fetch_holds_th
     d.abort("B")
     d.run_until_idle()
     assert d.tokens == {} and d.engine.scheduler.kv.pool.num_free == 31
+    d.check_no_leaks()
+
+
+def test_an_early_request_whose_kv_landed_but_whose_first_token_never_came_expires(model_dir: str) -> None:
+    """The fetch ended, the DecodeHandoff never comes (the router failed the request): past its deadline
+    the role drops the request and its blocks return to the pool."""
+    d = DecodeSide(model_dir, num_kv_blocks=32)
+    op = PrepareDecode("C", PROMPT_C, greedy(NUM_TOKENS), time.time() - 1, "prefill-0", "p0", "tcp://x:1")
+    d.role.on_prepare(op)
+    fetch = d.receiver.fetches["C"]
+    d.receiver.land("C", torch.zeros_like(d.engine.runner.kv_cache[:, fetch.dst_block_ids]))
+    assert d.engine.scheduler.kv.pool.num_free == 29
+    # NOTE: the expiry sweep runs at most once a second; turns until it did (bounded)
+    wait_for(lambda: not d.turn() and d.role.num_waiting_for_kv() == 0, 10, "C expired")
+    assert d.engine.request_status("C") is None and d.engine.scheduler.kv.pool.num_free == 31
+    assert d.tokens == {} and d.events_for("C") == []
     d.check_no_leaks()
