@@ -351,3 +351,30 @@ def test_an_early_request_whose_kv_landed_but_whose_first_token_never_came_expir
     assert d.engine.request_status("C") is None and d.engine.scheduler.kv.pool.num_free == 31
     assert d.tokens == {} and d.events_for("C") == []
     d.check_no_leaks()
+
+
+def test_early_requests_that_waited_are_all_reserved_in_the_turn_seats_free_up(model_dir: str) -> None:
+    d = DecodeSide(model_dir, num_kv_blocks=32, max_num_seqs=3)
+
+    def prepare(rid: str) -> None:
+        deadline = time.time() + 60
+        d.role.on_prepare(PrepareDecode(rid, PROMPT_C, greedy(2), deadline, "prefill-0", "p0", "tcp://x:1"))
+
+    for rid in ("C1", "C2", "C3"):  # every seat
+        prepare(rid)
+    d.handoff("A", PROMPT_A, 5, greedy(2))  # waits for a seat
+    prepare("B1")
+    prepare("B2")
+    d.turn()
+    assert sorted(d.receiver.fetches) == ["C1", "C2", "C3"]
+    for rid in ("C1", "C2", "C3"):
+        d.abort(rid)
+    d.turn()  # the cancelled fetches end and A takes a seat
+    assert sorted(d.receiver.fetches) == ["A", "C1", "C2", "C3"]
+    d.turn()  # both early requests that waited, in one turn
+    assert sorted(d.receiver.fetches) == ["A", "B1", "B2", "C1", "C2", "C3"]
+    for rid in ("A", "B1", "B2"):
+        d.abort(rid)
+    d.receiver.fail("A")
+    d.run_until_idle()
+    d.check_no_leaks()
