@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import TransferConfig
-from cluster.protocol import ErrorCode, TransferStats
-from cluster.wire import PeerDead, Prefilled, RequestFailed
+from cluster.protocol import ErrorCode, TokenDelta, TransferStats
+from cluster.wire import DecodeHandoff, PeerDead, Prefilled, PrepareDecode, RequestFailed
 from tests.handoff_fakes import PrefillSide, greedy
 from tests.oracle_cache import hf_reference, qwen3_model
 from transfer.protocol import KVHandoff
@@ -127,3 +127,29 @@ def test_the_role_reports_its_senders_state(model_dir: str) -> None:
         {},
     )
     assert p.role.threads() == [] and p.role.kv_endpoint() == ""
+
+
+def test_without_a_sender_an_abort_is_the_engines(model_dir: str) -> None:
+    p = PrefillSide(model_dir, num_kv_blocks=32)
+    p.role.sender = None
+    p.engine.add_request("A", PROMPT, greedy(8), hold_after_prefill=True)
+    assert p.role.on_abort("A") is False  # the worker then aborts it in the engine
+    assert p.engine.request_status("A") is not None
+    p.abort("A")
+    assert p.engine.request_status("A") is None and p.events == []
+    p.engine.check_no_leaks()
+
+
+def test_a_prefill_role_refuses_what_is_not_its_to_do(model_dir: str) -> None:
+    """Programming errors, loud: the worker routes none of these to a prefill role."""
+    p = PrefillSide(model_dir, num_kv_blocks=32)
+    with pytest.raises(RuntimeError, match="a prefill worker accepts no handoffs"):
+        p.role.on_prepare(PrepareDecode("A", PROMPT, greedy(8), 1e12, "prefill-1", "p1", "tcp://x:1"))
+    handoff = KVHandoff("A", "prefill-1", "p1", "tcp://x:1", p.sender.layout, 10, 3, 0.0).to_bytes()
+    with pytest.raises(RuntimeError, match="a prefill worker accepts no handoffs"):
+        p.role.on_decode(DecodeHandoff("A", PROMPT, 5, greedy(8), handoff, 1e12))
+    with pytest.raises(RuntimeError, match="prefill role: unexpected command object"):
+        p.role.handle(object())
+    with pytest.raises(RuntimeError, match="held request 'B' holds no blocks"):
+        p.role.on_first_token(TokenDelta("B", [5]))
+    assert p.role.poll() is None and p.events == [] and p.sender.offers == {}
