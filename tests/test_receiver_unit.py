@@ -5,6 +5,7 @@ with the others, and fails what is posted or queued when closed."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -203,6 +204,29 @@ def test_closing_fails_the_fetches_posted_and_still_queued() -> None:
             with pytest.raises(TransferError, match="receiver closed"):
                 future.result(timeout=0)
         assert not receiver.thread.is_alive()
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+
+
+def test_a_far_deadline_does_not_lift_the_transfer_timeout_unless_the_fetch_waits_for_its_offer() -> None:
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)  # never answers
+    sender.bind("tcp://127.0.0.1:*")
+    endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+    receiver = make_receiver(timeout_s=0.3)
+    receiver.start()
+    try:
+        far = time.time() + 600
+        plain = receiver.submit(handoff("plain", endpoint), [1, 2, 3], deadline=far)
+        early = receiver.submit(handoff("early", endpoint), [4, 5, 6], deadline=far, wait_for_offer=True)
+        with pytest.raises(TransferTimeoutError, match="no header for 'plain'"):
+            plain.result(timeout=10)  # timeout_s (0.3 s), not the deadline
+        assert not early.done()  # it waits for its offer up to the deadline
+        receiver.cancel("early")
+        with pytest.raises(TransferError, match="cancelled"):
+            early.result(timeout=10)
     finally:
         receiver.close()
         sender.close(linger=0)
