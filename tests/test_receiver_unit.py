@@ -231,3 +231,29 @@ def test_a_far_deadline_does_not_lift_the_transfer_timeout_unless_the_fetch_wait
         receiver.close()
         sender.close(linger=0)
         ctx.term()
+
+
+def test_a_fetch_it_cannot_even_ask_for_fails_alone_and_the_thread_goes_on() -> None:
+    """A handoff whose endpoint ZMQ refuses fails that fetch (TransferError); the transfer thread lives
+    on and asks for the next one."""
+    ctx = zmq.Context()
+    sender = ctx.socket(zmq.ROUTER)
+    sender.bind("tcp://127.0.0.1:*")
+    receiver = make_receiver()
+    receiver.start()
+    try:
+        bad = receiver.submit(handoff("bad", "not-an-endpoint"), [1, 2, 3])
+        with pytest.raises(TransferError):
+            bad.result(timeout=10)
+        assert receiver.thread.is_alive()
+        good = receiver.submit(handoff("good", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [4, 5, 6])
+        assert sender.poll(5000)  # asked
+        receiver.cancel("good")
+        with pytest.raises(TransferError, match="cancelled"):
+            good.result(timeout=10)
+        assert [r.request_id for r in receiver.results()] == ["bad", "good"]
+    finally:
+        receiver.close()
+        sender.close(linger=0)
+        ctx.term()
+    assert receiver._dealers and all(sock.closed for sock in receiver._dealers.values())
