@@ -47,6 +47,16 @@ def state(router: Router, worker_id: str) -> tuple[str, WorkerState]:
     return w.info.incarnation, w.state
 
 
+async def watched_pair(router: Router, fakes: FakeWorkers) -> FakeActor:
+    """colocated-0 and -1 admitted, colocated-0 watched through a fake actor whose first ping is out."""
+    await fakes.add("colocated-0", "colocated")
+    await fakes.add("colocated-1", "colocated")
+    actor = FakeActor()
+    router.watch("colocated-0", actor)
+    await until(lambda: len(actor.answers) == 1, "first ping")
+    return actor
+
+
 def test_wait_admitted_returns_on_registration_and_names_the_missing_on_timeout() -> None:
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
         waiting = asyncio.create_task(router.wait_admitted(["colocated-0"], 5.0))
@@ -64,11 +74,7 @@ def test_wait_admitted_returns_on_registration_and_names_the_missing_on_timeout(
 
 def test_the_lifecycle_watch_kills_only_the_incarnation_admitted_before_the_failed_ping() -> None:
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
-        await fakes.add("colocated-0", "colocated")
-        await fakes.add("colocated-1", "colocated")
-        actor = FakeActor()
-        router.watch("colocated-0", actor)
-        await until(lambda: len(actor.answers) == 1, "first ping")
+        actor = await watched_pair(router, fakes)
         actor.answers[0].set_result(None)  # alive
         await until(lambda: len(actor.answers) == 2, "second ping")
         await fakes.add("colocated-0", "colocated", incarnation="i1")  # restarted while ping 2 is out
@@ -98,20 +104,14 @@ def test_what_a_dying_worker_said_last_comes_before_rays_word_on_its_death() -> 
     watch: the request fails (here: migrates) with the worker's reason, not Ray's."""
 
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
-        await fakes.add("colocated-0", "colocated")
-        await fakes.add("colocated-1", "colocated")
-        actor = FakeActor()
-        router.watch("colocated-0", actor)
-        await until(lambda: len(actor.answers) == 1, "first ping")
+        actor = await watched_pair(router, fakes)
         s = Stream(router, "r", PROMPT)
         assert (await fakes.op("colocated-0")).request_id == "r"
         await fakes.send(Delta("colocated-0", delta("r", 7)))
         assert (await s.next()).token_ids == [7]  # type: ignore[union-attr]
         await fakes.send(WorkerFailed("colocated-0", "step thread died: RuntimeError: boom"))
-        # NOTE: holds the event loop (bounded) till the frame is in the router's socket, unread
-        deadline = time.monotonic() + 5.0
-        while not router._readable() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        # NOTE: blocks the event loop (bounded) till the frame is in the router's socket, unread
+        assert zmq.Socket.shadow(router._pull.underlying).poll(5000, zmq.POLLIN)
         assert router._readable()
         actor.answers[0].set_exception(RuntimeError("ActorDiedError: the actor died"))
         await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead")
