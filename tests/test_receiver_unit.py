@@ -6,6 +6,7 @@ with the others, and fails what is posted or queued when closed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -59,6 +60,18 @@ def handoff(rid: str, endpoint: str = "tcp://127.0.0.1:1") -> KVHandoff:
     return KVHandoff(rid, "prefill-0", "p0", endpoint, KVLayout(2, 4, 2, 8, "float32"), 10, 3, 0.0)
 
 
+@pytest.fixture
+def sender() -> Iterator[zmq.Socket[bytes]]:
+    """A fake prefill side's handshake socket (ROUTER, bound on loopback); it answers only what the
+    test sends."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:*")
+    yield sock
+    sock.close(linger=0)
+    ctx.term()
+
+
 def test_fetches_it_cannot_run_are_refused() -> None:
     receiver = make_receiver()
     with pytest.raises(TransferError, match="not running"):
@@ -75,10 +88,7 @@ def test_fetches_it_cannot_run_are_refused() -> None:
         receiver.submit(handoff("late"), [1, 2, 3])
 
 
-def test_a_fetch_past_its_deadline_fails_with_a_timeout_and_is_counted() -> None:
-    ctx = zmq.Context()
-    sender = ctx.socket(zmq.ROUTER)  # where the REQUEST would go
-    sender.bind("tcp://127.0.0.1:*")
+def test_a_fetch_past_its_deadline_fails_with_a_timeout_and_is_counted(sender: zmq.Socket[bytes]) -> None:
     receiver = make_receiver()
     receiver.start()
     try:
@@ -98,14 +108,11 @@ def test_a_fetch_past_its_deadline_fails_with_a_timeout_and_is_counted() -> None
         assert receiver.stats().num_failed == 1
     finally:
         receiver.close()
-        sender.close(linger=0)
-        ctx.term()
 
 
-def test_dropping_a_peer_fails_its_fetches_and_the_receiver_goes_on_with_the_others() -> None:
-    ctx = zmq.Context()
-    sender = ctx.socket(zmq.ROUTER)  # every fake prefill side's handshake socket; it never answers
-    sender.bind("tcp://127.0.0.1:*")
+def test_dropping_a_peer_fails_its_fetches_and_the_receiver_goes_on_with_the_others(
+    sender: zmq.Socket[bytes],
+) -> None:
     endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
     receiver = make_receiver()
     receiver.start()
@@ -148,17 +155,14 @@ def test_dropping_a_peer_fails_its_fetches_and_the_receiver_goes_on_with_the_oth
         assert receiver.stats().num_failed == 4 and asked() == 0
     finally:
         receiver.close()
-        sender.close(linger=0)
-        ctx.term()
 
 
-def test_frames_that_are_not_this_transfers_are_dropped_and_an_abort_fails_it() -> None:
+def test_frames_that_are_not_this_transfers_are_dropped_and_an_abort_fails_it(
+    sender: zmq.Socket[bytes],
+) -> None:
     """While it waits for the header: junk is counted and dropped, a signed frame of another transfer
     (a late one) is ignored, the sender's signed abort fails the fetch with the sender's error."""
     secret = new_secret()
-    ctx = zmq.Context()
-    sender = ctx.socket(zmq.ROUTER)
-    sender.bind("tcp://127.0.0.1:*")
     frames = HandshakeFrames(secret, "prefill-0/p0")
     receiver = make_receiver(secret)
     receiver.start()
@@ -184,14 +188,9 @@ def test_frames_that_are_not_this_transfers_are_dropped_and_an_abort_fails_it() 
         assert receiver.thread.is_alive()
     finally:
         receiver.close()
-        sender.close(linger=0)
-        ctx.term()
 
 
-def test_closing_fails_the_fetches_posted_and_still_queued() -> None:
-    ctx = zmq.Context()
-    sender = ctx.socket(zmq.ROUTER)  # never answers: the first fetch waits for a header till the close
-    sender.bind("tcp://127.0.0.1:*")
+def test_closing_fails_the_fetches_posted_and_still_queued(sender: zmq.Socket[bytes]) -> None:
     receiver = make_receiver()
     receiver.start()
     try:
@@ -206,14 +205,11 @@ def test_closing_fails_the_fetches_posted_and_still_queued() -> None:
         assert not receiver.thread.is_alive()
     finally:
         receiver.close()
-        sender.close(linger=0)
-        ctx.term()
 
 
-def test_a_far_deadline_does_not_lift_the_transfer_timeout_unless_the_fetch_waits_for_its_offer() -> None:
-    ctx = zmq.Context()
-    sender = ctx.socket(zmq.ROUTER)  # never answers
-    sender.bind("tcp://127.0.0.1:*")
+def test_a_far_deadline_does_not_lift_the_transfer_timeout_unless_the_fetch_waits_for_its_offer(
+    sender: zmq.Socket[bytes],
+) -> None:
     endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
     receiver = make_receiver(timeout_s=0.3)
     receiver.start()
@@ -229,16 +225,11 @@ def test_a_far_deadline_does_not_lift_the_transfer_timeout_unless_the_fetch_wait
             early.result(timeout=10)
     finally:
         receiver.close()
-        sender.close(linger=0)
-        ctx.term()
 
 
-def test_a_fetch_it_cannot_even_ask_for_fails_alone_and_the_thread_goes_on() -> None:
+def test_a_fetch_it_cannot_even_ask_for_fails_alone_and_the_thread_goes_on(sender: zmq.Socket[bytes]) -> None:
     """A handoff whose endpoint ZMQ refuses fails that fetch (TransferError); the transfer thread lives
     on and asks for the next one."""
-    ctx = zmq.Context()
-    sender = ctx.socket(zmq.ROUTER)
-    sender.bind("tcp://127.0.0.1:*")
     receiver = make_receiver()
     receiver.start()
     try:
@@ -254,6 +245,4 @@ def test_a_fetch_it_cannot_even_ask_for_fails_alone_and_the_thread_goes_on() -> 
         assert [r.request_id for r in receiver.results()] == ["bad", "good"]
     finally:
         receiver.close()
-        sender.close(linger=0)
-        ctx.term()
     assert receiver._dealers and all(sock.closed for sock in receiver._dealers.values())
