@@ -12,9 +12,11 @@ from tests.cluster_utils import greedy, shared_prefix_prompts, wait_for
 from tests.local_cluster import LocalCluster, engine_config
 from tests.oracle_cache import hf_reference, qwen3_model
 from transfer.channel import layout_of
+from transfer.pairs import PairChannel
 from transfer.protocol import TransferResult
 from workers.decode_role import DecodeRole
 from workers.prefill_role import PrefillRole
+from workers.role import WorkerContext
 
 BLOCK_SIZE = 4
 # first blocks all differ (no hit inside a pass); lengths with and without a partial last block
@@ -53,11 +55,23 @@ def settled(cluster: LocalCluster) -> dict[str, WorkerStats]:
     return {wid: w.stats() for wid, w in cluster.workers.items()}
 
 
-def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(model_dir: str) -> None:
+def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pass 1 moves every prompt block; pass 2 (same prompts) hits each prompt's full blocks on the
     decode worker (so only a partial last block moves) and all but the block holding the last prompt
-    token on the prefill worker that affinity picks again."""
+    token on the prefill worker that affinity picks again. Shutdown releases the KV-transfer pairs."""
     reference = hf_reference(model_dir, PROMPTS, MAX_TOKENS)
+    channels: dict[str, PairChannel] = {}
+    make_channel = WorkerContext.channel
+
+    def recorded(ctx: WorkerContext) -> PairChannel | None:
+        channel = make_channel(ctx)
+        assert channel is not None  # every worker of a disaggregated cluster can move KV
+        channels[ctx.worker_id] = channel
+        return channel
+
+    monkeypatch.setattr(WorkerContext, "channel", recorded)
     cluster = LocalCluster(engine_config(model_dir), {"prefill": 2, "decode": 1})
     try:
         bytes_per_block = layout_of(cluster.workers["decode-0"].engine.runner.kv_cache).bytes_per_block
@@ -103,12 +117,25 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(mode
         )
         assert sum(r.num_blocks for r in received) == expected_moved[1] + expected_moved[2]
         assert cluster.fatal == []
+        # one pair per prefill worker that sent, on both sides
+        senders_used = [
+            w
+            for w, role in zip(("prefill-0", "prefill-1"), senders, strict=True)
+            if role.sender and role.sender.results()
+        ]
+        assert sorted(k.prefill.worker_id for k in channels["decode-0"].pairs()) == senders_used
+        for w in ("prefill-0", "prefill-1"):
+            assert [k.decode.worker_id for k in channels[w].pairs()] == (
+                ["decode-0"] if w in senders_used else []
+            )
     finally:
         cluster.close()
-    # shutdown ends every KV-transfer thread
+    # shutdown ends every KV-transfer thread and releases every pair
     assert [
         t.name for w in cluster.workers.values() if w.role for t in w.role.threads() if t.is_alive()
     ] == []
+    assert sorted(channels) == ["decode-0", "prefill-0", "prefill-1"]
+    assert {w: c.pairs() for w, c in channels.items()} == {w: [] for w in channels}
 
 
 def test_a_dead_transfer_thread_makes_its_worker_say_so_and_leave_the_cluster(model_dir: str) -> None:

@@ -1,13 +1,18 @@
-"""KVReceiver's own checks, without a peer (a channel that moves nothing): it refuses fetches it cannot
-run (not started or closed, bad block ids), drops frames not of the transfer it runs, fails a fetch
-whose header did not come before its deadline, fails every fetch from a dropped peer while it goes on
-with the others, and fails what is posted or queued when closed."""
+"""KVReceiver's own checks, against a sender the test plays frame by frame over a channel that moves
+nothing: it refuses fetches it cannot run (not started or closed, bad block ids), drops frames not of
+the transfer it runs, fails a fetch whose header did not come before its deadline, fails every fetch
+from a dropped peer while it goes on with the others, and fails what is posted or queued when closed.
+Past the header: the sender's abort or a header that does not match fails the fetch under its own
+error (and abandons the recvs it posted), a fetch that waited for its offer gets the usual timeout
+once the sender answers, and cancelling takes only that request's queued fetch."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -19,17 +24,25 @@ from transfer.channel import Channel, OpLane, PendingOp
 from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import (
+    CHECKSUM_SCHEME,
     KVHandoff,
     KVLayout,
     TransferError,
+    TransferHeader,
+    TransferMismatchError,
     TransferPeerLostError,
     TransferRejectedError,
     TransferResult,
     TransferTimeoutError,
+    row_bytes_of,
+    tag_for_nonce,
 )
 from transfer.receiver import KVReceiver
+from transfer.staging import ChunkPlan
 
 NUM_BLOCKS = 8
+LAYOUT = KVLayout(2, 4, 2, 8, "float32")
+PREFILL, DECODE = PeerId("prefill-0", "p0"), PeerId("decode-0", "d0")
 
 
 class IdleChannel(Channel):
@@ -50,14 +63,95 @@ class IdleChannel(Channel):
         raise AssertionError("no bytes move in these tests")
 
 
-def make_receiver(secret: bytes | None = None, timeout_s: float = 5.0) -> KVReceiver:
-    kv = torch.zeros(2, NUM_BLOCKS, 2, 4, 2, 8)
-    me = PeerId("decode-0", "d0")
-    return KVReceiver(kv, me=me, channel=IdleChannel(), secret=secret or new_secret(), timeout_s=timeout_s)
+class StalledOp(PendingOp):
+    """A recv whose bytes never come."""
+
+    def __init__(self) -> None:
+        self._never = threading.Event()
+
+    def is_done(self) -> bool:
+        return False
+
+    def wait(self, timeout_s: float) -> None:
+        self._never.wait(timeout_s)
+        raise TransferTimeoutError("stalled")
+
+
+class StallChannel(IdleChannel):
+    """Joins every pair at once; the recvs it posts never complete; records what a failed transfer
+    abandons."""
+
+    def __init__(self) -> None:
+        self.posted: list[PendingOp] = []
+        self.abandoned: list[tuple[PairKey, list[PendingOp]]] = []
+
+    def irecv(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp:
+        op = StalledOp()
+        self.posted.append(op)
+        return op
+
+    def abandon(self, key: PairKey, ops: list[PendingOp]) -> None:
+        self.abandoned.append((key, list(ops)))
+
+
+def make_receiver(
+    secret: bytes | None = None, timeout_s: float = 5.0, channel: Channel | None = None
+) -> KVReceiver:
+    kv = torch.zeros(
+        LAYOUT.num_layers, NUM_BLOCKS, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    )
+    return KVReceiver(
+        kv, me=DECODE, channel=channel or IdleChannel(), secret=secret or new_secret(), timeout_s=timeout_s
+    )
 
 
 def handoff(rid: str, endpoint: str = "tcp://127.0.0.1:1") -> KVHandoff:
-    return KVHandoff(rid, "prefill-0", "p0", endpoint, KVLayout(2, 4, 2, 8, "float32"), 10, 3, 0.0)
+    return KVHandoff(rid, "prefill-0", "p0", endpoint, LAYOUT, 10, 3, 0.0)
+
+
+class PlayedSender:
+    """The prefill side of the handshake, played by the test: real signed frames on `sock`."""
+
+    def __init__(self, sock: zmq.Socket[bytes], secret: bytes) -> None:
+        self.sock = sock
+        self.frames = HandshakeFrames(secret, PREFILL.name)
+
+    def next(self, kind: MessageKind) -> tuple[bytes, int, dict[str, Any]]:
+        """The receiver's next frame (within 5 s), which must be a `kind`: (its socket id, nonce, body)."""
+        assert self.sock.poll(5000), f"no {kind.value} came"
+        ident, frame = self.sock.recv_multipart()
+        message = self.frames.decode(frame)
+        assert message is not None
+        got, nonce, body = message
+        assert got is kind, (got, body)
+        return ident, nonce, body
+
+    def send(self, ident: bytes, kind: MessageKind, nonce: int, **fields: object) -> None:
+        self.sock.send_multipart([ident, self.frames.encode(DECODE.name, kind, nonce, **fields)])
+
+    def header(self, ident: bytes, nonce: int, rid: str, num_blocks: int = 3) -> ChunkPlan:
+        """Answer a request with the header of `num_blocks` blocks, one block row per chunk."""
+        row_bytes = row_bytes_of(LAYOUT)
+        plan = ChunkPlan.create(LAYOUT.num_layers, num_blocks, row_bytes, row_bytes)
+        header = TransferHeader(
+            request_id=rid,
+            nonce=nonce,
+            src_worker_id=PREFILL.worker_id,
+            dst_worker_id=DECODE.worker_id,
+            generation=0,
+            backend="gloo",
+            layout=LAYOUT,
+            dtype=LAYOUT.dtype,
+            shape=LAYOUT.layer_shape(num_blocks),
+            num_blocks=num_blocks,
+            nbytes=plan.nbytes,
+            num_chunks=plan.num_chunks,
+            chunk_bytes=plan.chunk_bytes,
+            checksum=CHECKSUM_SCHEME,
+            tag=tag_for_nonce(nonce),
+        )
+        self.send(ident, MessageKind.HEADER, nonce, header=header)
+        return plan
 
 
 @pytest.fixture
@@ -246,3 +340,116 @@ def test_a_fetch_it_cannot_even_ask_for_fails_alone_and_the_thread_goes_on(sende
     finally:
         receiver.close()
     assert receiver._dealers and all(sock.closed for sock in receiver._dealers.values())
+
+
+def test_a_senders_abort_after_its_header_fails_the_fetch_with_its_error_and_abandons_the_recvs(
+    sender: zmq.Socket[bytes],
+) -> None:
+    secret, channel = new_secret(), StallChannel()
+    receiver = make_receiver(secret, timeout_s=60.0, channel=channel)  # NOTE: only the abort ends it soon
+    receiver.start()
+    try:
+        peer = PlayedSender(sender, secret)
+        future = receiver.submit(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
+        ident, nonce, _ = peer.next(MessageKind.REQUEST)
+        plan = peer.header(ident, nonce, "r")
+        peer.next(MessageKind.ACK)  # every chunk's recv is posted
+        peer.send(
+            ident, MessageKind.ABORT, nonce, error_type="TransferRejectedError", message="worker stopping"
+        )
+        with pytest.raises(TransferRejectedError, match="peer: worker stopping"):
+            future.result(timeout=10)
+        (result,) = receiver.results()
+        assert (result.ok, result.error_type, result.error, result.nbytes) == (
+            False,
+            "TransferRejectedError",
+            "peer: worker stopping",
+            plan.nbytes,
+        )
+        assert len(channel.posted) == plan.num_chunks == 6
+        assert channel.abandoned == [(PairKey(PREFILL, DECODE, 0), channel.posted)]
+        assert not sender.poll(200)  # no abort goes back for the sender's own
+        assert receiver.thread.is_alive()
+    finally:
+        receiver.close()
+
+
+def test_a_header_that_does_not_match_fails_the_fetch_and_the_sender_is_told(
+    sender: zmq.Socket[bytes],
+) -> None:
+    secret, channel = new_secret(), StallChannel()
+    receiver = make_receiver(secret, channel=channel)
+    receiver.start()
+    try:
+        peer = PlayedSender(sender, secret)
+        future = receiver.submit(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
+        ident, nonce, _ = peer.next(MessageKind.REQUEST)
+        peer.header(ident, nonce, "r", num_blocks=2)
+        why = "transfer header mismatch for request 'r': num_blocks is 2, expected 3"
+        with pytest.raises(TransferMismatchError, match=why):
+            future.result(timeout=10)
+        (result,) = receiver.results()
+        assert (result.ok, result.error_type, result.error) == (False, "TransferMismatchError", why)
+        _, told, abort = peer.next(MessageKind.ABORT)
+        assert (told, abort["error_type"], abort["message"]) == (nonce, "TransferMismatchError", why)
+        assert channel.posted == [] and channel.abandoned == []  # no pair was joined
+    finally:
+        receiver.close()
+
+
+def test_once_the_sender_answers_a_fetch_that_waited_for_its_offer_has_the_usual_timeout(
+    sender: zmq.Socket[bytes],
+) -> None:
+    secret, channel = new_secret(), StallChannel()
+    receiver = make_receiver(secret, timeout_s=0.3, channel=channel)
+    receiver.start()
+    try:
+        peer = PlayedSender(sender, secret)
+        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+        future = receiver.submit(
+            handoff("early", endpoint), [1, 2, 3], deadline=time.time() + 600, wait_for_offer=True
+        )
+        ident, nonce, body = peer.next(MessageKind.REQUEST)
+        assert body["request"].offer_wait_until > 0  # it would wait for the offer
+        peer.header(ident, nonce, "early")  # the sender held it already: it answers at once
+        peer.next(MessageKind.ACK)
+        # the bytes never come: timeout_s (0.3 s) from the answer ends it, not the deadline 600 s out
+        with pytest.raises(TransferTimeoutError, match=r"channel op did not complete within 0\.300s"):
+            future.result(timeout=10)
+        _, told, abort = peer.next(MessageKind.ABORT)
+        assert (told, abort["error_type"]) == (nonce, "TransferTimeoutError")
+        assert channel.abandoned == [(PairKey(PREFILL, DECODE, 0), channel.posted)]
+    finally:
+        receiver.close()
+
+
+def test_cancel_takes_only_that_requests_fetch_from_those_queued_behind_a_moving_one(
+    sender: zmq.Socket[bytes],
+) -> None:
+    secret = new_secret()
+    receiver = make_receiver(secret, timeout_s=60.0, channel=StallChannel())
+    receiver.start()
+    try:
+        peer = PlayedSender(sender, secret)
+        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+        moving = receiver.submit(handoff("moving", endpoint), [1, 2, 3])
+        ident, nonce, _ = peer.next(MessageKind.REQUEST)
+        peer.header(ident, nonce, "moving")
+        peer.next(MessageKind.ACK)
+        # the transfer thread now waits for the moving fetch's bytes: the next fetches queue behind it
+        b, c = (
+            receiver.submit(handoff("b", endpoint), [4, 5, 6]),
+            receiver.submit(handoff("c", endpoint), [7]),
+        )
+        receiver.cancel("b")
+        assert b.done() and not c.done()
+        with pytest.raises(TransferError, match="fetch of 'b' cancelled by decode-0/d0"):
+            b.result(timeout=0)
+        peer.send(ident, MessageKind.ABORT, nonce, error_type="TransferRejectedError", message="stopping")
+        with pytest.raises(TransferRejectedError):
+            moving.result(timeout=10)
+        _, _, body = peer.next(MessageKind.REQUEST)  # the thread goes on with c; b is never asked for
+        assert body["request"].request_id == "c"
+        assert not sender.poll(200) and not c.done()
+    finally:
+        receiver.close()

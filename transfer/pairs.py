@@ -155,6 +155,11 @@ class PairChannel(Channel):
             for ends in [e for e in self._pairs if peer in e]:
                 self._floor[ends] = self._pairs.pop(ends).key.generation + 1
 
+    def pairs(self) -> list[PairKey]:
+        """Current pairs (built, being built or broken)."""
+        with self._lock:
+            return [p.key for p in self._pairs.values()]
+
     def broken_pairs(self) -> list[PairKey]:
         with self._lock:
             return [p.key for p in self._pairs.values() if p.error is not None]

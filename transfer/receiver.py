@@ -301,26 +301,23 @@ class KVReceiver(Side):
             self._poller.register(sock, zmq.POLLIN)
         return sock
 
-    def _poll(
-        self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int
-    ) -> tuple[MessageKind, dict[str, Any]] | None:
-        """One frame of this transfer if it comes within `timeout_ms`; raises PeerAbort on `abort`.
-        Frames that fail a check are counted and dropped (transfer/handshake.py); those of a posted
-        fetch go to its inbox."""
+    def _poll(self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int) -> None:
+        """Read one frame if it comes within `timeout_ms`: the `abort` of transfer `nonce` raises
+        PeerAbort, a posted fetch's frame goes to its inbox, the rest is dropped (a late frame of an
+        abandoned transfer; one that fails a check is counted, transfer/handshake.py). The sender sends
+        nothing else once its header is out."""
         if not sock.poll(timeout_ms):
-            return None
+            return
         message = self._frames.decode(sock.recv())
         if message is None:
-            return None
+            return
         kind, got_nonce, body = message
         if got_nonce != nonce:
             posted = self._posted.get(got_nonce)
             if posted is not None:
                 posted.inbox.append((kind, body))
-            return None  # else a late frame of an abandoned transfer
-        if kind is MessageKind.ABORT:
+        elif kind is MessageKind.ABORT:
             raise PeerAbort(error_from_remote(body["error_type"], body["message"]))
-        return kind, body
 
     def _serve(self, job: _Job, header: Any) -> tuple[TransferResult, TransferError | None]:
         """The rest of a posted fetch, from the sender's `header` on."""
@@ -378,7 +375,7 @@ class KVReceiver(Side):
         sock.send(self._frames.encode(to.name, kind, nonce, **fields), zmq.NOBLOCK)
 
     def _check_and_poll(self, sock: zmq.Socket[Any], src: PeerId, nonce: int) -> None:
-        """Give up on a dropped peer or on its `abort` (PeerAbort); other frames of this transfer wait."""
+        """Give up on a dropped peer or on its `abort` (PeerAbort); its other frames are dropped."""
         self._check_peer(src)
         self._poll(sock, nonce, 0)
 
