@@ -5,6 +5,7 @@ that cover its module. A mutant the tests still pass is a survivor: a bug class 
     python -m tests.mutation workers/scheduler.py --list      # print the mutants, run nothing
     python -m tests.mutation --json out.json --jobs 2
     python -m tests.mutation transfer/receiver.py --sample 70 --seed 0   # a seeded sample per module
+    python -m tests.mutation transfer/receiver.py --sample 70 --seed 0 --complement   # the rest of it
 
 Every mutant runs in a throwaway copy of the tree (tracked + untracked-not-ignored files), never in the
 working tree. Stages run in order with ``-x``: a mutant is killed by the first stage that fails (or
@@ -327,7 +328,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the whole run does not fit the time at hand)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    parser.add_argument(
+        "--complement",
+        action="store_true",
+        help="with --sample: run the mutants that sample leaves out (the rest of a sampled run; the same "
+        "modules in the same order, at a tree whose mutants did not change)",
+    )
     args = parser.parse_args(argv)
+    if args.complement and args.sample is None:
+        parser.error("--complement needs --sample")
     unknown = sorted(set(args.modules) - set(TARGETS))
     if unknown:
         parser.error(f"unknown module(s) {unknown}; known: {sorted(TARGETS)}")
@@ -340,7 +349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.match or any(text in m.name for text in args.match)
     ]
     if args.sample is not None:
-        mutants = sample_per_module(mutants, args.sample, args.seed)
+        sampled = sample_per_module(mutants, args.sample, args.seed)
+        if args.complement:
+            taken = {id(m) for m in sampled}
+            mutants = [m for m in mutants if id(m) not in taken]
+        else:
+            mutants = sampled
     if args.list:
         for m in mutants:
             print(m.name)
