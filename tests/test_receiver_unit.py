@@ -8,6 +8,7 @@ once the sender answers, and cancelling takes only that request's queued fetch."
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -455,5 +456,90 @@ def test_cancel_takes_only_that_requests_fetch_from_those_queued_behind_a_moving
         _, _, body = peer.next(MessageKind.REQUEST)  # the thread goes on with c; b is never asked for
         assert body["request"].request_id == "c"
         assert not sender.poll(200) and not c.done()
+    finally:
+        receiver.close()
+
+
+def test_receive_asks_for_every_block_and_raises_the_fetchs_error(sender: zmq.Socket[bytes]) -> None:
+    """The blocking `receive` is `submit` and wait: the request names every block (none skipped), and the
+    sender's abort comes back as the error it raises."""
+    secret = new_secret()
+    receiver = make_receiver(secret)
+    receiver.start()
+    outcome: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            receiver.receive(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
+        except BaseException as e:  # noqa: BLE001 (the test reads it)
+            outcome.append(e)
+
+    caller = threading.Thread(target=receive)
+    caller.start()
+    try:
+        peer = PlayedSender(sender, secret)
+        ident, nonce, body = peer.next(MessageKind.REQUEST)
+        assert (body["request"].skip_first_n_blocks, body["request"].num_dst_blocks) == (0, 3)
+        peer.send(ident, MessageKind.ABORT, nonce, error_type="TransferRejectedError", message="not held")
+        caller.join(10)
+        assert not caller.is_alive()
+        assert [(type(e), str(e)) for e in outcome] == [(TransferRejectedError, "peer: not held")]
+    finally:
+        receiver.close()
+        caller.join(10)
+
+
+def test_dropping_a_peer_fails_its_fetch_queued_behind_a_moving_one_at_once(
+    sender: zmq.Socket[bytes],
+) -> None:
+    secret = new_secret()
+    receiver = make_receiver(secret, timeout_s=60.0, channel=StallChannel())
+    receiver.start()
+    try:
+        peer = PlayedSender(sender, secret)
+        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
+        moving = receiver.submit(handoff("moving", endpoint), [1, 2, 3])
+        ident, nonce, _ = peer.next(MessageKind.REQUEST)
+        peer.header(ident, nonce, "moving")
+        peer.next(MessageKind.ACK)
+        # the transfer thread waits for the moving fetch's bytes: a fetch from another peer queues
+        other = KVHandoff("queued", "prefill-1", "p1", endpoint, LAYOUT, 10, 3, 0.0)
+        queued = receiver.submit(other, [4, 5, 6])
+        receiver.drop_peer("prefill-1")
+        assert queued.done()
+        with pytest.raises(TransferPeerLostError, match="peer prefill-1/p1 was dropped"):
+            queued.result(timeout=0)
+        peer.send(ident, MessageKind.ABORT, nonce, error_type="TransferRejectedError", message="stopping")
+        with pytest.raises(TransferRejectedError):
+            moving.result(timeout=10)
+        assert not sender.poll(300)  # the dropped peer's fetch is never asked for
+        assert receiver.thread.is_alive()
+        assert [r.request_id for r in receiver.results()] == ["queued", "moving"]
+    finally:
+        receiver.close()
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds (user + system) `thread` used so far (Linux)."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_transfer_thread_sleeps_after_a_wakeup(sender: zmq.Socket[bytes]) -> None:
+    """After a fetch woke the transfer thread and ended, the thread waits on its poller again instead of
+    spinning (a wake-up left set, or a zero poll timeout, would burn a core)."""
+    receiver = make_receiver()
+    receiver.start()
+    try:
+        fetch = receiver.submit(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
+        assert sender.poll(5000)
+        receiver.cancel("r")
+        with pytest.raises(TransferError, match="cancelled"):
+            fetch.result(timeout=10)
+        before = _thread_cpu_s(receiver.thread)
+        time.sleep(1.0)  # NOTE: the interval measured, not a wait for readiness
+        used = _thread_cpu_s(receiver.thread) - before
+        assert used < 0.25, f"the idle transfer thread used {used:.2f} s of CPU in 1 s"
     finally:
         receiver.close()
