@@ -155,6 +155,18 @@ class PlayedSender:
         return plan
 
 
+def moving_fetch(
+    receiver: KVReceiver, peer: PlayedSender, endpoint: str
+) -> tuple[Future[TransferResult], bytes, int]:
+    """Fetch "moving" (blocks 1-3) up to the sender's header and the receiver's ack; its bytes never
+    come (StallChannel), so the transfer thread now waits on it. Returns (future, sender ident, nonce)."""
+    future = receiver.submit(handoff("moving", endpoint), [1, 2, 3])
+    ident, nonce, _ = peer.next(MessageKind.REQUEST)
+    peer.header(ident, nonce, "moving")
+    peer.next(MessageKind.ACK)
+    return future, ident, nonce
+
+
 @pytest.fixture
 def sender() -> Iterator[zmq.Socket[bytes]]:
     """A fake prefill side's handshake socket (ROUTER, bound on loopback); it answers only what the
@@ -437,11 +449,7 @@ def test_cancel_takes_only_that_requests_fetch_from_those_queued_behind_a_moving
     try:
         peer = PlayedSender(sender, secret)
         endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
-        moving = receiver.submit(handoff("moving", endpoint), [1, 2, 3])
-        ident, nonce, _ = peer.next(MessageKind.REQUEST)
-        peer.header(ident, nonce, "moving")
-        peer.next(MessageKind.ACK)
-        # the transfer thread now waits for the moving fetch's bytes: the next fetches queue behind it
+        moving, ident, nonce = moving_fetch(receiver, peer, endpoint)  # the next fetches queue behind it
         b, c = (
             receiver.submit(handoff("b", endpoint), [4, 5, 6]),
             receiver.submit(handoff("c", endpoint), [7]),
@@ -498,11 +506,7 @@ def test_dropping_a_peer_fails_its_fetch_queued_behind_a_moving_one_at_once(
     try:
         peer = PlayedSender(sender, secret)
         endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
-        moving = receiver.submit(handoff("moving", endpoint), [1, 2, 3])
-        ident, nonce, _ = peer.next(MessageKind.REQUEST)
-        peer.header(ident, nonce, "moving")
-        peer.next(MessageKind.ACK)
-        # the transfer thread waits for the moving fetch's bytes: a fetch from another peer queues
+        moving, ident, nonce = moving_fetch(receiver, peer, endpoint)  # a fetch from another peer queues
         other = KVHandoff("queued", "prefill-1", "p1", endpoint, LAYOUT, 10, 3, 0.0)
         queued = receiver.submit(other, [4, 5, 6])
         receiver.drop_peer("prefill-1")
@@ -529,16 +533,19 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
 def test_an_idle_transfer_thread_sleeps_after_a_wakeup(sender: zmq.Socket[bytes]) -> None:
     """After a fetch woke the transfer thread and ended, the thread waits on its poller again instead of
     spinning (a wake-up left set, or a zero poll timeout, would burn a core)."""
-    receiver = make_receiver()
+    secret = new_secret()
+    receiver = make_receiver(secret)
     receiver.start()
     try:
+        peer = PlayedSender(sender, secret)
         fetch = receiver.submit(handoff("r", sender.getsockopt_string(zmq.LAST_ENDPOINT)), [1, 2, 3])
-        assert sender.poll(5000)
+        peer.next(MessageKind.REQUEST)
         receiver.cancel("r")
         with pytest.raises(TransferError, match="cancelled"):
             fetch.result(timeout=10)
+        peer.next(MessageKind.ABORT)  # the sender is told
         before = _thread_cpu_s(receiver.thread)
-        time.sleep(1.0)  # NOTE: the interval measured, not a wait for readiness
+        assert not sender.poll(1000)  # an idle receiver asks nothing for a second (the interval measured)
         used = _thread_cpu_s(receiver.thread) - before
         assert used < 0.25, f"the idle transfer thread used {used:.2f} s of CPU in 1 s"
     finally:
