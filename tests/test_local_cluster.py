@@ -35,9 +35,12 @@ def tokens(out: list[list]) -> list[list[int]]:  # type: ignore[type-arg]
     return [[t for d in deltas for t in d.token_ids] for deltas in out]
 
 
-def check_results(results: list[TransferResult], stats: TransferStats, bytes_per_block: int) -> None:
-    """Every transfer one side saw: whole blocks, a pair of generation 0, and its phases inside its
-    wire time inside its total time; the side's counters are the sums."""
+def check_results(
+    results: list[TransferResult], stats: TransferStats, bytes_per_block: int, is_sender: bool
+) -> None:
+    """Every transfer one side saw: whole blocks, a pair of generation 0, its phases inside its wire time
+    inside its total time, and the side's own phases measured (the sender gathers, the receiver
+    scatters, both hash); the side's counters are the sums."""
     eps = 1e-6  # NOTE: float sums of the phase times only
     for r in results:
         assert r.ok and r.error is None and r.generation == 0, r
@@ -45,6 +48,8 @@ def check_results(results: list[TransferResult], stats: TransferStats, bytes_per
         phases = r.gather_seconds + r.hash_seconds + r.scatter_seconds + r.blocked_seconds
         assert 0.0 <= phases <= r.wire_seconds + eps and r.wire_seconds <= r.seconds, r
         assert min(r.gather_seconds, r.hash_seconds, r.scatter_seconds, r.blocked_seconds) >= 0.0, r
+        if r.num_blocks:  # NOTE: a prompt cached whole on the decode side moves nothing
+            assert r.hash_seconds > 0.0 and (r.gather_seconds if is_sender else r.scatter_seconds) > 0.0, r
     assert (stats.num_ok, stats.num_failed) == (len(results), 0)
     assert stats.bytes_total == sum(r.nbytes for r in results)
     assert stats.seconds_total == sum(r.seconds for r in results)
@@ -106,11 +111,11 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(
         senders = [cluster.workers[w].role for w in ("prefill-0", "prefill-1")]
         assert isinstance(decode, DecodeRole) and decode.receiver is not None
         received = decode.receiver.results()
-        check_results(received, decode.receiver.stats(), bytes_per_block)
+        check_results(received, decode.receiver.stats(), bytes_per_block, is_sender=False)
         sent = []
         for role in senders:
             assert isinstance(role, PrefillRole) and role.sender is not None
-            check_results(role.sender.results(), role.sender.stats(), bytes_per_block)
+            check_results(role.sender.results(), role.sender.stats(), bytes_per_block, is_sender=True)
             sent += role.sender.results()
         assert sorted((r.request_id, r.num_blocks) for r in sent) == sorted(
             (r.request_id, r.num_blocks) for r in received
