@@ -49,6 +49,7 @@ class Fetch:
     dst_block_ids: list[int]
     skip_first_n_blocks: int
     deadline: float | None
+    wait_for_offer: bool
     future: Future[TransferResult]
 
 
@@ -87,7 +88,7 @@ class FakeReceiver(FakeMover):
     ) -> Future[TransferResult]:
         # NOTE: early fetches (posted before the offer) are tested with the real receiver
         # (tests/test_early_admission.py); here every fetch is one the test ends
-        fetch = Fetch(handoff, list(dst_block_ids), skip_first_n_blocks, deadline, Future())
+        fetch = Fetch(handoff, list(dst_block_ids), skip_first_n_blocks, deadline, wait_for_offer, Future())
         self.fetches[handoff.request_id] = fetch  # NOTE: the latest fetch of a request id
         return fetch.future
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster.config import TransferConfig
-from cluster.protocol import ErrorCode, TransferStats
+from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, PrepareDecode, RequestFailed, Transferred
 from tests.cluster_utils import wait_for
 from tests.handoff_fakes import DecodeSide, FakeReceiver, PrefillEngine, context, greedy
@@ -50,7 +50,8 @@ def test_a_handoff_lands_in_its_reserved_blocks_and_decodes_like_transformers(
     assert first == reference["C"][0]
     d.handoff("C", PROMPT_C, first, greedy(NUM_TOKENS))
     fetch = d.receiver.fetches["C"]
-    assert (fetch.dst_block_ids, fetch.skip_first_n_blocks) == ([1, 2], 0)
+    # NOTE: the prefill side holds the KV: a fetch that found it gone fails at once, never waits for it
+    assert (fetch.dst_block_ids, fetch.skip_first_n_blocks, fetch.wait_for_offer) == ([1, 2], 0, False)
     assert d.role.num_waiting_for_kv() == 1
     d.turn()
     assert d.tokens["C"] == []  # nothing decodes before the KV is there
@@ -247,9 +248,15 @@ def test_a_handoff_waiting_past_its_deadline_fails_with_deadline_exceeded(model_
 def test_bad_handoffs_fail_the_request_and_leave_nothing(model_dir: str) -> None:
     d = DecodeSide(model_dir, num_kv_blocks=8, max_model_len=16)
     d.handoff("long", PROMPT_B, 1, greedy(NUM_TOKENS))  # 12 + 8 > 16
+    d.role.on_prepare(
+        PrepareDecode(
+            "long-early", PROMPT_B, greedy(NUM_TOKENS), time.time() + 60, "prefill-0", "p0", "tcp://x:1"
+        )
+    )
     d.role.on_decode(DecodeHandoff("garbled", PROMPT_A, 1, greedy(2), b"\x00", 1e12))
     events = {e.request_id: e for e in d.events}
-    assert events["long"].code == ErrorCode.INVALID_REQUEST and "max_model_len" in events["long"].message
+    for rid in ("long", "long-early"):
+        assert events[rid].code == ErrorCode.INVALID_REQUEST and "max_model_len" in events[rid].message
     assert events["garbled"].code == ErrorCode.INVALID_REQUEST
     assert events["garbled"].message.startswith("bad KV handoff: ")
     assert d.receiver.fetches == {} and d.role.num_waiting_for_kv() == 0
@@ -289,7 +296,7 @@ def test_an_early_admission_posts_its_fetch_at_once_unless_handoffs_wait_before_
     prepare("C", PROMPT_C)
     assert sorted(d.receiver.fetches) == ["C"]  # before any turn of the step loop
     fetch = d.receiver.fetches["C"]
-    assert (fetch.dst_block_ids, fetch.handoff.num_blocks) == ([1, 2], 2)
+    assert (fetch.dst_block_ids, fetch.handoff.num_blocks, fetch.wait_for_offer) == ([1, 2], 2, True)
     num_free = d.engine.scheduler.kv.pool.num_free
     d.handoff("A", PROMPT_A, 5, greedy(NUM_TOKENS))  # C holds the only seat: A waits
     prepare("B", PROMPT_B)
@@ -364,17 +371,71 @@ def test_early_requests_that_waited_are_all_reserved_in_the_turn_seats_free_up(m
         prepare(rid)
     d.handoff("A", PROMPT_A, 5, greedy(2))  # waits for a seat
     prepare("B1")
+    d.role.on_prepare(  # waits too; fails once its turn comes (more tokens than the model takes)
+        PrepareDecode("bad", PROMPT_C, greedy(10**6), time.time() + 60, "prefill-0", "p0", "tcp://x:1")
+    )
     prepare("B2")
     d.turn()
     assert sorted(d.receiver.fetches) == ["C1", "C2", "C3"]
+    assert not [e for e in d.events if isinstance(e, RequestFailed)]
     for rid in ("C1", "C2", "C3"):
         d.abort(rid)
     d.turn()  # the cancelled fetches end and A takes a seat
     assert sorted(d.receiver.fetches) == ["A", "C1", "C2", "C3"]
-    d.turn()  # both early requests that waited, in one turn
+    d.turn()  # both valid early requests that waited, in one turn
     assert sorted(d.receiver.fetches) == ["A", "B1", "B2", "C1", "C2", "C3"]
+    assert [(e.request_id, e.code) for e in d.events if isinstance(e, RequestFailed)] == [
+        ("bad", ErrorCode.INVALID_REQUEST)
+    ]
     for rid in ("A", "B1", "B2"):
         d.abort(rid)
     d.receiver.fail("A")
     d.run_until_idle()
     d.check_no_leaks()
+
+
+def test_an_abort_after_an_early_fetch_landed_but_before_its_first_token_frees_its_blocks(
+    model_dir: str,
+) -> None:
+    d = DecodeSide(model_dir, num_kv_blocks=32)
+    op = PrepareDecode("C", PROMPT_C, greedy(NUM_TOKENS), time.time() + 60, "prefill-0", "p0", "tcp://x:1")
+    d.role.on_prepare(op)
+    fetch = d.receiver.fetches["C"]
+    d.receiver.land("C", torch.zeros_like(d.engine.runner.kv_cache[:, fetch.dst_block_ids]))
+    d.turn()  # the fetch's end is handled: the KV waits for its first token
+    assert d.engine.scheduler.kv.pool.num_free == 29 and d.role.num_waiting_for_kv() == 1
+    assert d.role.on_abort("C")  # the role takes the abort (the worker does nothing more)
+    assert d.engine.request_status("C") is None and d.engine.scheduler.kv.pool.num_free == 31
+    assert d.role.num_waiting_for_kv() == 0 and d.events_for("C") == []
+    d.check_no_leaks()
+
+
+def test_a_repeated_prepare_or_one_without_a_receiver_reserves_nothing(model_dir: str) -> None:
+    d = DecodeSide(model_dir, num_kv_blocks=32)
+    op = PrepareDecode("C", PROMPT_C, greedy(NUM_TOKENS), time.time() + 60, "prefill-0", "p0", "tcp://x:1")
+    d.role.on_prepare(op)
+    fetch, num_free = d.receiver.fetches["C"], d.engine.scheduler.kv.pool.num_free
+    d.role.on_prepare(op)  # again while its fetch is in flight
+    d.receiver.land("C", torch.zeros_like(d.engine.runner.kv_cache[:, fetch.dst_block_ids]))
+    d.turn()
+    d.role.on_prepare(op)  # and once its KV is here
+    assert d.receiver.fetches == {"C": fetch} and d.engine.scheduler.kv.pool.num_free == num_free
+    assert d.events == [] and d.role.num_waiting_for_kv() == 1
+    d.abort("C")
+    d.role.receiver = None  # a worker without a KV store ignores the hint (the handoff fails later)
+    d.role.on_prepare(
+        PrepareDecode("D", PROMPT_A, greedy(2), time.time() + 60, "prefill-0", "p0", "tcp://x:1")
+    )
+    assert d.role.num_waiting_for_kv() == 0 and d.events == []
+    d.check_no_leaks()
+
+
+def test_what_a_decode_worker_is_never_sent_fails_loudly() -> None:
+    """Prefill-side callbacks and unknown commands are bugs in the worker's dispatch, not input to drop."""
+    role = DecodeRole(context(None, TransferConfig(), [], []))  # type: ignore[arg-type]  # no engine needed
+    with pytest.raises(RuntimeError, match="never holds a prefill"):
+        role.on_first_token(TokenDelta("r", [1]))
+    with pytest.raises(RuntimeError, match="holds no prefills"):
+        role.on_extend_lease("r")
+    with pytest.raises(RuntimeError, match="unexpected command object"):
+        role.handle(object())
