@@ -677,6 +677,25 @@ def test_chunks_wrap_around_the_rings_and_a_bad_chunk_stops_the_scatter_there(pa
     check_blocks(before2, read_kv(pair, 1, "R-float32", like), "float32", moved3)
 
 
+def test_a_transfer_far_longer_than_the_rings_is_credited_in_time(pair: Pair) -> None:
+    """16 blocks in chunks of 3 rows: 11 chunks through the sender's 3 slots, into a 4-slot receiver (a
+    credit every 2 chunks) and a 1-slot one (a credit every chunk). The sender needs credits long before
+    the receiver's last needed one (chunk 4 waits for chunk 0's slot): credits sent too seldom would
+    stall the transfer until it times out."""
+    pair.call(1, "receiver", "R-one-slot", "float32", HEAD_DIM, 10.0, 1)
+    src_ids, dst_ids = list(range(1, 17)), list(range(31, 15, -1))
+    like = make_kv(DST_SEED, "float32")
+    for name in ("R-float32", "R-one-slot"):
+        before = read_kv(pair, 1, name, like)
+        rid = new_id("long")
+        handoff = pair.call(0, "offer", "S-chunked", rid, src_ids, None)
+        [out] = pair.call(1, "receive", name, [(handoff, dst_ids, 0)])
+        assert out["ok"] and out["nbytes"] == 16 * NUM_LAYERS * ROW_BYTES_F32, out
+        assert pair.call(0, "wait_sent", rid, 10.0) is True
+        moved = dict(zip(dst_ids, src_ids, strict=True))
+        check_blocks(before, read_kv(pair, 1, name, like), "float32", moved)
+
+
 @pytest.mark.parametrize("swapped", ["k_and_v", "two_tokens"])
 def test_swapped_k_and_v_or_tokens_inside_a_block_fail_the_digest(pair: Pair, swapped: str) -> None:
     like = make_kv(DST_SEED, "float32")
