@@ -19,6 +19,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -203,8 +204,8 @@ def print_samples(out: Path) -> None:
     model.eval()
     for prompt in SAMPLE_PROMPTS:
         input_ids = torch.tensor([tokenizer.encode(prompt).ids])
-        # NOTE: transformers' generate() annotates `self` with a protocol mypy cannot match here.
-        output = model.generate(input_ids, max_new_tokens=40, do_sample=False)  # type: ignore[misc]
+        # NOTE: some transformers versions annotate generate()'s `self` with a protocol mypy cannot match
+        output = cast(Any, model).generate(input_ids, max_new_tokens=40, do_sample=False)
         text = tokenizer.decode(output[0, input_ids.shape[1] :].tolist())
         print(f"{prompt!r} -> {text!r}")
 
