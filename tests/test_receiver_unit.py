@@ -4,7 +4,9 @@ the transfer it runs, fails a fetch whose header did not come before its deadlin
 from a dropped peer while it goes on with the others, and fails what is posted or queued when closed.
 Past the header: the sender's abort or a header that does not match fails the fetch under its own
 error (and abandons the recvs it posted), a fetch that waited for its offer gets the usual timeout
-once the sender answers, and cancelling takes only that request's queued fetch."""
+once the sender answers (or offers: it is asked for again under a new nonce), a frame kind the fetch
+does not expect fails it, the transfer after a failed one gets fresh staging, and cancelling takes only
+that request's queued fetch."""
 
 from __future__ import annotations
 
