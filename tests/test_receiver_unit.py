@@ -173,6 +173,19 @@ def moving_fetch(
     return future, ident, nonce
 
 
+def waiting_fetch(
+    receiver: KVReceiver, peer: PlayedSender, endpoint: str
+) -> tuple[Future[TransferResult], bytes, int]:
+    """Fetch "early" (blocks 1-3) that waits for its offer up to a deadline 600 s out, up to its REQUEST
+    (which says it would wait). Returns (future, sender ident, nonce)."""
+    future = receiver.submit(
+        handoff("early", endpoint), [1, 2, 3], deadline=time.time() + 600, wait_for_offer=True
+    )
+    ident, nonce, body = peer.next(MessageKind.REQUEST)
+    assert body["request"].offer_wait_until > 0
+    return future, ident, nonce
+
+
 @pytest.fixture
 def sender() -> Iterator[zmq.Socket[bytes]]:
     """A fake prefill side's handshake socket (ROUTER, bound on loopback); it answers only what the
@@ -431,12 +444,7 @@ def test_once_the_sender_answers_a_fetch_that_waited_for_its_offer_has_the_usual
     receiver.start()
     try:
         peer = PlayedSender(sender, secret)
-        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
-        future = receiver.submit(
-            handoff("early", endpoint), [1, 2, 3], deadline=time.time() + 600, wait_for_offer=True
-        )
-        ident, nonce, body = peer.next(MessageKind.REQUEST)
-        assert body["request"].offer_wait_until > 0  # it would wait for the offer
+        future, ident, nonce = waiting_fetch(receiver, peer, sender.getsockopt_string(zmq.LAST_ENDPOINT))
         peer.header(ident, nonce, "early")  # the sender held it already: it answers at once
         peer.next(MessageKind.ACK)
         # the bytes never come: timeout_s (0.3 s) from the answer ends it, not the deadline 600 s out
@@ -576,12 +584,7 @@ def test_an_offer_to_a_fetch_that_waits_for_it_is_asked_for_again_under_the_usua
     receiver.start()
     try:
         peer = PlayedSender(sender, secret)
-        endpoint = sender.getsockopt_string(zmq.LAST_ENDPOINT)
-        future = receiver.submit(
-            handoff("early", endpoint), [1, 2, 3], deadline=time.time() + 600, wait_for_offer=True
-        )
-        ident, first, body = peer.next(MessageKind.REQUEST)
-        assert body["request"].offer_wait_until > 0
+        future, ident, first = waiting_fetch(receiver, peer, sender.getsockopt_string(zmq.LAST_ENDPOINT))
         peer.send(ident, MessageKind.READY, first)
         _, again, body = peer.next(MessageKind.REQUEST)
         assert again != first and body["request"].offer_wait_until == 0.0
