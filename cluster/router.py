@@ -79,6 +79,7 @@ from cluster.wire import (
     Abort,
     DecodeHandoff,
     Delta,
+    Deltas,
     ExtendLease,
     Generate,
     Heartbeat,
@@ -728,8 +729,11 @@ class Router:
             self._mark_dead(w, f"it reported: {event.reason}")
         elif isinstance(event, RequestFailed):
             self._on_request_failed(w, event)
-        elif isinstance(event, (Delta, Prefilled)):
-            if not self._to_flight(w, event.delta.request_id, event) and isinstance(event, Prefilled):
+        elif isinstance(event, Deltas):
+            for delta in event.deltas:
+                self._to_flight(w, delta.request_id, Delta(event.worker_id, delta))
+        elif isinstance(event, Prefilled):
+            if not self._to_flight(w, event.delta.request_id, event):
                 # NOTE: the caller went away (or the request moved on) while prefill ran: let go of it.
                 self._send(w, Abort(event.delta.request_id))
         elif isinstance(event, Transferred):
