@@ -275,6 +275,7 @@ class Engine:
             rid = request.request_id
             finish_reason = request.status.finish_reason
             logprobs = request.logprobs
+            # NOTE: positional, in TokenDelta's field order: half the cost of keywords (~0.27 us a delta)
             append(
                 TokenDelta(
                     rid,
