@@ -78,7 +78,6 @@ from cluster.wire import (
     ROUTER_ID,
     Abort,
     DecodeHandoff,
-    Delta,
     Deltas,
     ExtendLease,
     Generate,
@@ -147,6 +146,15 @@ class WorkerRef:
     def has_broken_pair_with(self, other: WorkerRef) -> bool:
         """Its last stats say its KV-transfer pair with ``other`` is broken."""
         return self.stats is not None and other.peer_name in self.stats.broken_peers
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One request's delta from ``worker_id``, as the router hands it to that request's stream (the
+    wire carries a step's deltas together, in ``Deltas``)."""
+
+    worker_id: str
+    delta: TokenDelta
 
 
 FlightEvent = Delta | Prefilled | Transferred | RouterError

@@ -167,15 +167,6 @@ class Deltas:
 
 
 @dataclass(frozen=True)
-class Delta:
-    """One request's delta from ``worker_id``, as the router hands it to that request's stream (the
-    wire carries them in ``Deltas``)."""
-
-    worker_id: str
-    delta: TokenDelta
-
-
-@dataclass(frozen=True)
 class Prefilled:
     """The first token of a held request; its KV waits on this worker (``handoff``)."""
 

@@ -19,13 +19,13 @@ import zmq
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import FrameSigner, new_secret
 from cluster.protocol import ErrorCode, SamplingParams, TokenDelta
+from cluster.router import Delta
 from cluster.wire import (
     EVENTS,
     OPS,
     ROUTER_ID,
     Abort,
     DecodeHandoff,
-    Delta,
     Deltas,
     Generate,
     Heartbeat,

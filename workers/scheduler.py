@@ -173,7 +173,7 @@ class Scheduler:
                 if request.status != RequestStatus.RUNNING:
                     break
                 table = tables[request.request_id]
-            if num_new == 1 and computed >= num_prompt and computed + 1 == num_prompt + len(outputs):
+            if computed + 1 == num_prompt + len(outputs) and computed >= num_prompt:
                 # a decode, the usual case, built here (what _scheduled builds, without the call)
                 s = ScheduledRequest(
                     request.request_id,
