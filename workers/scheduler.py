@@ -173,7 +173,7 @@ class Scheduler:
                 if request.status != RequestStatus.RUNNING:
                     break
                 table = tables[request.request_id]
-            if computed + 1 == num_prompt + len(outputs) and computed >= num_prompt:
+            if num_new == 1 and computed >= num_prompt and computed + 1 == num_prompt + len(outputs):
                 # a decode, the usual case, built here (what _scheduled builds, without the call)
                 s = ScheduledRequest(
                     request.request_id,
