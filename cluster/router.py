@@ -78,7 +78,7 @@ from cluster.wire import (
     ROUTER_ID,
     Abort,
     DecodeHandoff,
-    Delta,
+    Deltas,
     ExtendLease,
     Generate,
     Heartbeat,
@@ -146,6 +146,15 @@ class WorkerRef:
     def has_broken_pair_with(self, other: WorkerRef) -> bool:
         """Its last stats say its KV-transfer pair with ``other`` is broken."""
         return self.stats is not None and other.peer_name in self.stats.broken_peers
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One request's delta from ``worker_id``, as the router hands it to that request's stream (the
+    wire carries a step's deltas together, in ``Deltas``)."""
+
+    worker_id: str
+    delta: TokenDelta
 
 
 FlightEvent = Delta | Prefilled | Transferred | RouterError
@@ -728,8 +737,11 @@ class Router:
             self._mark_dead(w, f"it reported: {event.reason}")
         elif isinstance(event, RequestFailed):
             self._on_request_failed(w, event)
-        elif isinstance(event, (Delta, Prefilled)):
-            if not self._to_flight(w, event.delta.request_id, event) and isinstance(event, Prefilled):
+        elif isinstance(event, Deltas):
+            for delta in event.deltas:
+                self._to_flight(w, delta.request_id, Delta(event.worker_id, delta))
+        elif isinstance(event, Prefilled):
+            if not self._to_flight(w, event.delta.request_id, event):
                 # NOTE: the caller went away (or the request moved on) while prefill ran: let go of it.
                 self._send(w, Abort(event.delta.request_id))
         elif isinstance(event, Transferred):

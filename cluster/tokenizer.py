@@ -129,6 +129,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """``decode`` of each sequence, in one call that releases the GIL while it decodes."""
+        return list(
+            self.backend.decode_batch([list(ids) for ids in seqs], skip_special_tokens=skip_special_tokens)
+        )
+
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 

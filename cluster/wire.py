@@ -2,7 +2,7 @@
 tagged codec, strict decoding.
 
 Ops (router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease.
-Events (worker -> router): Heartbeat, Delta, Prefilled, Transferred, RequestFailed, WorkerFailed, KeepAlive.
+Events (worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed, WorkerFailed, KeepAlive.
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
 registers it with the router, and one from a new ``incarnation`` (a process Ray restarted) re-admits it.
@@ -156,10 +156,14 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
-class Delta:
-    TAG: ClassVar[str] = "delta"
+class Deltas:
+    """The token deltas of one engine step, all of its requests in one frame rather than a frame each
+    (``python -m bench.wire_deltas``: at 256 running, 0.7 ms of the worker's step thread per step
+    instead of 3.6 ms, and 1.0 ms of the router's instead of 3.0)."""
+
+    TAG: ClassVar[str] = "deltas"
     worker_id: str
-    delta: TokenDelta
+    deltas: list[TokenDelta]
 
 
 @dataclass(frozen=True)
@@ -212,11 +216,11 @@ class KeepAlive:
 
 
 Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease
-Event = Heartbeat | Delta | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
+Event = Heartbeat | Deltas | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
 OPS: tuple[type[Message], ...] = (Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease)
 EVENTS: tuple[type[Message], ...] = (
     Heartbeat,
-    Delta,
+    Deltas,
     Prefilled,
     Transferred,
     RequestFailed,
@@ -333,19 +337,26 @@ def _dataclass_decoder(cls: type) -> Decoder:
     }
     # NOTE: built lazily so self-referencing or forward types resolve once every class exists.
     field_decoders: dict[str, Decoder] = {}
+    # NOTE: each field's error path, made once per parent path: a list's items share their list's path,
+    # so a frame of 256 deltas builds 9 paths, not 9 per delta (the paths come from the type's shape
+    # and the field names, a finite set).
+    field_paths: dict[str, dict[str, str]] = {}
 
     def decode(v: Any, path: str) -> Any:
         if type(v) is not dict:
             raise _bad(path, f"expected a {cls.__name__} map, got {type(v).__name__}")
         if not field_decoders:
             field_decoders.update({f.name: _decoder_for(hints[f.name]) for f in fields})
-        unknown = [k for k in v if k not in field_decoders]
-        if unknown:
+        keys = v.keys()
+        if not keys <= field_decoders.keys():
+            unknown = [k for k in v if k not in field_decoders]
             raise _bad(path, f"unknown {cls.__name__} field(s) {sorted(map(str, unknown))[:5]}")
-        missing = required - v.keys()
-        if missing:
-            raise _bad(path, f"missing {cls.__name__} field(s) {sorted(missing)}")
-        kwargs = {k: field_decoders[k](x, f"{path}.{k}") for k, x in v.items()}
+        if not required <= keys:
+            raise _bad(path, f"missing {cls.__name__} field(s) {sorted(required - keys)}")
+        paths = field_paths.get(path)
+        if paths is None:
+            paths = field_paths[path] = {name: f"{path}.{name}" for name in field_decoders}
+        kwargs = {k: field_decoders[k](x, paths[k]) for k, x in v.items()}
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:

@@ -25,7 +25,7 @@ from cluster.predict import Predictor, TrafficLog
 from cluster.protocol import EngineStats, FinishReason, TokenDelta, WorkerStats
 from cluster.router import Router
 from cluster.server import create_app
-from cluster.wire import OPS, ROUTER_ID, Delta, Generate, Heartbeat, WireDecoder, WireEncoder, WorkerInfo
+from cluster.wire import OPS, ROUTER_ID, Deltas, Generate, Heartbeat, WireDecoder, WireEncoder, WorkerInfo
 from deploy.planner.advice import Advisor
 
 # every step 2.5 s whatever it computes; a control hop 62.5 ms each way: a new request's predicted TTFT on
@@ -78,7 +78,7 @@ class FakeWorker:
         op = self.decoder.decode(await asyncio.wait_for(self.pull.recv(), 10))
         assert isinstance(op, Generate)
         delta = TokenDelta(op.request_id, [7], finish_reason=FinishReason.LENGTH)
-        await self.push.send(self.encoder.encode(ROUTER_ID, Delta(WORKER, delta)))
+        await self.push.send(self.encoder.encode(ROUTER_ID, Deltas(WORKER, [delta])))
         return op
 
     def close(self) -> None:

@@ -27,3 +27,12 @@ def test_gpu_throughput_tiny_cpu_run_reports_every_section() -> None:
         assert f"  {label}" in out and "blocked on device" in out
     assert "kernels per decode-only step:" in out and "kernels per other step:" in out
     assert "host per step: schedule" in out and "achieved / floor" in out
+
+
+def test_wire_deltas_bench_moves_every_delta_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.wire_deltas import main
+
+    assert main(["--running", "3", "--steps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("   3 running: a frame per delta ") and "one Deltas frame" in lines[1]
+    assert len(lines) == 2

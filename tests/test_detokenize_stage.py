@@ -13,7 +13,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.protocol import FinishReason, SamplingParams, TokenDelta
-from workers.detokenizer import DetokenizerStage, detokenizes_on_step_thread
+from workers.detokenizer import DetokenizerStage, IncrementalDetokenizer, detokenizes_on_step_thread
 from workers.engine import BUNDLED_MODEL, Engine
 from workers.llm import LLM
 
@@ -94,6 +94,33 @@ def test_stage_orders_deltas_passes_others_through_and_drops_state() -> None:
     finally:
         stage.close(10.0)
     assert not stage.thread.is_alive()
+
+
+def test_stage_takes_two_deltas_of_one_request_in_one_submission_in_order() -> None:
+    engine = Engine(EngineConfig.from_options(BUNDLED_MODEL), detokenize=False)
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = tok.encode(" the little dog ran home", add_special_tokens=False)
+    texts: list[str] = []
+    stage = DetokenizerStage(tok, lambda ds: texts.extend(d.text for d in ds), name="t")
+    try:
+        stage.add_request("a", [1, 2], SamplingParams())
+        stage.add_request("b", [1, 2], SamplingParams())
+        stage.submit(
+            [
+                TokenDelta("a", ids[:2]),
+                TokenDelta("b", ids[:1]),
+                TokenDelta("a", ids[2:], finish_reason=FinishReason.LENGTH),
+            ]
+        )
+        stage.flush(10.0)
+        a, b = (IncrementalDetokenizer(tok, [1, 2], []) for _ in range(2))
+        a.update(ids[:2])
+        b.update(ids[:1])
+        assert texts[:2] == [a.get_delta(False), b.get_delta(False)] and texts[0]
+        assert texts[0] + texts[2] == tok.decode(ids)
+    finally:
+        stage.close(10.0)
 
 
 def test_stage_error_is_raised_by_flush() -> None:

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from cluster.tokenizer import Tokenizer
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, update_all
 
 CORPUS = [
     "Hello world. The quick brown fox jumps over the lazy dog.",
@@ -103,6 +103,42 @@ def test_incremental_text_equals_full_decode(tokenizer: Tokenizer, text: str, ch
     assert detok.output_text == text
     assert detok.output_token_ids == ids
     assert "".join(deltas) + detok.get_delta(finished=True) == text
+
+
+def test_batched_update_equals_one_by_one(tokenizer: Tokenizer) -> None:
+    """update_all over requests in every state (mid-character, stopped, fed nothing, keeping special
+    tokens, stop strings held back) leaves each detokenizer exactly as its own update() calls would."""
+    prompt = tokenizer.encode("The quick brown fox says ")
+    streams = [
+        tokenizer.encode(MULTIBYTE, add_special_tokens=False),
+        tokenizer.encode("Stop here: ### and then continue", add_special_tokens=False),
+        [*tokenizer.encode("Hello world", add_special_tokens=False), 1, 1],
+        tokenizer.encode(CORPUS[3], add_special_tokens=False),
+        tokenizer.encode("the lazy dog. The end", add_special_tokens=False),
+    ]
+
+    def make() -> list[IncrementalDetokenizer]:
+        return [
+            IncrementalDetokenizer(tokenizer, prompt, stop=[]),
+            IncrementalDetokenizer(tokenizer, [0], stop=["###", "and then"]),
+            IncrementalDetokenizer(tokenizer, [0], stop=[], skip_special_tokens=False),
+            IncrementalDetokenizer(tokenizer, prompt, stop=["never appears"]),
+            IncrementalDetokenizer(tokenizer, [], stop=["end", "lazy"]),
+        ]
+
+    batched, single = make(), make()
+    chunks = [1, 2, 1, 3, 4]  # tokens per update, per stream
+    num_updates = max(-(-len(ids) // c) for ids, c in zip(streams, chunks, strict=True))
+    assert num_updates > 5
+    for u in range(num_updates):
+        new = [ids[u * c : (u + 1) * c] for ids, c in zip(streams, chunks, strict=True)]  # some run dry
+        got = update_all(tokenizer, batched, new)
+        assert got == [d.update(ids) for d, ids in zip(single, new, strict=True)], u
+        for b, d in zip(batched, single, strict=True):
+            assert vars(b) == vars(d), u
+            assert b.get_delta(finished=False) == d.get_delta(finished=False), u
+    assert [d.stop_matched for d in batched] == [None, "###", None, None, "lazy"]
+    assert batched[0].output_text == MULTIBYTE and batched[2].output_text == "Hello world</s></s>"
 
 
 def test_special_tokens_skipped_or_kept(tokenizer: Tokenizer) -> None:

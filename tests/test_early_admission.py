@@ -19,10 +19,10 @@ import pytest
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.protocol import ErrorCode, SamplingParams
+from cluster.router import Delta
 from cluster.wire import (
     Abort,
     DecodeHandoff,
-    Delta,
     Generate,
     KeepAlive,
     PeerDead,

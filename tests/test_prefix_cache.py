@@ -10,7 +10,7 @@ from cluster.config import EngineConfig
 from cluster.protocol import SamplingParams
 from workers.prefix_cache import PrefixCache
 from workers.request import Request, RequestStatus
-from workers.scheduler import SampledToken, Scheduler
+from workers.scheduler import SampledTokens, Scheduler
 
 PROMPT = list(range(100, 110))  # 10 tokens
 NUM_OUTPUT = 9
@@ -30,11 +30,9 @@ def step(s: Scheduler) -> dict[str, list[int]]:
     """One step; every sampling request gets a token that differs per position (so blocks differ).
     Returns the block table each scheduled request had in this step."""
     out = s.schedule()
-    sampled = {
-        x.request_id: SampledToken(300 + x.start_position + len(x.token_ids))
-        for x in out.scheduled
-        if x.needs_sample
-    }
+    sampled = SampledTokens(
+        {x.request_id: 300 + x.start_position + len(x.token_ids) for x in out.scheduled if x.needs_sample}
+    )
     s.update_from_output(out, sampled)
     return {x.request_id: list(x.block_ids) for x in out.scheduled}
 

@@ -20,7 +20,7 @@ from cluster.protocol import (
     TokenDelta,
 )
 from cluster.router import Router, WorkerState
-from cluster.wire import Abort, Delta, Generate, PeerDead, Prefilled, WorkerFailed
+from cluster.wire import Abort, Deltas, Generate, PeerDead, Prefilled, WorkerFailed
 from tests.fake_workers import FakeWorkers, Stream, assert_idle, delta, run, until
 
 PROMPT = [11, 12, 13, 14, 15, 16]
@@ -107,7 +107,7 @@ def test_what_a_dying_worker_said_last_comes_before_rays_word_on_its_death() -> 
         actor = await watched_pair(router, fakes)
         s = Stream(router, "r", PROMPT)
         assert (await fakes.op("colocated-0")).request_id == "r"
-        await fakes.send(Delta("colocated-0", delta("r", 7)))
+        await fakes.send(Deltas("colocated-0", [delta("r", 7)]))
         assert (await s.next()).token_ids == [7]  # type: ignore[union-attr]
         await fakes.send(WorkerFailed("colocated-0", "step thread died: RuntimeError: boom"))
         # NOTE: blocks the event loop (bounded) till the frame is in the router's socket, unread
@@ -225,7 +225,7 @@ def test_migrations_with_nowhere_to_go() -> None:
             Abort("r"),
             Generate("r~1", PROMPT, s.req.params, gen.deadline, False, [7]),
         ]
-        await fakes.send(Delta("prefill-0", delta("r~1", 8, finish=FinishReason.LENGTH)))
+        await fakes.send(Deltas("prefill-0", [delta("r~1", 8, finish=FinishReason.LENGTH)]))
         assert [d.token_ids for d in await s.rest()] == [[8]]  # type: ignore[union-attr]
         assert_idle(router)
 
@@ -240,9 +240,9 @@ def test_timings_split_the_request_at_its_scheduling_and_first_token() -> None:
         await fakes.op("colocated-0")
         scheduled = time.time()
         first = TokenDelta("r", [3], scheduled_time=scheduled)
-        await fakes.send(Delta("colocated-0", first))
+        await fakes.send(Deltas("colocated-0", [first]))
         assert (await s.next()).token_ids == [3]  # type: ignore[union-attr]
-        await fakes.send(Delta("colocated-0", delta("r", 4, finish=FinishReason.LENGTH)))
+        await fakes.send(Deltas("colocated-0", [delta("r", 4, finish=FinishReason.LENGTH)]))
         (last,) = await s.rest()
         t1 = time.time()
         timings = last.timings  # type: ignore[union-attr]
@@ -271,7 +271,7 @@ def test_drain_waits_for_the_workers_requests_then_migrates_the_rest_and_forgets
         Stream(router, "new", PROMPT)  # routed elsewhere meanwhile
         assert (await fakes.op("colocated-2")).request_id == "new"
         assert not draining.done()
-        await fakes.send(Delta("colocated-0", delta("fast", 5, finish=FinishReason.LENGTH)))
+        await fakes.send(Deltas("colocated-0", [delta("fast", 5, finish=FinishReason.LENGTH)]))
         assert [d.token_ids for d in await fast.rest()] == [[5]]  # type: ignore[union-attr]
         await asyncio.wait_for(draining, 5.0)
         assert [w.worker_id for w in router.workers] == ["colocated-1", "colocated-2"]
@@ -282,7 +282,7 @@ def test_drain_waits_for_the_workers_requests_then_migrates_the_rest_and_forgets
         assert len(actor.answers) == n
 
         # past its timeout, what is left moves on
-        await fakes.send(Delta("colocated-1", delta("slow", 6)))
+        await fakes.send(Deltas("colocated-1", [delta("slow", 6)]))
         assert (await slow.next()).token_ids == [6]  # type: ignore[union-attr]
         await router.drain("colocated-1", timeout_s=0.1)
         assert await fakes.op("colocated-1") == Abort("slow")
@@ -302,11 +302,11 @@ def test_a_worker_of_another_model_is_refused_and_events_of_unknown_workers_drop
         s = Stream(router, "r", PROMPT)
         assert (await fakes.op("colocated-0")).request_id == "r"
         await fakes.send(
-            Delta("colocated-1", delta("r", 9)),  # never admitted
-            Delta("nobody", delta("r", 9)),
+            Deltas("colocated-1", [delta("r", 9)]),  # never admitted
+            Deltas("nobody", [delta("r", 9)]),
         )
         await fakes.push.send(b"not a frame")
-        await fakes.send(Delta("colocated-0", delta("r", 3, finish=FinishReason.LENGTH)))
+        await fakes.send(Deltas("colocated-0", [delta("r", 3, finish=FinishReason.LENGTH)]))
         assert [d.token_ids for d in await s.rest()] == [[3]]  # type: ignore[union-attr]
         assert [w.worker_id for w in router.workers] == ["colocated-0"]
 

@@ -25,7 +25,7 @@ from cluster.router import Router, WorkerState
 from cluster.wire import (
     Abort,
     DecodeHandoff,
-    Delta,
+    Deltas,
     ExtendLease,
     Generate,
     KeepAlive,
@@ -105,7 +105,7 @@ def test_a_dead_decode_worker_migrates_its_requests_and_late_events_of_the_old_a
         s = Stream(router, "m", PROMPT)
         await prefilled(fakes, s, "prefill-0", 7)
         assert decode_of(router, "m") == "decode-0"
-        await fakes.send(Delta("decode-0", delta("m", 8)), Delta("decode-0", delta("m", 9)))
+        await fakes.send(Deltas("decode-0", [delta("m", 8)]), Deltas("decode-0", [delta("m", 9)]))
         assert [(await s.next()).token_ids for _ in range(2)] == [[8], [9]]  # type: ignore[union-attr]
         await fakes.send(WorkerFailed("decode-0", "step thread died"))
         if max_migrations == 0:
@@ -128,11 +128,11 @@ def test_a_dead_decode_worker_migrates_its_requests_and_late_events_of_the_old_a
         assert gen == Generate("m~1", PROMPT, s.req.params, gen.deadline, False, [7, 8, 9])
         assert router.placement("m") == (None, "decode-1")
         await fakes.send(
-            Delta("decode-0", delta("m", 66)),  # late, from the dead worker, old attempt
-            Delta("decode-1", delta("m", 67)),  # the old attempt's id from the new worker
-            Delta("decode-0", delta("m~1", 68)),  # the new id from a worker that does not hold it
-            Delta("decode-1", delta("m~1", 10)),
-            Delta("decode-1", delta("m~1", 11, finish=FinishReason.LENGTH)),
+            Deltas("decode-0", [delta("m", 66)]),  # late, from the dead worker, old attempt
+            Deltas("decode-1", [delta("m", 67)]),  # the old attempt's id from the new worker
+            Deltas("decode-0", [delta("m~1", 68)]),  # the new id from a worker that does not hold it
+            Deltas("decode-1", [delta("m~1", 10)]),
+            Deltas("decode-1", [delta("m~1", 11, finish=FinishReason.LENGTH)]),
         )
         rest = await s.rest()
         assert [(d.request_id, d.token_ids) for d in rest] == [("m", [10]), ("m", [11])]  # type: ignore[union-attr]
@@ -155,11 +155,11 @@ def test_a_finished_request_whose_worker_dies_before_the_caller_read_the_end_is_
         agen = router.generate(GenerateRequest("done", PROMPT, params))
         first = asyncio.ensure_future(agen.__anext__())
         assert (await fakes.op("colocated-0")).request_id == "done"
-        await fakes.send(Delta("colocated-0", delta("done", 3)))
+        await fakes.send(Deltas("colocated-0", [delta("done", 3)]))
         assert (await first).token_ids == [3]
         # the caller has not asked for more: the final delta waits in the router when the worker dies
         await fakes.send(
-            Delta("colocated-0", delta("done", 4, finish=FinishReason.LENGTH)),
+            Deltas("colocated-0", [delta("done", 4, finish=FinishReason.LENGTH)]),
             WorkerFailed("colocated-0", "exited"),
         )
         await until(lambda: router.workers[0].state == WorkerState.DEAD, "colocated-0 dead")
@@ -223,7 +223,7 @@ def test_a_dead_prefill_worker_migrates_and_its_late_prefilled_is_let_go() -> No
         peer_dead, handoff = await fakes.ops("decode-0", 2)
         assert peer_dead == PeerDead(first_id, "i0")
         assert (handoff.request_id, handoff.first_token_id, handoff.handoff) == ("p~1", 6, b"new")
-        await fakes.send(Delta("decode-0", delta("p~1", 8, finish=FinishReason.LENGTH)))
+        await fakes.send(Deltas("decode-0", [delta("p~1", 8, finish=FinishReason.LENGTH)]))
         assert [d.token_ids for d in await s.rest()] == [[8]]  # type: ignore[union-attr]
         assert_idle(router)
 
@@ -261,7 +261,7 @@ def test_worker_failures_of_a_request_map_to_errors_or_a_migration() -> None:
         ops = [await fakes.op("decode-0") for _ in range(3)]
         assert ops[:2] == [PeerDead("prefill-0", "i0"), Abort("moved")]
         assert ops[2] == Generate("moved~1", [3], moved.req.params, ops[2].deadline, False, [7])
-        await fakes.send(Delta("decode-0", delta("moved~1", 9, finish=FinishReason.LENGTH)))
+        await fakes.send(Deltas("decode-0", [delta("moved~1", 9, finish=FinishReason.LENGTH)]))
         assert [d.token_ids for d in await moved.rest()] == [[9]]  # type: ignore[union-attr]
         assert_idle(router)
 

@@ -15,7 +15,7 @@ from cluster.protocol import (
 )
 from cluster.router import Router, WorkerState
 from cluster.wire import (
-    Delta,
+    Deltas,
     Generate,
     PeerDead,
     Prefilled,
@@ -42,8 +42,8 @@ def test_the_disaggregated_path_picks_decode_workers_by_load_then_free_blocks() 
             w = decode_of(router, rid)
             await fakes.send(
                 Transferred(w, rid, 0.5 + i, 4096),
-                Delta(w, delta(rid, 200 + i)),
-                Delta(w, delta(rid, 300 + i, finish=FinishReason.LENGTH)),
+                Deltas(w, [delta(rid, 200 + i)]),
+                Deltas(w, [delta(rid, 300 + i, finish=FinishReason.LENGTH)]),
             )
             second, last = await s.next(), await s.next()
             assert isinstance(second, TokenDelta) and isinstance(last, TokenDelta)
@@ -195,7 +195,7 @@ def test_a_new_incarnation_replaces_the_old_one_whose_requests_move_on() -> None
         await fakes.add("colocated-1", "colocated")
         s = Stream(router, "r", PROMPT)
         assert (await fakes.op("colocated-0")).request_id == "r"
-        await fakes.send(Delta("colocated-0", delta("r", 4)))
+        await fakes.send(Deltas("colocated-0", [delta("r", 4)]))
         assert (await s.next()).token_ids == [4]  # type: ignore[union-attr]
         await fakes.add("colocated-0", "colocated", incarnation="i1")  # Ray restarted it
         peer_dead, gen = await fakes.ops("colocated-1", 2)
@@ -205,8 +205,33 @@ def test_a_new_incarnation_replaces_the_old_one_whose_requests_move_on() -> None
             ("colocated-1", "i0", WorkerState.HEALTHY),
             ("colocated-0", "i1", WorkerState.HEALTHY),
         ]
-        await fakes.send(Delta("colocated-1", delta("r~1", 5, finish=FinishReason.STOP)))
+        await fakes.send(Deltas("colocated-1", [delta("r~1", 5, finish=FinishReason.STOP)]))
         assert [d.token_ids for d in await s.rest()] == [[5]]  # type: ignore[union-attr]
+        assert_idle(router)
+
+    run(scenario, mode="colocated")
+
+
+def test_one_deltas_frame_feeds_each_of_its_requests_and_drops_deltas_not_its_senders() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("colocated-0", "colocated")
+        a, b = Stream(router, "a", PROMPT), Stream(router, "b", PROMPT)
+        assert [op.request_id for op in await fakes.ops("colocated-0", 2)] == ["a", "b"]
+        await fakes.add("colocated-1", "colocated")
+        c = Stream(router, "c", PROMPT)
+        assert (await fakes.op("colocated-1")).request_id == "c"
+        await fakes.send(
+            Deltas(
+                "colocated-0",
+                [delta("a", 1), delta("c", 99), delta("ghost", 5), delta("b", 2, finish=FinishReason.LENGTH)],
+            ),
+            Deltas("colocated-1", [delta("c", 3, finish=FinishReason.STOP)]),
+        )
+        assert [d.token_ids for d in await b.rest()] == [[2]]  # type: ignore[union-attr]
+        assert [d.token_ids for d in await c.rest()] == [[3]]  # type: ignore[union-attr]
+        assert (await a.next()).token_ids == [1]  # type: ignore[union-attr]
+        await fakes.send(Deltas("colocated-0", [delta("a", 4, finish=FinishReason.STOP)]))
+        assert [d.token_ids for d in await a.rest()] == [[4]]  # type: ignore[union-attr]
         assert_idle(router)
 
     run(scenario, mode="colocated")

@@ -7,7 +7,7 @@ import pytest
 from cluster.config import EngineConfig
 from cluster.protocol import SamplingParams, TokenLogprobs
 from workers.request import Request, RequestStatus
-from workers.scheduler import SampledToken, ScheduledRequest, Scheduler, SchedulerOutput
+from workers.scheduler import SampledTokens, ScheduledRequest, Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int = 64, block_size: int = 4, **kw: object) -> Scheduler:
@@ -29,7 +29,7 @@ def add(s: Scheduler, rid: str, n: int, max_tokens: int = 8, first_id: int = 100
 
 def run_step(s: Scheduler, token: int = 7) -> SchedulerOutput:
     out = s.schedule()
-    s.update_from_output(out, {x.request_id: SampledToken(token) for x in out.scheduled if x.needs_sample})
+    s.update_from_output(out, SampledTokens({x.request_id: token for x in out.scheduled if x.needs_sample}))
     return out
 
 
@@ -70,9 +70,7 @@ def test_stop_conditions_and_leak_free() -> None:
     add(s, "eos", 3, max_tokens=5)
     add(s, "stop_id", 3, max_tokens=5, stop_token_ids=[9])
     out = s.schedule()
-    upd = s.update_from_output(
-        out, {"len": SampledToken(5), "eos": SampledToken(2), "stop_id": SampledToken(9)}
-    )
+    upd = s.update_from_output(out, SampledTokens({"len": 5, "eos": 2, "stop_id": 9}))
     assert [(r.request_id, r.status) for r in upd] == [
         ("len", RequestStatus.RUNNING),
         ("eos", RequestStatus.FINISHED_STOPPED),
@@ -126,7 +124,7 @@ def test_prefix_hit_on_schedule_counts_cached_tokens() -> None:
     out = s.schedule()
     assert shape(out) == [("b", 8, 2)]
     assert r.num_cached_tokens == 8
-    s.update_from_output(out, {"b": SampledToken(1)})
+    s.update_from_output(out, SampledTokens({"b": 1}))
     s.check_no_leaks()
 
 
@@ -298,7 +296,7 @@ def test_request_ended_while_its_step_ran_is_skipped() -> None:
     b = add(s, "b", 3)
     out = s.schedule()
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
-    updated = s.update_from_output(out, {"a": SampledToken(5), "b": SampledToken(6)})
+    updated = s.update_from_output(out, SampledTokens({"a": 5, "b": 6}))
     assert updated == [b] and b.output_token_ids == [6]
     s.finish_request("b", RequestStatus.FINISHED_ABORTED)
     s.check_no_leaks()
@@ -311,7 +309,7 @@ def test_logprobs_and_timestamps_are_recorded_once() -> None:
     lp = [TokenLogprobs(7, -0.25, [7, 9], [-0.25, -1.5]), TokenLogprobs(8, -0.5, [8], [-0.5])]
     for i in range(2):
         out = s.schedule()
-        s.update_from_output(out, {"r": SampledToken(7 + i, lp[i]), "plain": SampledToken(7 + i)})
+        s.update_from_output(out, SampledTokens({"r": 7 + i, "plain": 7 + i}, {"r": lp[i]}))
         if i == 0:
             times = (r.first_scheduled_time, r.first_token_time)
             assert None not in times and r.finish_time is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from cluster.config import EngineConfig
 from cluster.protocol import SamplingParams
 from workers.request import Request, RequestStatus
-from workers.scheduler import SampledToken, Scheduler, SchedulerOutput
+from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 
 def make(**options: int) -> Scheduler:
@@ -20,7 +20,7 @@ def request(rid: str, prompt: list[int], max_tokens: int) -> Request:
 
 def step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
-    s.update_from_output(out, {x.request_id: SampledToken(7) for x in out.scheduled if x.needs_sample})
+    s.update_from_output(out, SampledTokens({x.request_id: 7 for x in out.scheduled if x.needs_sample}))
     return out
 
 

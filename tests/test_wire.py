@@ -37,7 +37,7 @@ from cluster.wire import (
     ROUTER_ID,
     Abort,
     DecodeHandoff,
-    Delta,
+    Deltas,
     ExtendLease,
     Generate,
     Heartbeat,
@@ -90,7 +90,7 @@ ALL_OPS = [
 ALL_EVENTS = [
     Heartbeat(INFO, STATS),
     KeepAlive("decode-0", "r1"),
-    Delta("decode-0", DELTA),
+    Deltas("decode-0", [DELTA, TokenDelta("r2", [7], finish_reason=FinishReason.LENGTH)]),
     Prefilled("prefill-0", DELTA, b"handoff"),
     Transferred("decode-0", "r1", 0.5, 1024, recomputed=None),
     RequestFailed("decode-0", "r1", ErrorCode.KV_TRANSFER_FAILED, "boom"),
@@ -158,7 +158,7 @@ def test_each_bad_field_is_rejected_with_its_reason() -> None:
 
 
 def test_unknown_tags_and_events_sent_to_a_worker_are_rejected() -> None:
-    frames = [signed("launch_missiles", {}), signed(Delta.TAG, body_of(ALL_EVENTS[2]))]
+    frames = [signed("launch_missiles", {}), signed(Deltas.TAG, body_of(ALL_EVENTS[2]))]
     assert rejected(frames) == {"unknown_tag": 2}
 
 

@@ -19,13 +19,14 @@ import zmq
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import FrameSigner, new_secret
 from cluster.protocol import ErrorCode, SamplingParams, TokenDelta
+from cluster.router import Delta
 from cluster.wire import (
     EVENTS,
     OPS,
     ROUTER_ID,
     Abort,
     DecodeHandoff,
-    Delta,
+    Deltas,
     Generate,
     Heartbeat,
     RequestFailed,
@@ -55,6 +56,7 @@ class FakeRouter:
         self.encoder = WireEncoder(secret)
         self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
         self.worker_id = ""
+        self._split: list[Delta] = []  # the rest of the last Deltas frame
 
     def connect(self, worker: EngineWorker) -> None:
         self.push.connect(worker.request_endpoint)
@@ -64,13 +66,24 @@ class FakeRouter:
         self.push.send(self.encoder.encode(self.worker_id, op))
 
     def next(self, kinds: tuple[type, ...], timeout_s: float = 30.0) -> Any:
-        """The next event of one of ``kinds`` (others, e.g. heartbeats, are skipped), within a bound."""
-        while self.pull.poll(int(timeout_s * 1000)):
-            event = self.decoder.decode(self.pull.recv())
-            assert event is not None, f"worker sent a frame the router rejects: {self.decoder.rejected()}"
+        """The next event of one of ``kinds`` (others, e.g. heartbeats, are skipped), within a bound.
+        A ``Deltas`` frame is taken apart as the router does: one ``Delta`` per request, in order."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._split:
+                event = self._split.pop(0)
+            else:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not self.pull.poll(left_ms):
+                    raise TimeoutError(f"no {[k.__name__ for k in kinds]} within {timeout_s} s")
+                event = self.decoder.decode(self.pull.recv())
+                assert event is not None, f"worker sent a frame the router rejects: {self.decoder.rejected()}"
+                if isinstance(event, Deltas) and Deltas not in kinds:
+                    assert event.deltas, "an empty Deltas frame"
+                    self._split = [Delta(event.worker_id, d) for d in event.deltas]
+                    continue
             if isinstance(event, kinds):
                 return event
-        raise TimeoutError(f"no {[k.__name__ for k in kinds]} within {timeout_s} s")
 
     def close(self) -> None:
         self.pull.close(linger=0)
@@ -128,7 +141,7 @@ def test_bad_frames_are_counted_and_dropped_while_the_worker_keeps_serving(
         signer.sign(worker.worker_id, "abort", {"request_id": "x"}),
         replay,  # accepted (an abort of nothing)
         replay,  # rejected: seen
-        router.encoder.encode(worker.worker_id, Delta("w", TokenDelta("r", [1]))),  # an event is no op
+        router.encoder.encode(worker.worker_id, Deltas("w", [TokenDelta("r", [1])])),  # an event: no op
     ]
     for frame in frames:
         router.push.send(frame)

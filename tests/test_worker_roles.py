@@ -10,7 +10,8 @@ import pytest
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.protocol import ErrorCode, SamplingParams
-from cluster.wire import DecodeHandoff, Delta, Generate, RequestFailed, WorkerControl
+from cluster.router import Delta
+from cluster.wire import DecodeHandoff, Generate, RequestFailed, WorkerControl
 from tests.test_worker import FakeRouter
 from workers.llm import LLM
 from workers.worker import EngineWorker

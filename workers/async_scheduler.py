@@ -26,7 +26,7 @@ from collections import deque
 
 from cluster.config import EngineConfig
 from workers.request import Request, RequestStatus
-from workers.scheduler import SampledToken, Scheduler, SchedulerOutput
+from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 PLACEHOLDER = -1
 
@@ -90,10 +90,10 @@ class AsyncScheduler(Scheduler):
             if request.status is RequestStatus.RUNNING and self.requests.get(request.request_id) is request:
                 self.kv.cache_full_blocks(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Request]:
         raise RuntimeError("AsyncScheduler steps are resolved with resolve(), not update_from_output()")
 
-    def resolve(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[tuple[Request, int]]:
+    def resolve(self, out: SchedulerOutput, sampled: SampledTokens) -> list[tuple[Request, int]]:
         """Apply the sampled tokens of the oldest unresolved step (``out``). Returns (request, index of
         its new token) for every request that received one, finished ones included (already freed
         unless held for a handoff)."""
@@ -102,16 +102,19 @@ class AsyncScheduler(Scheduler):
         _, records = self._in_flight.popleft()
         now = time.time()
         updated: list[tuple[Request, int]] = []
+        token_ids, logprobs = sampled.token_ids, sampled.logprobs
         for request, index in records:
-            token = sampled.get(request.request_id)
-            if index is None or token is None:
+            token_id = token_ids.get(request.request_id)
+            if index is None or token_id is None:
                 continue
             if self.requests.get(request.request_id) is not request:
                 self.num_discarded_tokens += 1  # ended (stop, abort, release) while the step ran
                 continue
-            request.output_token_ids[index] = token.token_id
-            if token.logprobs is not None:
-                request.logprobs.append(token.logprobs)
+            request.output_token_ids[index] = token_id
+            if logprobs:
+                token_logprobs = logprobs.get(request.request_id)
+                if token_logprobs is not None:
+                    request.logprobs.append(token_logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append((request, index))

@@ -14,7 +14,7 @@ from cluster.config import EngineConfig
 from cluster.protocol import EngineStats, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
-from workers.detokenizer import IncrementalDetokenizer, detokenizes_on_step_thread
+from workers.detokenizer import IncrementalDetokenizer, detokenizes_on_step_thread, update_all
 from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -193,7 +193,7 @@ class Engine:
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(out, sampled)
         t3 = time.perf_counter()
-        deltas = [self._delta(r, len(r.output_token_ids) - 1) for r in updated]
+        deltas = self._deltas([(r, len(r.output_token_ids) - 1) for r in updated])
         t4 = time.perf_counter()
         self._count_launch(out)
         self._stats.num_generation_tokens += len(sampled)
@@ -222,7 +222,7 @@ class Engine:
         t3 = time.perf_counter()
         resolved = scheduler.resolve(previous[0], sampled)
         t4 = time.perf_counter()
-        deltas = [self._delta(r, index) for r, index in resolved]
+        deltas = self._deltas(resolved)
         if deferred is not None:
             # NOTE: the matchers now stand after `previous`'s tokens, so the mask is the right one.
             mask = self.structured.step_mask(deferred.sample_ids)
@@ -260,9 +260,40 @@ class Engine:
         st.forward_time_s += forward_s
         st.detokenize_time_s += detokenize_s
 
-    def _delta(self, request: Request, index: int) -> TokenDelta:
-        """The delta of ``request``'s output token ``index`` (its newest resolved one)."""
-        token_id = request.output_token_ids[index]
+    def _deltas(self, items: list[tuple[Request, int]]) -> list[TokenDelta]:
+        """The delta of each (request, index of its newest resolved output token) of one step.
+
+        Grammars, then text (one batched decode for every request this engine detokenizes), then the
+        deltas: each request's end is decided before its delta is built (requests are independent)."""
+        if len(self.structured):
+            for request, index in items:
+                self._advance_grammar(request, request.output_token_ids[index])
+        texts = self._texts(items) if self.detokenizers else None
+        deltas: list[TokenDelta] = []
+        append = deltas.append
+        for request, index in items:
+            rid = request.request_id
+            finish_reason = request.status.finish_reason
+            logprobs = request.logprobs
+            # NOTE: positional, in TokenDelta's field order: half the cost of keywords (~0.27 us a delta)
+            append(
+                TokenDelta(
+                    rid,
+                    [request.output_token_ids[index]],
+                    "" if texts is None else texts.get(rid, ""),
+                    [logprobs[-1]] if logprobs and request.params.logprobs is not None else None,
+                    finish_reason,
+                    request.num_cached_tokens,
+                    request.error,
+                    None,
+                    request.first_scheduled_time if index == 0 else None,
+                )
+            )
+            if finish_reason is not None:
+                self._drop(rid)
+        return deltas
+
+    def _advance_grammar(self, request: Request, token_id: int) -> None:
         end = self.structured.advance(request.request_id, token_id)
         if end is RequestStatus.FINISHED_ERROR:
             # NOTE: cannot happen while the mask reaches the sampler; fail loudly, never emit such text.
@@ -271,30 +302,23 @@ class Engine:
             if end is RequestStatus.FINISHED_ERROR:
                 request.error = f"sampled token {token_id} is not allowed by the request's structured output"
             self.scheduler.finish_request(request.request_id, end)
-        detok = self.detokenizers.get(request.request_id)
-        text = ""
-        if detok is not None:
-            matched = detok.update([token_id])
+
+    def _texts(self, items: list[tuple[Request, int]]) -> dict[str, str]:
+        """The new text of each request of ``items`` this engine detokenizes; a stop string ends its
+        request here."""
+        detokenizers, tokenizer = self.detokenizers, self.tokenizer
+        if tokenizer is None:
+            raise RuntimeError("a detokenizer without a tokenizer")
+        owned = [(r, i, d) for r, i in items if (d := detokenizers.get(r.request_id)) is not None]
+        matches = update_all(
+            tokenizer, [d for _, _, d in owned], [[r.output_token_ids[i]] for r, i, _ in owned]
+        )
+        texts: dict[str, str] = {}
+        for (request, _, detok), matched in zip(owned, matches, strict=True):
             if matched is not None and not request.status.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            text = detok.get_delta(finished=request.status.is_finished)
-        logprobs = (
-            [request.logprobs[-1]] if request.params.logprobs is not None and request.logprobs else None
-        )
-        finish_reason = request.status.finish_reason
-        delta = TokenDelta(
-            request_id=request.request_id,
-            token_ids=[token_id],
-            text=text,
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            error=request.error,
-            scheduled_time=request.first_scheduled_time if index == 0 else None,
-        )
-        if finish_reason is not None:
-            self._drop(request.request_id)
-        return delta
+            texts[request.request_id] = detok.get_delta(finished=request.status.is_finished)
+        return texts
 
     # ---- endings -----------------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:

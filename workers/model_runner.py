@@ -45,7 +45,7 @@ from workers.sampler import (
     is_argmax_only,
     is_greedy,
 )
-from workers.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from workers.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
 from workers.step_inputs import (
     PersistentBlockTables,
     StepArrays,
@@ -327,7 +327,7 @@ class ModelRunner:
             graph_size=graph_size,
         )
 
-    def execute(self, out: SchedulerOutput, mask_for: MaskSource | None = None) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput, mask_for: MaskSource | None = None) -> SampledTokens:
         """Run one step and wait for it: the sampled token (and logprobs) of every request needing one."""
         return self.launch(out, mask_for).result()
 
@@ -447,8 +447,12 @@ class PendingStep:
     sample_params: list[SamplingParams]
     copy: HostCopy | None
 
-    def result(self) -> dict[str, SampledToken]:
+    def result(self) -> SampledTokens:
         if self.copy is None:
-            return {}
+            return SampledTokens({})
         token_ids, logprobs = self.copy.wait(self.sample_params)
-        return dict(zip(self.sample_ids, map(SampledToken, token_ids, logprobs), strict=True))
+        ids = self.sample_ids
+        sampled = SampledTokens(dict(zip(ids, token_ids, strict=True)))
+        if self.copy.has_logprobs:
+            sampled.logprobs = {r: lp for r, lp in zip(ids, logprobs, strict=True) if lp is not None}
+        return sampled

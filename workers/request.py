@@ -24,17 +24,14 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
 
-    # NOTE: read for every request on every step; set once per member below, since Enum's own hash
-    # (a Python-level function) would make a dict lookup cost a call.
-    _finish_reason: FinishReason | None
+    # NOTE: read for every request on every step; a plain attribute set once per member below, since
+    # Enum's own hash (a Python-level function) would make a dict lookup cost a call, and a property a
+    # call too.
+    finish_reason: FinishReason | None
 
     @property
     def is_finished(self) -> bool:
-        return self._finish_reason is not None
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self._finish_reason
+        return self.finish_reason is not None
 
 
 _FINISH_REASONS = {
@@ -44,7 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 for _status in RequestStatus:
-    _status._finish_reason = _FINISH_REASONS.get(_status)
+    _status.finish_reason = _FINISH_REASONS.get(_status)
 
 
 # NOTE: eq=False: requests are compared by identity (``running.remove(request)`` must not compare every
@@ -69,6 +66,15 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    # the token ids that stop this request (EOS unless ignore_eos, and stop_token_ids), gathered once
+    stop_ids: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        self.stop_ids = frozenset(ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,13 +99,10 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop after appending a token: EOS / stop_token_ids / max_tokens / max_model_len."""
-        outputs, params = self.output_token_ids, self.params
-        last = outputs[-1]
-        if not params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and last in params.stop_token_ids:
+        outputs = self.output_token_ids
+        if outputs[-1] in self.stop_ids:
             return RequestStatus.FINISHED_STOPPED
         num_outputs = len(outputs)
-        if num_outputs >= params.max_tokens or len(self.prompt_token_ids) + num_outputs >= max_model_len:
+        if num_outputs >= self.params.max_tokens or len(self.prompt_token_ids) + num_outputs >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

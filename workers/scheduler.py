@@ -73,9 +73,15 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None = None
+class SampledTokens:
+    """What one step sampled: the token of each request that sampled one, and the logprobs of those
+    that asked for them. Plain ints in a dict: a step of 256 requests builds no per-token object."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
 
 
 class Scheduler:
@@ -150,7 +156,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
+            outputs = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
+            num_new = num_prompt + len(outputs) - computed
             if num_new > budget:
                 num_new = budget
             table = tables.get(request.request_id)
@@ -165,9 +173,24 @@ class Scheduler:
                 if request.status != RequestStatus.RUNNING:
                     break
                 table = tables[request.request_id]
-            s = self._scheduled(request, num_new, table)
-            (ones if num_new == 1 else others).append(s)
-            num_decode_seqs += s.is_decode
+            if computed + 1 == num_prompt + len(outputs) and computed >= num_prompt:
+                # a decode, the usual case, built here (what _scheduled builds, without the call)
+                s = ScheduledRequest(
+                    request.request_id,
+                    [outputs[-1]],
+                    computed,
+                    table,
+                    True,
+                    True,
+                    request.params,
+                    len(outputs),
+                )
+                ones.append(s)
+                num_decode_seqs += 1
+            else:
+                s = self._scheduled(request, num_new, table)
+                (ones if num_new == 1 else others).append(s)
+                num_decode_seqs += s.is_decode
             budget -= num_new
             i += 1
 
@@ -234,7 +257,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stops.
 
         Returns the requests that received a token this step (finished ones included, already freed
@@ -245,6 +268,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         requests = self.requests
         max_model_len = self.max_model_len
+        token_ids, logprobs = sampled.token_ids, sampled.logprobs
         for s in output.scheduled:
             request = requests.get(s.request_id)
             if request is None or request.status is not running:
@@ -254,12 +278,14 @@ class Scheduler:
             # NOTE: one new token fills a block only when it lands on the block's last slot
             if num_new > 1 or request.num_computed_tokens % block_size == 0:
                 self.kv.cache_full_blocks(request)
-            token = sampled.get(s.request_id)
-            if token is None:
+            token_id = token_ids.get(s.request_id)
+            if token_id is None:
                 continue
-            request.output_token_ids.append(token.token_id)
-            if token.logprobs is not None:
-                request.logprobs.append(token.logprobs)
+            request.output_token_ids.append(token_id)
+            if logprobs:
+                token_logprobs = logprobs.get(s.request_id)
+                if token_logprobs is not None:
+                    request.logprobs.append(token_logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append(request)

@@ -45,7 +45,7 @@ from cluster.wire import (
     ROUTER_ID,
     Abort,
     DecodeHandoff,
-    Delta,
+    Deltas,
     ExtendLease,
     Generate,
     Heartbeat,
@@ -70,6 +70,8 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # bound on one idle wait for work; wakes at once when a message arrives
 _POLL_MS = 100
 _LAST_WORDS_S = 2.0  # bound on flushing WorkerFailed before the process exits
+# NOTE: bounds a Deltas frame (a one-token delta with 20 logprobs is ~0.5 KB) far below max_frame_bytes
+_DELTAS_PER_FRAME = 512
 FAULT_KINDS = ("step", "inbound")
 EXIT_CODE_FATAL = 70
 
@@ -381,14 +383,19 @@ class EngineWorker:
             self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
-        for delta in deltas:
-            if (
-                self.role is not None
-                and self.engine.request_status(delta.request_id) == RequestStatus.SENDING_KV
-            ):
-                self.role.on_first_token(delta)
-            else:
-                self._send(Delta(self.worker_id, delta))
+        """A step's deltas to the router, in one ``Deltas`` frame (a held request's first token goes
+        with its handoff instead)."""
+        plain = deltas
+        if self.role is not None:
+            status = self.engine.request_status
+            plain = []
+            for delta in deltas:
+                if status(delta.request_id) == RequestStatus.SENDING_KV:
+                    self.role.on_first_token(delta)
+                else:
+                    plain.append(delta)
+        for start in range(0, len(plain), _DELTAS_PER_FRAME):
+            self._send(Deltas(self.worker_id, plain[start : start + _DELTAS_PER_FRAME]))
 
     def _send(self, message: Any, last_words_s: float | None = None) -> None:
         """Send one frame to the router. ``last_words_s``: it is the last one; wait (bounded) till it

@@ -22,7 +22,7 @@ import numpy as np
 from cluster.config import EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
 from cluster.protocol import SamplingParams
-from cluster.wire import ROUTER_ID, Delta, WireEncoder
+from cluster.wire import ROUTER_ID, Deltas, WireEncoder
 
 # NOTE: gloo between two local processes moved 0.8-2.5 GB/s on these machines (see DESIGN.md); the
 # cluster probe (deploy/planner/probe.py) replaces these with what the handoffs actually took.
@@ -126,8 +126,8 @@ class Sweep:
     def _turn(self) -> tuple[StepShape, float]:
         t0 = time.perf_counter()
         deltas = self.engine.step()
-        for d in deltas:
-            self.encoder.encode(ROUTER_ID, Delta("worker", d))
+        if deltas:
+            self.encoder.encode(ROUTER_ID, Deltas("worker", deltas))  # as a worker sends them
         self.engine.stats()
         return self.recorder.last, time.perf_counter() - t0
 

@@ -15,10 +15,8 @@ from cluster.config import ClusterConfig, EngineConfig, RouterConfig
 from cluster.cost_model import StepShape
 from cluster.protocol import EngineStats, SamplingParams, WorkerStats
 from workers.request import Request
-from workers.scheduler import SampledToken, Scheduler, SchedulerOutput
+from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
-# NOTE: the token a simulated step "samples"; no EOS is configured, so only max_tokens ends a request.
-_TOKEN = SampledToken(0)
 MODES = ("colocated", "disaggregated", "conditional")
 
 
@@ -184,7 +182,8 @@ class SimWorker:
             raise RuntimeError(f"{self.worker_id}: end_step without a step")
         self.step_out = None
         self.num_steps += 1
-        sampled = {s.request_id: _TOKEN for s in out.scheduled if s.needs_sample}
+        # NOTE: every simulated step "samples" token 0; no EOS is configured, so only max_tokens ends a request.
+        sampled = SampledTokens({s.request_id: 0 for s in out.scheduled if s.needs_sample})
         updated = self.scheduler.update_from_output(out, sampled)
         self.num_tokens += len(updated)
         return updated
