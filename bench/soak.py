@@ -126,7 +126,7 @@ class Soak:
                     if delta.timings is not None and delta.timings.num_migrations:
                         self.tally.migrated += 1
                     return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.tally.hung += 1
         except RouterError as e:
             kind = type(e).__name__

@@ -287,8 +287,9 @@ class Router:
                 missing = [wid for wid in worker_ids if wid not in self._workers]
                 raise TimeoutError(f"workers not admitted within {timeout_s:.0f} s: {missing}")
             self._admitted.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._admitted.wait(), min(left, 0.5))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._admitted.wait()
 
     @property
     def workers(self) -> list[WorkerRef]:
@@ -541,9 +542,12 @@ class Router:
         left = flight.deadline - time.time()
         if left <= 0:
             raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
+        # NOTE: not asyncio.wait_for: on Python 3.11 it returns an event that lands as the caller is
+        # cancelled (a disconnect), swallowing the cancel, so the request would run on to its end.
         try:
-            return await asyncio.wait_for(flight.events.get(), timeout=left)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(left):
+                return await flight.events.get()
+        except TimeoutError:
             raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline") from None
 
     def _settle(self, flight: _Flight) -> None:
@@ -819,8 +823,9 @@ class Router:
         while worker_id in self._actors:
             issued = time.monotonic()
             try:
-                await asyncio.wait_for(self._actors[worker_id].ping.remote(), self.config.health_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.config.health_timeout_s):
+                    await self._actors[worker_id].ping.remote()
+            except TimeoutError:
                 pass
             except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
                 w = self._workers.get(worker_id)

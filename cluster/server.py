@@ -166,8 +166,9 @@ class _Fanout:
         if not self.queue.empty():  # NOTE: the common case; skips wait_for's extra task per delta
             return self.queue.get_nowait()
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # NOTE: not wait_for, which can swallow a cancel (3.11)
+                return await self.queue.get()
+        except TimeoutError:
             return None
 
     async def close(self) -> None:
@@ -190,8 +191,10 @@ async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyn
     """Await ``work`` unless the client goes away first (then ApiError 499 and ``work`` is cancelled)."""
 
     async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.2)
+        # NOTE: the body is read by now, so the next ASGI message is the disconnect, which the server
+        # sends the moment the connection drops (a poll of is_disconnected() would notice a poll late).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     watcher = asyncio.create_task(watch())
     try:

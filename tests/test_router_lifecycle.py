@@ -19,9 +19,9 @@ from cluster.protocol import (
     RequestAbortedError,
     TokenDelta,
 )
-from cluster.router import Router, WorkerState
+from cluster.router import Delta, Router, WorkerState
 from cluster.wire import Abort, Deltas, Generate, PeerDead, Prefilled, WorkerFailed
-from tests.fake_workers import FakeWorkers, Stream, assert_idle, delta, run, until
+from tests.fake_workers import TIMEOUT_S, FakeWorkers, Stream, assert_idle, delta, run, until
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 
@@ -311,3 +311,24 @@ def test_a_worker_of_another_model_is_refused_and_events_of_unknown_workers_drop
         assert [w.worker_id for w in router.workers] == ["colocated-0"]
 
     run(scenario, rejected={"refused_worker": 1, "unknown_worker": 2, "malformed": 1}, mode="colocated")
+
+
+def test_a_stream_cancelled_as_its_next_delta_arrives_still_aborts_its_request() -> None:
+    """A client that goes away cancels its stream's task. When a delta lands in that same loop iteration
+    the cancel must still win: ``asyncio.wait_for`` (Python 3.11) handed the delta back instead, and the
+    request ran on to its end on the worker, counted as finished."""
+
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("colocated-0", "colocated")
+        s = Stream(router, "r", PROMPT)
+        assert isinstance(await fakes.op("colocated-0"), Generate)
+        # NOTE: no public way to land a delta in a chosen loop iteration; a fake worker's frame arrives later
+        router._flights["r"].put(Delta("colocated-0", delta("r", 7)))
+        await asyncio.sleep(0)  # NOTE: one loop iteration (not a wait): the delta wakes the stream's wait
+        s.task.cancel()
+        await asyncio.wait({s.task}, timeout=TIMEOUT_S)
+        assert s.task.cancelled()
+        assert await fakes.op("colocated-0") == Abort("r")
+        assert_idle(router)
+
+    run(scenario, mode="colocated")

@@ -178,8 +178,9 @@ class Advisor:
                 self._running, self._running_window = self._start(window_s), window_s
             running, mine = self._running, self._running_window == window_s
             try:
-                answer = await asyncio.wait_for(asyncio.shield(running), deadline - time.monotonic())
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    answer = await asyncio.shield(running)
+            except TimeoutError:
                 raise TimeoutError(f"advice not ready within {self.timeout_s:g} s") from None
             if mine:
                 return answer
