@@ -192,7 +192,10 @@ def test_64_concurrent_streams_equal_offline_tokens_disconnects_and_no_leaks(
     rng = random.Random(7)
     prompts = [[rng.randrange(10, 600) for _ in range(rng.randint(4, 80))] for _ in range(NUM_STREAMS)]
     is_disconnect = [i % 10 == 0 for i in range(NUM_STREAMS)]
-    max_tokens = [400 if gone else 4 + i % 13 for i, gone in enumerate(is_disconnect)]
+    # NOTE: a disconnect is an abort only while its request still runs, so those streams may run to the
+    # full context (~2,000 decode steps: seconds, not the ~0.5 s of 400 tokens a busy client could lag).
+    limit = cluster.model_info.max_model_len
+    max_tokens = [limit - len(prompts[i]) if gone else 4 + i % 13 for i, gone in enumerate(is_disconnect)]
     # NOTE: greedy continuations are prefixes of each other, so 8 offline tokens cover a disconnect's 3
     offline_outs = offline_llm.generate(
         prompts,
