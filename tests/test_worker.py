@@ -272,3 +272,39 @@ def test_fault_injection_is_off_unless_asked() -> None:
 
 def test_ops_and_events_are_disjoint() -> None:
     assert not {cls.TAG for cls in OPS} & {cls.TAG for cls in EVENTS}
+
+
+def test_text_is_made_on_the_detokenizer_thread_and_equals_the_offline_text(
+    started: tuple[EngineWorker, FakeRouter, list[str]],
+) -> None:
+    worker, router, fatal = started
+    assert worker.engine.stage is not None and not worker.engine.detokenize
+    llm = LLM(device="cpu", block_size=4)
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    offline_plain, offline_long = llm.generate([PROMPT, PROMPT], [plain, long])
+    stop = offline_plain.text[len(offline_plain.text) // 2 :][:3]  # NOTE: ends the request mid-way
+    stopping = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop])
+    (offline_stop,) = llm.generate([PROMPT], stopping)
+    assert offline_stop.finish_reason == "stop" and len(offline_stop.token_ids) < 16
+    for rid, params in (("plain", plain), ("stopping", stopping), ("gone", long)):
+        router.send(Generate(rid, PROMPT, params, deadline=1e12))
+    texts = dict.fromkeys(("plain", "stopping", "gone"), "")
+    ends: dict[str, str] = {}
+    while not {"plain", "stopping"} <= ends.keys():
+        event = router.next((Delta, RequestFailed))
+        assert isinstance(event, Delta), event
+        d = event.delta
+        texts[d.request_id] += d.text
+        if d.finish_reason is not None:
+            ends[d.request_id] = d.finish_reason.value
+        elif d.request_id == "gone" and "gone" not in ends:
+            router.send(Abort("gone"))  # NOTE: it ends with no final delta: the stage must drop it
+            ends["gone"] = "aborted"
+    assert (texts["plain"], ends["plain"]) == (offline_plain.text, "length")
+    assert (texts["stopping"], ends["stopping"]) == (offline_stop.text, "stop")
+    assert ends["gone"] == "aborted" and offline_long.text.startswith(texts["gone"])
+    # NOTE: the Abort frame may still be on its way in: poll the leak check (engine, then stage) with a bound
+    wait_for(lambda: worker.check_leaks() is None, 10, "no request left in the engine or the stage")
+    assert worker.engine.stage.num_requests == 0
+    assert worker.health() and fatal == []

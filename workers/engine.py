@@ -14,7 +14,12 @@ from cluster.config import EngineConfig
 from cluster.protocol import EngineStats, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
-from workers.detokenizer import IncrementalDetokenizer, detokenizes_on_step_thread, update_all
+from workers.detokenizer import (
+    DetokenizerStage,
+    IncrementalDetokenizer,
+    detokenizes_on_step_thread,
+    update_all,
+)
 from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -59,6 +64,7 @@ class Engine:
         self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stage: DetokenizerStage | None = None  # see use_stage
         self.structured = StructuredRequests(
             self.tokenizer, self.vocab_size, self.eos_token_ids, self.runner.device
         )
@@ -74,6 +80,15 @@ class Engine:
         if self.tokenizer is not None:
             ids.update(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
+
+    def use_stage(self, stage: DetokenizerStage) -> None:
+        """Leave the text of most requests to ``stage`` (before any request is added): the engine
+        registers each request with it as it arrives (or, reserved for a handoff, once its first token
+        is known) and drops it there when it ends without a final delta (an abort). The caller submits
+        each step's deltas to the stage."""
+        if self.scheduler.requests:
+            raise RuntimeError("use_stage() before any request")
+        self.detokenize, self.stage = False, stage
 
     # ---- admission -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -133,6 +148,10 @@ class Engine:
         if output_token_ids:
             self._resume(request, output_token_ids)
         self.scheduler.add_request(request)
+        if self.stage is not None:
+            self.stage.add_request(
+                request_id, request.prompt_token_ids, params, hold_after_prefill, output_token_ids
+            )
 
     def _resume(self, request: Request, output_token_ids: list[int]) -> None:
         request.output_token_ids.extend(output_token_ids)
@@ -161,6 +180,8 @@ class Engine:
         reserved = self.scheduler.reserve_prefilled(request)
         if reserved is None:
             self._drop(request_id)
+        elif first and self.stage is not None:
+            self.stage.add_request(request_id, request.prompt_token_ids, params, output_token_ids=first)
         return reserved
 
     def commit_prefilled(self, request_id: str, first_token_id: int | None = None) -> None:
@@ -174,6 +195,10 @@ class Engine:
                 self.structured.remove(request_id)
                 self.structured.add(request_id, request.params.structured, [first_token_id])
             self._resume(request, [first_token_id])
+            if self.stage is not None:
+                self.stage.add_request(
+                    request_id, request.prompt_token_ids, request.params, output_token_ids=[first_token_id]
+                )
         self.scheduler.commit_prefilled(request_id)
 
     # ---- stepping ----------------------------------------------------------------------------------
@@ -325,6 +350,8 @@ class Engine:
         """Cancel a request in any state and free its blocks; False if it is not (or no longer) here."""
         found = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
         self._drop(request_id)
+        if self.stage is not None:
+            self.stage.drop(request_id)  # NOTE: after this request's deltas already submitted to it
         return found
 
     def release(self, request_id: str) -> None:

@@ -3,6 +3,9 @@
 Threads and what they own:
   - step thread: the Engine (single-threaded by contract), the role's handoff state, the heartbeat;
   - inbound thread: the PULL socket; it verifies and decodes frames (cluster/wire.py) and queues ops;
+  - detokenizer thread (a ``DetokenizerStage``): the text of each step's deltas, then the ``Deltas``
+    frames to the router, in step order (the step thread never decodes text but for the requests whose
+    text decides their end: stop strings, a held prefill's first token);
   - transfer thread(s) (inside the role's KVSender / KVReceiver): KV bytes; callbacks only queue commands.
     Each prefill/decode pair moves its KV over its own group, built on first use on the store the
     router hosts (``WorkerControl.store``): no launch-time step, so a restarted or added worker moves KV
@@ -59,6 +62,7 @@ from cluster.wire import (
     WorkerInfo,
 )
 from workers.decode_role import DecodeRole
+from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
 from workers.prefill_role import PrefillRole
 from workers.request import RequestStatus
@@ -70,6 +74,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # bound on one idle wait for work; wakes at once when a message arrives
 _POLL_MS = 100
 _LAST_WORDS_S = 2.0  # bound on flushing WorkerFailed before the process exits
+_STAGE_DRAIN_S = 10.0  # bound on the detokenizer stage's catching up (leak check, shutdown)
 # NOTE: bounds a Deltas frame (a one-token delta with 20 logprobs is ~0.5 KB) far below max_frame_bytes
 _DELTAS_PER_FRAME = 512
 FAULT_KINDS = ("step", "inbound")
@@ -138,6 +143,12 @@ class EngineWorker:
         self.transfer_config = transfer_config
         self.control = control
         self.engine = engine_factory(engine_config)
+        self._stage: DetokenizerStage | None = None
+        if self.engine.tokenizer is not None:
+            self._stage = DetokenizerStage(
+                self.engine.tokenizer, self._send_deltas, f"{worker_id}-detokenizer"
+            )
+            self.engine.use_stage(self._stage)
         self._allow_faults = allow_fault_injection
         self._on_fatal = on_fatal
         self.node_ip = resolve_node_ip() if control.bind == "node" else "127.0.0.1"
@@ -250,6 +261,8 @@ class EngineWorker:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5.0)
+        if self._stage is not None:
+            self._stage.close(_STAGE_DRAIN_S)
         if self.role is not None:
             self.role.close()
         self._pull.close(linger=0)
@@ -305,6 +318,8 @@ class EngineWorker:
                 self.role.poll()
             if self.engine.has_unfinished():
                 self._on_deltas(self.engine.step())
+            if self._stage is not None and self._stage.error is not None:
+                raise RuntimeError(f"detokenizer stage failed: {self._stage.error!r}") from self._stage.error
             self._publish_stats()
             self._beat()
             self._stats_line.maybe_log(self._stats)
@@ -383,8 +398,8 @@ class EngineWorker:
             self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
 
     def _on_deltas(self, deltas: list[TokenDelta]) -> None:
-        """A step's deltas to the router, in one ``Deltas`` frame (a held request's first token goes
-        with its handoff instead)."""
+        """A step's deltas to the router through the detokenizer stage, which sends them once their text
+        is in (a held request's first token goes with its handoff instead)."""
         plain = deltas
         if self.role is not None:
             status = self.engine.request_status
@@ -394,17 +409,26 @@ class EngineWorker:
                     self.role.on_first_token(delta)
                 else:
                     plain.append(delta)
-        for start in range(0, len(plain), _DELTAS_PER_FRAME):
-            self._send(Deltas(self.worker_id, plain[start : start + _DELTAS_PER_FRAME]))
+        if self._stage is not None:
+            self._stage.submit(plain)
+        else:
+            self._send_deltas(plain)
+
+    def _send_deltas(self, deltas: list[TokenDelta]) -> None:
+        """Deltas to the router in ``Deltas`` frames of at most _DELTAS_PER_FRAME (the stage's thread)."""
+        for start in range(0, len(deltas), _DELTAS_PER_FRAME):
+            self._send(Deltas(self.worker_id, deltas[start : start + _DELTAS_PER_FRAME]))
 
     def _send(self, message: Any, last_words_s: float | None = None) -> None:
         """Send one frame to the router. ``last_words_s``: it is the last one; wait (bounded) till it
         left the process, for the process may exit next (a frame still queued in ZMQ would die)."""
-        frame = self._encoder.encode(ROUTER_ID, message)
         with self._push_lock:
             if self._silent:
                 return
-            self._push.send(frame)
+            # NOTE: signed under the lock: the frame counter must reach the router in order (it rejects
+            # a counter at or below the last as a replay), and the step thread, the detokenizer thread
+            # and a dying thread all send.
+            self._push.send(self._encoder.encode(ROUTER_ID, message))
             if last_words_s is None:
                 return
             # NOTE: a socket closed with a linger keeps sending its queue until the linger ends, and
@@ -419,6 +443,8 @@ class EngineWorker:
 
     def _is_healthy(self) -> bool:
         threads = self._threads + self._role_threads()
+        if self._stage is not None:
+            threads.append(self._stage.thread)
         return self.failed is None and all(t.is_alive() for t in threads)
 
     def _publish_stats(self) -> None:
@@ -446,6 +472,10 @@ class EngineWorker:
             self.engine.check_no_leaks()
             if self.role is not None:
                 self.role.check_leaks()
+            if self._stage is not None:
+                self._stage.flush(_STAGE_DRAIN_S)  # NOTE: the final deltas it still holds free their state
+                if self._stage.num_requests:
+                    raise AssertionError(f"the detokenizer stage holds {self._stage.num_requests} requests")
         except AssertionError as e:
             return str(e)
         return None
