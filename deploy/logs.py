@@ -78,10 +78,24 @@ def ray_logging_config(config: LogConfig) -> Any:
 
 
 def after_ray_init(handlers_before: list[logging.Handler]) -> None:
-    """Drop the root handlers ``ray.init`` added, when the driver was configured by
-    ``configure_logging`` (its handler is among ``handlers_before``)."""
+    """Drop the root handlers ``ray.init`` added when the driver was configured by ``configure_logging``
+    (its handler is among ``handlers_before``). Otherwise keep only the newest handler Ray installed:
+    every ``ray.init`` with a logging config adds one more, so a process that starts one cluster after
+    another (tests, ``bench serve --compare``) printed each line once per cluster so far."""
     root = logging.getLogger()
-    if not any(getattr(h, _MARK, False) for h in handlers_before):
-        return
-    for handler in [h for h in root.handlers if h not in handlers_before]:
+    added = [h for h in root.handlers if h not in handlers_before]
+    if any(getattr(h, _MARK, False) for h in handlers_before):
+        stale = added
+    elif any(_is_rays(h) for h in added):
+        stale = [h for h in handlers_before if _is_rays(h)]
+    else:
+        stale = []
+    for handler in stale:
         root.removeHandler(handler)
+
+
+def _is_rays(handler: logging.Handler) -> bool:
+    """A handler ``ray.init`` installed: its formatter or a filter is one of Ray's (a later ``ray.init``
+    gives an earlier handler a plain formatter but leaves its filter)."""
+    parts = [handler.formatter, *handler.filters]
+    return any(type(p).__module__.split(".")[0] == "ray" for p in parts)

@@ -131,6 +131,26 @@ def test_json_log_lines(restore_logging: None, capsys: pytest.CaptureFixture[str
     assert record["worker"] == "decode-0" and record["ts"].endswith("+00:00")
 
 
+_RAY_INITS = """
+import logging, ray
+from deploy import logs
+for _ in range(3):
+    before = list(logging.getLogger().handlers)
+    ray.init(num_cpus=1, include_dashboard=False, logging_config=ray.LoggingConfig(log_level="INFO"))
+    logs.after_ray_init(before)
+    logging.getLogger("pdserve.test").warning("said once")
+    ray.shutdown()
+"""
+
+
+def test_a_driver_that_starts_ray_three_times_prints_each_line_once() -> None:
+    """Every ray.init with a logging config adds a root handler; after_ray_init keeps only the newest."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RAY_INITS], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stderr.count("said once") == 3, out.stderr[-2000:]
+
+
 def _stats(prompt: int, gen: int, queries: int, hits: int, ok: int, nbytes: int) -> WorkerStats:
     engine = EngineStats(
         num_prompt_tokens=prompt,
