@@ -176,7 +176,7 @@ def test_ops_a_colocated_worker_cannot_serve_fail_the_request_not_the_worker(
     assert generate(router, "still-serving") == reference and worker.health()
 
 
-@pytest.mark.parametrize("kind", ["step", "inbound"])
+@pytest.mark.parametrize("kind", ["step", "inbound", "detokenizer"])
 def test_a_dead_thread_makes_the_worker_say_so(
     started: tuple[EngineWorker, FakeRouter, list[str]], kind: str
 ) -> None:

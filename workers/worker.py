@@ -77,8 +77,12 @@ _LAST_WORDS_S = 2.0  # bound on flushing WorkerFailed before the process exits
 _STAGE_DRAIN_S = 10.0  # bound on the detokenizer stage's catching up (leak check, shutdown)
 # NOTE: bounds a Deltas frame (a one-token delta with 20 logprobs is ~0.5 KB) far below max_frame_bytes
 _DELTAS_PER_FRAME = 512
-FAULT_KINDS = ("step", "inbound")
+FAULT_KINDS = ("step", "inbound", "detokenizer")
 EXIT_CODE_FATAL = 70
+
+
+def _raise_injected_detokenizer_fault() -> None:
+    raise RuntimeError("injected fault in the detokenizer thread")
 
 
 @dataclass(frozen=True)
@@ -247,13 +251,18 @@ class EngineWorker:
         return check.result.result(timeout=timeout_s)
 
     def inject_fault(self, kind: str) -> None:
-        """Test hook (only with ``allow_fault_injection``): make the ``step`` or ``inbound`` thread die."""
+        """Test hook (only with ``allow_fault_injection``): make the ``step``, ``inbound`` or ``detokenizer``
+        thread die."""
         if not self._allow_faults:
             raise PermissionError("fault injection is off for this worker")
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
         if kind == "inbound":
             self._inbound_fault.set()
+        elif kind == "detokenizer":
+            if self._stage is None:
+                raise ValueError("this worker has no detokenizer thread (no tokenizer)")
+            self._stage.call(_raise_injected_detokenizer_fault)
         else:
             self._commands.put(_Fault(kind))
 
@@ -319,7 +328,10 @@ class EngineWorker:
             if self.engine.has_unfinished():
                 self._on_deltas(self.engine.step())
             if self._stage is not None and self._stage.error is not None:
-                raise RuntimeError(f"detokenizer stage failed: {self._stage.error!r}") from self._stage.error
+                e = self._stage.error  # NOTE: the stage keeps its error; the worker says so, then stops
+                logger.error("%s: detokenizer thread died", self.worker_id, exc_info=e)
+                self._fatal(f"detokenizer thread died: {type(e).__name__}: {e}")
+                return
             self._publish_stats()
             self._beat()
             self._stats_line.maybe_log(self._stats)
