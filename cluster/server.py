@@ -163,7 +163,7 @@ class _Fanout:
                 await aclose()
 
     async def next(self, timeout: float | None = None) -> tuple[int, TokenDelta | BaseException] | None:
-        if not self.queue.empty():  # NOTE: the common case; skips wait_for's extra task per delta
+        if not self.queue.empty():  # NOTE: the common case; skips the timeout's timer per delta
             return self.queue.get_nowait()
         try:
             async with asyncio.timeout(timeout):  # NOTE: not wait_for, which can swallow a cancel (3.11)
