@@ -189,6 +189,29 @@ def test_a_dead_thread_makes_the_worker_say_so(
     assert not worker.health() and not worker.stats().healthy
 
 
+def test_a_stuck_detokenizer_thread_makes_the_worker_say_so() -> None:
+    """The step thread would go on beating while every stream hangs: past ``stage_stuck_s`` on one item,
+    the worker fails loudly instead."""
+    secret = new_secret()
+    fatal: list[str] = []
+    router = FakeRouter(secret)
+    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)
+    worker = EngineWorker(
+        "colocated-0", "colocated", ENGINE, TransferConfig(), secret, control,
+        allow_fault_injection=True, on_fatal=fatal.append, stage_stuck_s=0.5,
+    )  # fmt: skip
+    try:
+        router.connect(worker)
+        worker.inject_fault("detokenizer_stuck")
+        failed = router.next((WorkerFailed,), timeout_s=10)
+        assert failed.reason == "detokenizer thread stuck: one step's deltas for over 0.5 s"
+        assert wait_for(lambda: fatal, 5, "on_fatal") == [failed.reason]
+        assert not worker.health()
+    finally:
+        worker.shutdown()
+        router.close()
+
+
 _DYING_WORKER = """
 import sys
 import threading

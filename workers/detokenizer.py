@@ -165,6 +165,8 @@ class DetokenizerStage:
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.busy_time_s = 0.0  # CPU time the stage thread spent producing text
+        # NOTE: monotonic time the item in hand was taken (None: waiting): a watchdog's view of a hang
+        self.busy_since: float | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -213,6 +215,7 @@ class DetokenizerStage:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            self.busy_since = time.monotonic()
             kind = item[0]
             if kind == "stop":
                 return
@@ -224,6 +227,8 @@ class DetokenizerStage:
                 self._handle(item)
             except BaseException as e:  # noqa: BLE001 - kept and raised again on the step thread
                 self.error = e
+            finally:
+                self.busy_since = None
 
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]

@@ -75,9 +75,12 @@ _IDLE_WAIT_S = 0.05  # bound on one idle wait for work; wakes at once when a mes
 _POLL_MS = 100
 _LAST_WORDS_S = 2.0  # bound on flushing WorkerFailed before the process exits
 _STAGE_DRAIN_S = 10.0  # bound on the detokenizer stage's catching up (leak check, shutdown)
+# NOTE: one step's text takes about a millisecond; a minute on one is a hang, even on a loaded box
+_STAGE_STUCK_S = 60.0
+_FAULT_HANG_S = 600.0  # bound on an injected hang (shutdown ends it first)
 # NOTE: bounds a Deltas frame (a one-token delta with 20 logprobs is ~0.5 KB) far below max_frame_bytes
 _DELTAS_PER_FRAME = 512
-FAULT_KINDS = ("step", "inbound", "detokenizer")
+FAULT_KINDS = ("step", "inbound", "detokenizer", "detokenizer_stuck")
 EXIT_CODE_FATAL = 70
 
 
@@ -135,6 +138,7 @@ class EngineWorker:
         allow_fault_injection: bool = False,
         on_fatal: Callable[[str], None] = exit_process,
         stats_interval_s: float = 0.0,
+        stage_stuck_s: float = _STAGE_STUCK_S,
     ) -> None:
         if cpu_core is not None:
             os.sched_setaffinity(0, {cpu_core})  # NOTE: before torch starts its thread pool
@@ -154,6 +158,7 @@ class EngineWorker:
             )
             self.engine.use_stage(self._stage)
         self._allow_faults = allow_fault_injection
+        self._stage_stuck_s = stage_stuck_s
         self._on_fatal = on_fatal
         self.node_ip = resolve_node_ip() if control.bind == "node" else "127.0.0.1"
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -259,10 +264,12 @@ class EngineWorker:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {kind!r}")
         if kind == "inbound":
             self._inbound_fault.set()
-        elif kind == "detokenizer":
+        elif kind in ("detokenizer", "detokenizer_stuck"):
             if self._stage is None:
                 raise ValueError("this worker has no detokenizer thread (no tokenizer)")
-            self._stage.call(_raise_injected_detokenizer_fault)
+            self._stage.call(
+                _raise_injected_detokenizer_fault if kind == "detokenizer" else self._hang_until_shutdown
+            )
         else:
             self._commands.put(_Fault(kind))
 
@@ -327,14 +334,32 @@ class EngineWorker:
                 self.role.poll()
             if self.engine.has_unfinished():
                 self._on_deltas(self.engine.step())
-            if self._stage is not None and self._stage.error is not None:
-                e = self._stage.error  # NOTE: the stage keeps its error; the worker says so, then stops
-                logger.error("%s: detokenizer thread died", self.worker_id, exc_info=e)
-                self._fatal(f"detokenizer thread died: {type(e).__name__}: {e}")
+            problem = self._stage_problem()
+            if problem is not None:
+                self._fatal(problem)  # NOTE: its tokens would never leave; the worker says so, then stops
                 return
             self._publish_stats()
             self._beat()
             self._stats_line.maybe_log(self._stats)
+
+    def _hang_until_shutdown(self) -> None:
+        self._stop.wait(_FAULT_HANG_S)
+
+    def _stage_problem(self) -> str | None:
+        """Why the detokenizer thread can no longer send this worker's tokens, if it cannot: it failed
+        (it keeps its error), or one item has held it past ``stage_stuck_s`` (the step thread would go
+        on beating while every stream hangs)."""
+        stage = self._stage
+        if stage is None:
+            return None
+        if stage.error is not None:
+            e = stage.error
+            logger.error("%s: detokenizer thread died", self.worker_id, exc_info=e)
+            return f"detokenizer thread died: {type(e).__name__}: {e}"
+        since = stage.busy_since
+        if since is not None and time.monotonic() - since > self._stage_stuck_s:
+            return f"detokenizer thread stuck: one step's deltas for over {self._stage_stuck_s:g} s"
+        return None
 
     def _beat(self) -> None:
         now = time.monotonic()
