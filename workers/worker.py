@@ -257,7 +257,7 @@ class EngineWorker:
 
     def inject_fault(self, kind: str) -> None:
         """Test hook (only with ``allow_fault_injection``): make the ``step``, ``inbound`` or ``detokenizer``
-        thread die."""
+        thread die, or the detokenizer thread hang until shutdown (``detokenizer_stuck``)."""
         if not self._allow_faults:
             raise PermissionError("fault injection is off for this worker")
         if kind not in FAULT_KINDS:
@@ -510,7 +510,10 @@ class EngineWorker:
             if self.role is not None:
                 self.role.check_leaks()
             if self._stage is not None:
-                self._stage.flush(_STAGE_DRAIN_S)  # NOTE: the final deltas it still holds free their state
+                try:  # NOTE: the final deltas it still holds free their state
+                    self._stage.flush(_STAGE_DRAIN_S)
+                except (RuntimeError, TimeoutError) as e:  # failed or stuck: the step loop says so next
+                    return f"the detokenizer stage did not drain: {e}"
                 if self._stage.num_requests:
                     raise AssertionError(f"the detokenizer stage holds {self._stage.num_requests} requests")
         except AssertionError as e:
