@@ -3,6 +3,7 @@ beats while idle, and a dead thread makes it say so (WorkerFailed + on_fatal) in
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import subprocess
@@ -98,6 +99,14 @@ def reference() -> list[int]:
 
 @pytest.fixture
 def started() -> Iterator[tuple[EngineWorker, FakeRouter, list[str]]]:
+    with running_worker() as parts:
+        yield parts
+
+
+@contextlib.contextmanager
+def running_worker(**options: Any) -> Iterator[tuple[EngineWorker, FakeRouter, list[str]]]:
+    """A colocated worker (fault injection on, ``options`` for EngineWorker) wired to a FakeRouter, and
+    the reasons its ``on_fatal`` got."""
     secret = new_secret()
     fatal: list[str] = []
     router = FakeRouter(secret)
@@ -111,11 +120,14 @@ def started() -> Iterator[tuple[EngineWorker, FakeRouter, list[str]]]:
         control,
         allow_fault_injection=True,
         on_fatal=fatal.append,
+        **options,
     )
-    router.connect(worker)
-    yield worker, router, fatal
-    worker.shutdown()
-    router.close()
+    try:
+        router.connect(worker)
+        yield worker, router, fatal
+    finally:
+        worker.shutdown()
+        router.close()
 
 
 def generate(router: FakeRouter, request_id: str, params: SamplingParams = PARAMS) -> list[int]:
@@ -192,24 +204,12 @@ def test_a_dead_thread_makes_the_worker_say_so(
 def test_a_stuck_detokenizer_thread_makes_the_worker_say_so() -> None:
     """The step thread would go on beating while every stream hangs: past ``stage_stuck_s`` on one item,
     the worker fails loudly instead."""
-    secret = new_secret()
-    fatal: list[str] = []
-    router = FakeRouter(secret)
-    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)
-    worker = EngineWorker(
-        "colocated-0", "colocated", ENGINE, TransferConfig(), secret, control,
-        allow_fault_injection=True, on_fatal=fatal.append, stage_stuck_s=0.5,
-    )  # fmt: skip
-    try:
-        router.connect(worker)
+    with running_worker(stage_stuck_s=0.5) as (worker, router, fatal):
         worker.inject_fault("detokenizer_stuck")
         failed = router.next((WorkerFailed,), timeout_s=10)
         assert failed.reason == "detokenizer thread stuck: one step's deltas for over 0.5 s"
         assert wait_for(lambda: fatal, 5, "on_fatal") == [failed.reason]
         assert not worker.health()
-    finally:
-        worker.shutdown()
-        router.close()
 
 
 _DYING_WORKER = """

@@ -148,9 +148,17 @@ class Engine:
         if output_token_ids:
             self._resume(request, output_token_ids)
         self.scheduler.add_request(request)
+        self._to_stage(request, output_token_ids)
+
+    def _to_stage(self, request: Request, output_token_ids: list[int] | None) -> None:
+        """Register a request with the stage (see use_stage), with the tokens it has streamed already."""
         if self.stage is not None:
             self.stage.add_request(
-                request_id, request.prompt_token_ids, params, hold_after_prefill, output_token_ids
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                request.hold_after_prefill,
+                output_token_ids,
             )
 
     def _resume(self, request: Request, output_token_ids: list[int]) -> None:
@@ -180,8 +188,8 @@ class Engine:
         reserved = self.scheduler.reserve_prefilled(request)
         if reserved is None:
             self._drop(request_id)
-        elif first and self.stage is not None:
-            self.stage.add_request(request_id, request.prompt_token_ids, params, output_token_ids=first)
+        elif first:
+            self._to_stage(request, first)
         return reserved
 
     def commit_prefilled(self, request_id: str, first_token_id: int | None = None) -> None:
@@ -195,10 +203,7 @@ class Engine:
                 self.structured.remove(request_id)
                 self.structured.add(request_id, request.params.structured, [first_token_id])
             self._resume(request, [first_token_id])
-            if self.stage is not None:
-                self.stage.add_request(
-                    request_id, request.prompt_token_ids, request.params, output_token_ids=[first_token_id]
-                )
+            self._to_stage(request, [first_token_id])
         self.scheduler.commit_prefilled(request_id)
 
     # ---- stepping ----------------------------------------------------------------------------------
