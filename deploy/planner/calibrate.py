@@ -2,8 +2,9 @@
 
 The sweep drives a real :class:`~workers.engine.Engine` (the model, KV cache and backend the cluster
 config names) through prefill-only steps, chunked prefills, decode-only batches at several context
-lengths and mixed steps. Each timed step is what a worker's step loop does per turn: ``engine.step()``,
-encoding every delta as the worker's control frame, and the stats snapshot. A shape's time is the
+lengths and mixed steps. Each timed step is what a worker's step thread does per turn: ``engine.step()``,
+handing the deltas to the detokenizer thread (which, as a worker's does, adds their text and encodes the
+control frame, on its own thread), and the stats snapshot. A shape's time is the
 median of its repetitions; the fit is non-negative least squares on relative error, so 3 ms decode steps
 count as much as 300 ms prefills.
 """
@@ -21,12 +22,13 @@ import numpy as np
 
 from cluster.config import EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
-from cluster.protocol import SamplingParams
+from cluster.protocol import SamplingParams, TokenDelta
 from cluster.wire import ROUTER_ID, Deltas, WireEncoder
 
 # NOTE: gloo between two local processes moved 0.8-2.5 GB/s on these machines (see DESIGN.md); the
 # cluster probe (deploy/planner/probe.py) replaces these with what the handoffs actually took.
 DEFAULT_TRANSFER = TransferCost(latency_s=3e-3, bytes_per_s=1e9)
+_STAGE_WAIT_S = 60.0  # bound on the detokenizer thread's catching up at the end of the sweep
 
 
 @dataclass(frozen=True)
@@ -91,13 +93,18 @@ class Sweep:
     """Drives one engine through chosen step shapes and times each turn as a worker runs it."""
 
     def __init__(self, engine_config: EngineConfig, *, reps: int = 5, seed: int = 0) -> None:
+        from workers.detokenizer import DetokenizerStage
         from workers.engine import Engine
 
         self.engine = Engine(engine_config)
+        self.encoder = WireEncoder(b"calibration-secret-0123456789abc")
+        self.stage: DetokenizerStage | None = None
+        if self.engine.tokenizer is not None:
+            self.stage = DetokenizerStage(self.engine.tokenizer, self._encode, "calibration-detokenizer")
+            self.engine.use_stage(self.stage)
         self.reps = reps
         self.rng = np.random.default_rng(seed)
         self.recorder = _ShapeRecorder(self.engine.scheduler)
-        self.encoder = WireEncoder(b"calibration-secret-0123456789abc")
         self.samples: list[Sample] = []
         self._ids = 0
 
@@ -123,13 +130,25 @@ class Sweep:
         while s.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running):
             self._turn()
 
+    def _encode(self, deltas: list[TokenDelta]) -> None:
+        self.encoder.encode(ROUTER_ID, Deltas("worker", deltas))  # as a worker sends them
+
     def _turn(self) -> tuple[StepShape, float]:
         t0 = time.perf_counter()
         deltas = self.engine.step()
-        if deltas:
-            self.encoder.encode(ROUTER_ID, Deltas("worker", deltas))  # as a worker sends them
+        if self.stage is not None:
+            self.stage.submit(deltas)
         self.engine.stats()
         return self.recorder.last, time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the detokenizer thread (bounded); its state must be empty (every request ended)."""
+        if self.stage is not None:
+            self.stage.flush(_STAGE_WAIT_S)
+            left = self.stage.num_requests
+            self.stage.close(_STAGE_WAIT_S)
+            if left:
+                raise AssertionError(f"the sweep's detokenizer thread still holds {left} request(s)")
 
     def _record(self, label: str, runs: list[tuple[StepShape, float]]) -> None:
         shape = runs[len(runs) // 2][0]
@@ -216,6 +235,7 @@ def calibrate(
         else:
             sweep.decode(*args)
     sweep.engine.check_no_leaks()
+    sweep.close()
     step = fit_linear(sweep.samples)
     runner = sweep.engine.runner
     kv_bytes_per_token = int(runner.bytes_per_block // cfg.block_size)
