@@ -15,7 +15,12 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
 * the host's effective CPUs: the same decode batch again while the prefill worker computes long prompts;
   how much slower its steps get says how many workers really run at once (a 2-vCPU VM may give less
-  than 2: shared physical cores, memory bandwidth, other tenants).
+  than 2: shared physical cores, memory bandwidth, other tenants);
+* (a diagnostic) in that same phase, the prefill worker's steps over what the idle prefills predict
+  for them, next to the slowdown the simulation gives every step there;
+* the delivery jitter: the mean of an exponential delay per streamed token with which the simulation
+  of the decode batches (the profile measured so far, the same seeded requests) gives their measured
+  90th percentile gap.
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.plan import DEFAULT_CONFIG, default_profile_path, load_cluster_config
-from bench.serve import Record, Scenario
+from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, default_profile_path, load_cluster_config
+from bench.serve import Record, Scenario, arrival_offsets, build_dataset
 from bench.serve import run as run_scenario
 from cluster.config import ClusterConfig, EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
 from deploy.planner.calibrate import Sample
+from deploy.planner.sim import Simulation
+from deploy.planner.twin import SimConfig
+from deploy.planner.workload import Workload, from_prompts
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
@@ -148,6 +156,60 @@ def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
     return [shape_of([(s, min(budget, n - s), False)]) for s in range(0, n, budget)]
 
 
+def _prefill_model_s(profile: CostProfile, records: Sequence[Record], budget: int) -> float:
+    """The model's seconds for the prompts of ``records``, each computed alone in chunks of ``budget``
+    (requests that ran side by side shared steps: a little less than this)."""
+    return sum(profile.step.step_s(c) for r in records for c in _prefill_chunks(r.prompt_len, budget))
+
+
+def _probe_workload(name: str, s: Scenario, seed: int, vocab_size: int, max_model_len: int) -> Workload:
+    """The simulator's copy of a probe run: the same seeded prompts, send times and concurrency."""
+    dataset = build_dataset(s, vocab_size, max_model_len, seed)
+    offsets = arrival_offsets(s, seed)
+    return from_prompts(name, dataset, offsets, vocab_size=vocab_size, max_concurrency=s.max_concurrency)
+
+
+_MAX_JITTER_S = 0.05
+
+
+def fit_delivery_jitter(
+    cfg: ClusterConfig,
+    profile: CostProfile,
+    runs: Sequence[tuple[Workload, Sequence[Record]]],
+    max_model_len: int,
+) -> float:
+    """``CostProfile.delivery_jitter_s``: the jitter with which the simulation of each run (``profile``
+    otherwise as is, seed 0) gives, averaged over the runs, the measured 90th percentile of the gaps
+    between a stream's tokens. Bisection over [0, 50 ms] (the simulated percentile grows with the
+    jitter); 0.0 when the simulation without jitter already reaches the measured figure."""
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    measured = []
+    for _, records in runs:
+        gaps = [g for r in records if r.error is None for g in r.tbt_s]
+        measured.append(float(np.percentile(gaps, 90)) if gaps else math.nan)
+    pairs = [(w, m) for (w, _), m in zip(runs, measured, strict=True) if not math.isnan(m)]
+    if not pairs:
+        return 0.0
+
+    def excess(jitter: float) -> float:
+        p = replace(profile, delivery_jitter_s=jitter)
+        simulated = []
+        for workload, real in pairs:
+            gaps = [g for r in Simulation(base, p, workload).run().records for g in r.gaps_s]
+            simulated.append((float(np.percentile(gaps, 90)) if gaps else 0.0) - real)
+        return statistics.fmean(simulated)
+
+    lo, hi = 0.0, _MAX_JITTER_S
+    if excess(lo) >= 0.0:
+        return 0.0
+    if excess(hi) <= 0.0:
+        return hi
+    while hi - lo > 1e-5:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 async def probe(
     url: str, handle: ClusterHandle, profile: CostProfile, seed: int
 ) -> tuple[CostProfile, dict[str, Any]]:
@@ -168,31 +230,31 @@ async def probe(
     prefill = EngineTotals.of(handle, prefill_pool) - before
     if not idle:
         raise RuntimeError("cluster probe: every probe request failed")
-    model_s = 0.0
-    for r in idle:
-        model_s += sum(
-            profile.step.step_s(c) for c in _prefill_chunks(r.prompt_len, engine.max_num_batched_tokens)
-        )
-        if colocated:  # the second token is decoded there too
-            model_s += profile.step.step_s(shape_of([(r.prompt_len, 1, True)]))
+    model_s = _prefill_model_s(profile, idle, engine.max_num_batched_tokens)
+    if colocated:  # the second token is decoded there too
+        model_s += sum(profile.step.step_s(shape_of([(r.prompt_len, 1, True)])) for r in idle)
     prefill_scale = prefill.seconds / model_s
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     num_tokens, per_step = 0, []
+    phases: list[tuple[Scenario, int, list[Record]]] = []  # the decode batches, to fit the jitter on
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
         before = EngineTotals.of(handle, decode_pool)
-        scenario = _decode_scenario(batch)
-        recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(next(seeds)), scenario)
+        scenario, phase_seed = _decode_scenario(batch), next(seeds)
+        recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(phase_seed), scenario)
         num_tokens += sum(r.output_tokens for r in recs)
         per_step.append(_step_ratio(profile, EngineTotals.of(handle, decode_pool) - before))
+        phases.append((scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
     host_cpus = profile.host_cpus
+    prefill_slowdown, host_slowdown = 1.0, 1.0
     if not colocated and host_cpus:
         # the first decode batch again, while the prefill worker computes long prompts: how much two busy
         # workers (and the front end) slow each other down on this host
         before, t0 = EngineTotals.of(handle, decode_pool), time.perf_counter()
+        before_prefill = EngineTotals.of(handle, prefill_pool)
         batch = min(8, engine.max_num_seqs)
         busy = Scenario(12, (1792, 1792), (2, 2), max_concurrency=2)
         runs = await asyncio.gather(
@@ -200,6 +262,7 @@ async def probe(
             run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
         )
         contended = EngineTotals.of(handle, decode_pool) - before
+        prefilled = EngineTotals.of(handle, prefill_pool) - before_prefill
         rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
         slowdown = _step_ratio(profile, contended) / per_step[0]
         if slowdown > 1.0:
@@ -207,6 +270,13 @@ async def probe(
             # NOTE: the simulation stretches steps by demand / host_cpus itself; the decode scale was
             # measured beside the busy front end, so it must not count that share twice
             decode_scale /= max(1.0, decode_demand / host_cpus)
+        # a diagnostic: the prefill worker's steps in the same phase, over what the idle prefills
+        # predict for them, next to the slowdown the simulation gives every step there
+        done = [r for recs, _ in runs for r in recs if r.error is None]
+        prefill_slowdown = prefilled.seconds / (
+            prefill_scale * _prefill_model_s(profile, done, engine.max_num_batched_tokens)
+        )
+        host_slowdown = max(1.0, (2.0 + min(1.0, rate * frontend)) / host_cpus)
 
     server = [r.server or {} for r in idle]
     hop = statistics.median(t["queue_s"] for t in server)
@@ -239,6 +309,14 @@ async def probe(
         step_scale=scale,
         frontend_cpu_per_token_s=frontend,
     )
+    info = handle.model_info
+    workloads = [
+        (_probe_workload(f"probe-decode-{i}", sc, sd, info.vocab_size, info.max_model_len), recs)
+        for i, (sc, sd, recs) in enumerate(phases)
+    ]
+    measured = replace(
+        measured, delivery_jitter_s=fit_delivery_jitter(cfg, measured, workloads, info.max_model_len)
+    )
     report = {
         "hop_ms": hop * 1e3,
         "http_ms": http * 1e3,
@@ -248,6 +326,9 @@ async def probe(
         "decode_scale": decode_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
         "host_cpus": host_cpus,
+        "host_slowdown": host_slowdown,
+        "prefill_slowdown": prefill_slowdown,
+        "delivery_jitter_ms": measured.delivery_jitter_s * 1e3,
     }
     return measured, report
 

@@ -190,7 +190,10 @@ class CostProfile:
     the router and HTTP edge sharing the host) over what the engine sweep measured alone; the cluster
     probe of ``pdserve plan calibrate --probe`` measures it, 1.0 otherwise. ``frontend_cpu_per_token_s``:
     CPU the router and HTTP edge (and an in-process benchmark client) spend per streamed token on the
-    host the CPU workers share (adds to that host's demand in the simulation).
+    host the CPU workers share (adds to that host's demand in the simulation). ``delivery_jitter_s``: the
+    mean of an exponential delay the simulation adds to each streamed token on its way to the client
+    (what the deterministic step and front-end model leaves out: the OS's time slices, event-loop
+    turns), each stream's tokens kept in order; 0.0 delivers without it. The probe fits it.
     """
 
     name: str
@@ -203,6 +206,7 @@ class CostProfile:
     host_cpus: float | None = None
     step_scale: float = 1.0
     frontend_cpu_per_token_s: float = 0.0
+    delivery_jitter_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:
         return self.step.step_s(shape) * self.step_scale

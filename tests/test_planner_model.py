@@ -4,6 +4,7 @@ cluster/predict.py, deploy/planner/calibrate.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,30 @@ def test_route_choice_by_predicted_cost() -> None:
     free = choose_route(prof, 1024, 1000, idle, decoding)
     assert (free.mode, free.reason) == ("disaggregated", "handoff_cheaper")
     assert remote.ttft_s + remote.first_gap_s < local.ttft_s + local.first_gap_s
+
+
+def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
+    from bench.plan import load_cluster_config
+    from bench.plan_calibrate import _decode_scenario, _probe_workload, fit_delivery_jitter
+    from bench.serve import Record
+
+    # "measured" runs made by the simulation itself with 3 ms of jitter (another seed): the fit, which
+    # simulates the same requests, finds 3 ms again; runs made without jitter give none
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    prof = CostProfile(
+        "t", "hand-made", LinearStepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 0.0), TransferCost(0.002, 1e9), 2048
+    )
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
+
+    def runs(jitter: float) -> list[tuple[Workload, list[Record]]]:
+        out = []
+        for batch, seed in ((8, 1), (32, 2)):
+            workload = _probe_workload("p", _decode_scenario(batch), seed, 1000, 2048)
+            made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
+            out.append(
+                (workload, [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records])
+            )
+        return out
+
+    assert fit_delivery_jitter(cfg, prof, runs(0.003), 2048) == pytest.approx(0.003, rel=0.1)
+    assert fit_delivery_jitter(cfg, prof, runs(0.0), 2048) == 0.0

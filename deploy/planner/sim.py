@@ -5,7 +5,8 @@ twin.py) and the router's placement policy (``cluster.placement``: pick_prefill,
 pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
 while more CPU workers are busy than the host has cores), a KV handoff ``handoff_s``, a control message
 ``hop_s``, the front end ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge
-``http_s`` each way. No forward pass, no Ray, no sockets.
+``http_s`` each way, and an exponential delivery delay of mean ``delivery_jitter_s`` per streamed token
+(seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from array import array
 from collections import deque
 from collections.abc import Callable
@@ -99,7 +101,8 @@ class Simulation:
     """Run ``workload`` through ``config`` under ``profile``; ``run()`` returns every request's record.
 
     ``on_step`` (optional) sees each worker step as it starts (worker, start time, shape, duration):
-    tests use it to pin schedules."""
+    tests use it to pin schedules. ``seed``: the random stream of the profile's delivery jitter (the only
+    randomness; a run is a function of its inputs)."""
 
     def __init__(
         self,
@@ -108,6 +111,7 @@ class Simulation:
         workload: Workload,
         *,
         on_step: Callable[[SimWorker, float, Any, float], None] | None = None,
+        seed: int = 0,
     ) -> None:
         self.config = config
         self.profile = profile
@@ -140,6 +144,7 @@ class Simulation:
         self._token_rate = 0.0  # tokens/s streamed through the front end (exponential moving average)
         self._token_rate_t = 0.0
         self._frontend_free = 0.0  # the front end is busy with earlier tokens until then
+        self._rng = random.Random(seed)
         self._slots = workload.max_concurrency or 0
         self._backlog: deque[int] = deque()
         self.now = 0.0
@@ -344,6 +349,8 @@ class Simulation:
         a time, ``frontend_cpu_per_token_s`` each, first come first served; then HTTP to the client."""
         at_router = t + self.profile.hop_s
         http, cost = self.profile.http_s, self.profile.frontend_cpu_per_token_s
+        jitter = self.profile.delivery_jitter_s
+        delay = self._rng.expovariate
         free = self._frontend_free
         flights, records = self.flights, self.records
         updated = w.end_step()
@@ -361,6 +368,11 @@ class Simulation:
             flight = flights[request.request_id]
             rec = records[flight.index]
             arrive = done + http
+            if jitter:
+                arrive += delay(1.0 / jitter)
+                last = rec.last_token_s
+                if last is not None and arrive < last:
+                    arrive = last  # NOTE: one stream's tokens reach its client in order
             if rec.last_token_s is None:
                 rec.first_token_s = arrive
                 if flight.prefill is None:
