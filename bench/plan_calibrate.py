@@ -140,8 +140,8 @@ def calibrate_profile(
     return profile
 
 
-def _decode_scenario(batch: int) -> Scenario:
-    return Scenario(batch, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
+def _decode_scenario(batch: int, waves: int = 1) -> Scenario:
+    return Scenario(batch * waves, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
 
 
 def _step_ratio(profile: CostProfile, ran: EngineTotals) -> float:
@@ -251,14 +251,15 @@ async def probe(
     host_cpus = profile.host_cpus
     prefill_slowdown, host_slowdown = 1.0, 1.0
     if not colocated and host_cpus:
-        # the first decode batch again, while the prefill worker computes long prompts: how much two busy
-        # workers (and the front end) slow each other down on this host
+        # the first decode batch again (in waves, to last as long as the prefills), while the prefill
+        # worker computes long prompts: how much two busy workers (and the front end) slow each other
+        # down on this host
         before, t0 = EngineTotals.of(handle, decode_pool), time.perf_counter()
         before_prefill = EngineTotals.of(handle, prefill_pool)
         batch = min(8, engine.max_num_seqs)
         busy = Scenario(12, (1792, 1792), (2, 2), max_concurrency=2)
         runs = await asyncio.gather(
-            run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch)),
+            run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch, 6)),
             run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
         )
         contended = EngineTotals.of(handle, decode_pool) - before

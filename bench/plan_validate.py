@@ -89,16 +89,21 @@ def comparison(rows: list[tuple[str, Summary, Summary]], slo: Slo) -> str:
 
 def diagnostics_table(diagnostics: dict[str, dict[str, float]], pool: str, profile: CostProfile) -> str:
     """Where a gap comes from: the engines' own step time and batch (real: their stats; sim: the twin),
-    and the front end's CPU per streamed token in each run (the probe's figure is what the sim used)."""
+    the prefill workers' busy seconds in a disaggregated cluster, and the front end's CPU per streamed
+    token in each run (the probe's figure is what the sim used)."""
+    prefill = all("real_prefill_s" in d for d in diagnostics.values())
     lines = [
         f"{pool} workers, per step (real: engine stats)    front end CPU per token (probe: "
-        f"{profile.frontend_cpu_per_token_s * 1e6:.0f} us)",
-        f"{'workload':<15} {'step ms real':>12} {'sim':>7} {'batch real':>10} {'sim':>6} {'front end us':>13}",
+        f"{profile.frontend_cpu_per_token_s * 1e6:.0f} us)"
+        + ("    prefill workers' busy seconds" if prefill else ""),
+        f"{'workload':<15} {'step ms real':>12} {'sim':>7} {'batch real':>10} {'sim':>6} {'front end us':>13}"
+        + (f" {'prefill s real':>14} {'sim':>6}" if prefill else ""),
     ]
     for name, d in diagnostics.items():
         lines.append(
             f"{name:<15} {d['real_step_ms']:12.1f} {d['sim_step_ms']:7.1f} {d['real_batch']:10.1f} "
             f"{d['sim_batch']:6.1f} {d['real_frontend_us']:13.0f}"
+            + (f" {d['real_prefill_s']:14.2f} {d['sim_prefill_s']:6.2f}" if prefill else "")
         )
     return "\n".join(lines)
 
@@ -134,6 +139,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
         card_vocab, card_len = _card(url)
         for name in args.workloads:
             before, cpu0 = EngineTotals.of(handle, pool), time.process_time()
+            before_prefill = EngineTotals.of(handle, "prefill") if pool == "decode" else None
             client = client_args(seeds[name])
             records, duration = asyncio.run(run_scenario(url, name, client, WORKLOADS[name]))
             engine, cpu = EngineTotals.of(handle, pool) - before, time.process_time() - cpu0
@@ -143,6 +149,10 @@ def validate_command(argv: Sequence[str] | None) -> int:
                 "real_batch": engine.num_generated / max(1, engine.num_steps),
                 "real_frontend_us": cpu / max(1, sum(r.output_tokens for r in records)) * 1e6,
             }
+            if before_prefill is not None:
+                diagnostics[name]["real_prefill_s"] = (
+                    EngineTotals.of(handle, "prefill") - before_prefill
+                ).seconds
             print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     profile.save(args.out / "profile.json")
@@ -156,6 +166,9 @@ def validate_command(argv: Sequence[str] | None) -> int:
         steps = max(1, sum(result.worker_steps[w] for w in ids))
         diagnostics[name]["sim_step_ms"] = sum(result.worker_busy_s[w] for w in ids) / steps * 1e3
         diagnostics[name]["sim_batch"] = sum(result.worker_tokens[w] for w in ids) / steps
+        if "real_prefill_s" in diagnostics[name]:
+            prefill_ids = [w for w in result.worker_busy_s if w.startswith("prefill")]
+            diagnostics[name]["sim_prefill_s"] = sum(result.worker_busy_s[w] for w in prefill_ids)
         rows.append((name, real[name], row.summary))
     print(diagnostics_table(diagnostics, pool, profile))
     print(comparison(rows, slo))
