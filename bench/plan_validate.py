@@ -1,13 +1,16 @@
 """``pdserve plan validate``: hold the simulation against the real cluster on the same seeded workloads.
 
-    pdserve plan validate --config deploy/cpu-disagg.yaml [--profile P.json] [--workloads ...]
+    pdserve plan validate --config deploy/cpu-disagg.yaml [--profile P.json] [--workloads ...] [--runs N]
 
 Starts the cluster of ``--config`` (HTTP on a free loopback port), calibrates on it (the engine sweep in
 a Ray worker, then the probe of bench/plan_calibrate.py) unless ``--profile`` is given, runs every
 workload through the HTTP API (``pdserve bench serve``'s client: the six scenarios and two Poisson
 rates, seeded), shuts it down, simulates each workload with the profile, and prints a table whose last
 line is ``sim vs real: max TTFT p90 error X%, max TBT p90 error Y%, max SLO attainment error Z points``.
-Writes ``<out>/validate.json`` and ``<out>/profile.json``.
+With ``--runs N`` each workload runs N times (other seeds, so other prompts) on both sides and the
+percentiles are of the pooled requests; each real run's TTFT p90 is printed too (the cluster's own
+run-to-run spread, the floor under any sim-vs-real figure). Writes ``<out>/validate.json`` and
+``<out>/profile.json``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ POISSON = {
     "poisson_busy": Scenario(96, (64, 512), (32, 128), request_rate=6.0),
 }
 WORKLOADS = {**SCENARIOS, **POISSON}
+_SEED_BASE = 1_000_000  # validation seeds start past the probe's (seed x 1000 + 1 ...)
+_RUN_STRIDE = 10_000  # between one run's seeds and the next's
 
 
 def as_records(records: Sequence[Record]) -> list[RequestRecord]:
@@ -118,6 +123,9 @@ def validate_command(argv: Sequence[str] | None) -> int:
     p.add_argument("--profile", default=None, help="use this profile (default: calibrate + probe now)")
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--runs", type=int, default=1, help="run each workload this many times (other seeds); pool them"
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
@@ -125,11 +133,18 @@ def validate_command(argv: Sequence[str] | None) -> int:
     args = p.parse_args(argv)
     cfg = load_cluster_config(args.config)
     slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     real: dict[str, Summary] = {}
-    # NOTE: a seed per workload: with one seed, each scenario's first prompt starts with the previous
-    # one's tokens, and the real cluster's prefix cache (which lives on) would serve them
-    seeds = {name: args.seed * 100 + i for i, name in enumerate(WORKLOADS)}
+    # NOTE: a seed per workload and run, apart from the probe's (seed x 1000 + 1 ...): with one seed,
+    # each scenario's first prompt starts with the previous one's tokens, and the real cluster's prefix
+    # cache (which lives on) would serve them
+    seeds = {
+        name: [_SEED_BASE + args.seed * 100 + i + run * _RUN_STRIDE for run in range(args.runs)]
+        for i, name in enumerate(WORKLOADS)
+    }
     diagnostics: dict[str, dict[str, float]] = {}
+    spread: dict[str, list[float]] = {}  # each run's real TTFT p90 (ms)
     pool = "colocated" if cfg.router.mode == "colocated" else "decode"
     with running_cluster(cfg) as (url, handle):
         if args.profile:
@@ -140,37 +155,62 @@ def validate_command(argv: Sequence[str] | None) -> int:
         for name in args.workloads:
             before, cpu0 = EngineTotals.of(handle, pool), time.process_time()
             before_prefill = EngineTotals.of(handle, "prefill") if pool == "decode" else None
-            client = client_args(seeds[name])
-            records, duration = asyncio.run(run_scenario(url, name, client, WORKLOADS[name]))
+            pooled: list[RequestRecord] = []
+            total_s, num_tokens = 0.0, 0
+            for run_seed in seeds[name]:
+                client = client_args(run_seed)
+                records, duration = asyncio.run(run_scenario(url, name, client, WORKLOADS[name]))
+                run_records = as_records(records)
+                spread.setdefault(name, []).append(summarize(name, run_records, duration, slo).ttft_ms.p90)
+                pooled += run_records
+                total_s += duration
+                num_tokens += sum(r.output_tokens for r in records)
+                print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
             engine, cpu = EngineTotals.of(handle, pool) - before, time.process_time() - cpu0
-            real[name] = summarize(name, as_records(records), duration, slo)
+            real[name] = summarize(name, pooled, total_s, slo)
             diagnostics[name] = {
                 "real_step_ms": engine.seconds / max(1, engine.num_steps) * 1e3,
                 "real_batch": engine.num_generated / max(1, engine.num_steps),
-                "real_frontend_us": cpu / max(1, sum(r.output_tokens for r in records)) * 1e6,
+                "real_frontend_us": cpu / max(1, num_tokens) * 1e6,
             }
             if before_prefill is not None:
                 diagnostics[name]["real_prefill_s"] = (
                     EngineTotals.of(handle, "prefill") - before_prefill
                 ).seconds
-            print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     profile.save(args.out / "profile.json")
     num_blocks = cpu_kv_blocks(cfg, profile)
     base = SimConfig.from_cluster(cfg, num_kv_blocks=num_blocks, max_model_len=card_len)
     rows = []
     for name in args.workloads:
-        row = simulate(base, profile, validation_workload(name, card_vocab, card_len, seeds[name]), slo)
-        result = row.result
-        ids = [w for w in result.worker_steps if w.startswith(pool)]
-        steps = max(1, sum(result.worker_steps[w] for w in ids))
-        diagnostics[name]["sim_step_ms"] = sum(result.worker_busy_s[w] for w in ids) / steps * 1e3
-        diagnostics[name]["sim_batch"] = sum(result.worker_tokens[w] for w in ids) / steps
+        results = [
+            simulate(base, profile, validation_workload(name, card_vocab, card_len, run_seed), slo).result
+            for run_seed in seeds[name]
+        ]
+        busy: dict[str, float] = {}
+        steps: dict[str, int] = {}
+        tokens: dict[str, int] = {}
+        for result in results:
+            for w, v in result.worker_busy_s.items():
+                busy[w] = busy.get(w, 0.0) + v
+                steps[w] = steps.get(w, 0) + result.worker_steps[w]
+                tokens[w] = tokens.get(w, 0) + result.worker_tokens[w]
+        ids = [w for w in steps if w.startswith(pool)]
+        num_steps = max(1, sum(steps[w] for w in ids))
+        diagnostics[name]["sim_step_ms"] = sum(busy[w] for w in ids) / num_steps * 1e3
+        diagnostics[name]["sim_batch"] = sum(tokens[w] for w in ids) / num_steps
         if "real_prefill_s" in diagnostics[name]:
-            prefill_ids = [w for w in result.worker_busy_s if w.startswith("prefill")]
-            diagnostics[name]["sim_prefill_s"] = sum(result.worker_busy_s[w] for w in prefill_ids)
-        rows.append((name, real[name], row.summary))
+            diagnostics[name]["sim_prefill_s"] = sum(v for w, v in busy.items() if w.startswith("prefill"))
+        sim = summarize(
+            name, [r for res in results for r in res.records], sum(res.duration_s for res in results), slo
+        )
+        rows.append((name, real[name], sim))
     print(diagnostics_table(diagnostics, pool, profile))
+    if args.runs > 1:
+        print(
+            f"real TTFT p90 of each of the {args.runs} runs (ms): "
+            + "; ".join(f"{n} " + " ".join(f"{v:.1f}" for v in spread[n]) for n in args.workloads)
+        )
     print(comparison(rows, slo))
     (args.out / "validate.json").write_text(
         json.dumps(
@@ -178,6 +218,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
                 "profile": profile.to_dict(),
                 "rows": [[n, asdict(r), asdict(s)] for n, r, s in rows],
                 "diagnostics": diagnostics,
+                "real_ttft_p90_ms_per_run": spread,
             },
             indent=1,
         )
