@@ -16,11 +16,12 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the host's effective CPUs: the same decode batch again while the prefill worker computes long prompts;
   how much slower its steps get says how many workers really run at once (a 2-vCPU VM may give less
   than 2: shared physical cores, memory bandwidth, other tenants);
-* (a diagnostic) in that same phase, the prefill worker's steps over what the idle prefills predict
-  for them, next to the slowdown the simulation gives every step there;
+* the prefill weight: in that same phase, the prefill worker's steps over what the idle prefills
+  predict for them: how much the rest of the host's demand counts against a prefill step
+  (CostProfile.prefill_weight);
 * the delivery jitter: the mean of an exponential delay per streamed token with which the simulation
   of the decode batches (the profile measured so far, the same seeded requests) gives their measured
-  90th percentile gap.
+  spread of gaps (90th percentile over median).
 """
 
 from __future__ import annotations
@@ -162,6 +163,18 @@ def _prefill_model_s(profile: CostProfile, records: Sequence[Record], budget: in
     return sum(profile.step.step_s(c) for r in records for c in _prefill_chunks(r.prompt_len, budget))
 
 
+_MAX_PREFILL_WEIGHT = 4.0
+
+
+def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float) -> float:
+    """``CostProfile.prefill_weight`` W with (1 + W (demand - 1)) / host_cpus == prefill_slowdown, within
+    [1, 4]; 1.0 where the rest of the demand was too small to fit it on."""
+    if demand < 1.05:
+        return 1.0
+    weight = (prefill_slowdown * host_cpus - 1.0) / (demand - 1.0)
+    return min(_MAX_PREFILL_WEIGHT, max(1.0, weight))
+
+
 def _probe_workload(name: str, s: Scenario, seed: int, vocab_size: int, max_model_len: int) -> Workload:
     """The simulator's copy of a probe run: the same seeded prompts, send times and concurrency."""
     dataset = build_dataset(s, vocab_size, max_model_len, seed)
@@ -172,6 +185,11 @@ def _probe_workload(name: str, s: Scenario, seed: int, vocab_size: int, max_mode
 _MAX_JITTER_S = 0.05
 
 
+def _spread(gaps: Sequence[float]) -> float:
+    p50, p90 = np.percentile(np.asarray(gaps, dtype=np.float64), [50, 90])
+    return float(p90 - p50)
+
+
 def fit_delivery_jitter(
     cfg: ClusterConfig,
     profile: CostProfile,
@@ -179,14 +197,15 @@ def fit_delivery_jitter(
     max_model_len: int,
 ) -> float:
     """``CostProfile.delivery_jitter_s``: the jitter with which the simulation of each run (``profile``
-    otherwise as is, seed 0) gives, averaged over the runs, the measured 90th percentile of the gaps
-    between a stream's tokens. Bisection over [0, 50 ms] (the simulated percentile grows with the
-    jitter); 0.0 when the simulation without jitter already reaches the measured figure."""
+    otherwise as is, seed 0) gives, averaged over the runs, the measured spread of the gaps between a
+    stream's tokens: their 90th percentile over their median (the spread, not the level: a step model a
+    little off moves both percentiles alike). Bisection over [0, 50 ms] (the simulated spread grows
+    with the jitter); 0.0 when the simulation without jitter already reaches the measured spread."""
     base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
     measured = []
     for _, records in runs:
         gaps = [g for r in records if r.error is None for g in r.tbt_s]
-        measured.append(float(np.percentile(gaps, 90)) if gaps else math.nan)
+        measured.append(_spread(gaps) if gaps else math.nan)
     pairs = [(w, m) for (w, _), m in zip(runs, measured, strict=True) if not math.isnan(m)]
     if not pairs:
         return 0.0
@@ -196,7 +215,7 @@ def fit_delivery_jitter(
         simulated = []
         for workload, real in pairs:
             gaps = [g for r in Simulation(base, p, workload).run().records for g in r.gaps_s]
-            simulated.append((float(np.percentile(gaps, 90)) if gaps else 0.0) - real)
+            simulated.append((_spread(gaps) if gaps else 0.0) - real)
         return statistics.fmean(simulated)
 
     lo, hi = 0.0, _MAX_JITTER_S
@@ -249,15 +268,15 @@ async def probe(
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
     host_cpus = profile.host_cpus
-    prefill_slowdown, host_slowdown = 1.0, 1.0
+    prefill_slowdown, host_slowdown, prefill_weight = 1.0, 1.0, 1.0
     if not colocated and host_cpus:
         # the first decode batch again (in waves, to last as long as the prefills), while the prefill
-        # worker computes long prompts: how much two busy workers (and the front end) slow each other
-        # down on this host
+        # worker computes prompts like the scenarios' (256 tokens, two at a time): how much two busy
+        # workers (and the front end) slow each other down on this host
         before, t0 = EngineTotals.of(handle, decode_pool), time.perf_counter()
         before_prefill = EngineTotals.of(handle, prefill_pool)
         batch = min(8, engine.max_num_seqs)
-        busy = Scenario(12, (1792, 1792), (2, 2), max_concurrency=2)
+        busy = Scenario(96, (_DECODE_PROMPT, _DECODE_PROMPT), (2, 2), max_concurrency=2)
         runs = await asyncio.gather(
             run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch, 6)),
             run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
@@ -271,13 +290,15 @@ async def probe(
             # NOTE: the simulation stretches steps by demand / host_cpus itself; the decode scale was
             # measured beside the busy front end, so it must not count that share twice
             decode_scale /= max(1.0, decode_demand / host_cpus)
-        # a diagnostic: the prefill worker's steps in the same phase, over what the idle prefills
-        # predict for them, next to the slowdown the simulation gives every step there
+        # the prefill worker's steps in the same phase, over what the idle prefills predict for them:
+        # how much the rest of the host's demand counts against a prefill step
         done = [r for recs, _ in runs for r in recs if r.error is None]
         prefill_slowdown = prefilled.seconds / (
             prefill_scale * _prefill_model_s(profile, done, engine.max_num_batched_tokens)
         )
-        host_slowdown = max(1.0, (2.0 + min(1.0, rate * frontend)) / host_cpus)
+        demand = 2.0 + min(1.0, rate * frontend)
+        host_slowdown = max(1.0, demand / host_cpus)
+        prefill_weight = fit_prefill_weight(prefill_slowdown, demand, host_cpus)
 
     server = [r.server or {} for r in idle]
     hop = statistics.median(t["queue_s"] for t in server)
@@ -309,6 +330,7 @@ async def probe(
         transfer=transfer,
         step_scale=scale,
         frontend_cpu_per_token_s=frontend,
+        prefill_weight=prefill_weight,
     )
     info = handle.model_info
     workloads = [
@@ -329,6 +351,7 @@ async def probe(
         "host_cpus": host_cpus,
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,
+        "prefill_weight": prefill_weight,
         "delivery_jitter_ms": measured.delivery_jitter_s * 1e3,
     }
     return measured, report

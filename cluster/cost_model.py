@@ -190,10 +190,14 @@ class CostProfile:
     the router and HTTP edge sharing the host) over what the engine sweep measured alone; the cluster
     probe of ``pdserve plan calibrate --probe`` measures it, 1.0 otherwise. ``frontend_cpu_per_token_s``:
     CPU the router and HTTP edge (and an in-process benchmark client) spend per streamed token on the
-    host the CPU workers share (adds to that host's demand in the simulation). ``delivery_jitter_s``: the
+    host the CPU workers share (adds to that host's demand in the simulation). ``prefill_weight``: how
+    much the rest of that demand counts against a prefill step: it stretches by
+    (1 + prefill_weight x (demand - 1)) / cores where other steps stretch by demand / cores (measured:
+    prefill steps beside a decode worker and the front end get less than an even share of the cores);
+    1.0 treats every step alike. ``delivery_jitter_s``: the
     mean of an exponential delay the simulation adds to each streamed token on its way to the client
     (what the deterministic step and front-end model leaves out: the OS's time slices, event-loop
-    turns), each stream's tokens kept in order; 0.0 delivers without it. The probe fits it.
+    turns), each stream's tokens kept in order; 0.0 delivers without it. The probe fits both.
     """
 
     name: str
@@ -206,6 +210,7 @@ class CostProfile:
     host_cpus: float | None = None
     step_scale: float = 1.0
     frontend_cpu_per_token_s: float = 0.0
+    prefill_weight: float = 1.0
     delivery_jitter_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:

@@ -220,3 +220,13 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
 
     assert fit_delivery_jitter(cfg, prof, runs(0.003), 2048) == pytest.approx(0.003, rel=0.1)
     assert fit_delivery_jitter(cfg, prof, runs(0.0), 2048) == 0.0
+
+
+def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
+    from bench.plan_calibrate import fit_prefill_weight
+
+    # demand 2.5 on 2 cores: a prefill step 2x slower means the rest counts twice: (1 + 2 x 1.5) / 2 = 2
+    assert fit_prefill_weight(2.0, 2.5, 2.0) == pytest.approx(2.0)
+    assert fit_prefill_weight(1.1, 2.5, 2.0) == 1.0  # no more than demand / cores: every step alike
+    assert fit_prefill_weight(9.0, 2.5, 2.0) == 4.0  # capped
+    assert fit_prefill_weight(3.0, 1.0, 2.0) == 1.0  # nothing else ran: nothing to fit on

@@ -239,3 +239,19 @@ def test_delivery_jitter_delays_tokens_in_order_and_leaves_the_schedule_alone() 
     other = Simulation(config(num_colocated=1), jittery, wl, seed=1).run()
     assert [us(r) for r in again.records] == [us(r) for r in result.records]
     assert [us(r) for r in other.records] != [us(r) for r in result.records]
+
+
+def test_a_prefill_step_beside_a_busy_decode_worker_stretches_by_the_prefill_weight() -> None:
+    # one core, 10 ms steps, hop/HTTP 0. A: prefill 0-10 ms alone, KV (4 tokens x 1000 B at 1 MB/s + 5 ms)
+    # lands at 19 ms, its decodes run from 19 ms. B arrives at 20 ms: its prefill starts beside A's
+    # decode step (demand 2): 20 ms with weight 1 (demand / cores), (1 + 3 x 1) / 1 = 40 ms with weight 3.
+    # The decode step that starts at 29 ms (beside B's prefill) takes 20 ms either way.
+    wl = workload((0.0, 4, 5), (0.020, 4, 1))
+    for weight, prefill_s in ((1.0, 20000), (3.0, 40000)):
+        shared = replace(profile(), host_cpus=1.0, prefill_weight=weight)
+        _, steps = run(config("disaggregated", num_prefill=1, num_decode=1), shared, wl)
+        assert [(w, t, d) for w, t, _, d in steps if w == "prefill-0"] == [
+            ("prefill-0", 0, 10000),
+            ("prefill-0", 20000, prefill_s),
+        ]
+        assert [(t, d) for w, t, _, d in steps if w == "decode-0"][:2] == [(19000, 10000), (29000, 20000)]

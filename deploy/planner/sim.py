@@ -3,10 +3,11 @@
 What runs for real: every worker's ``Scheduler`` / ``KVCacheManager`` / prefix cache (deploy/planner/
 twin.py) and the router's placement policy (``cluster.placement``: pick_prefill, pick_decode,
 pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
-while more CPU workers are busy than the host has cores), a KV handoff ``handoff_s``, a control message
-``hop_s``, the front end ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge
-``http_s`` each way, and an exponential delivery delay of mean ``delivery_jitter_s`` per streamed token
-(seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
+while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
+``prefill_weight``), a KV handoff ``handoff_s``, a control message ``hop_s``, the front end
+``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and
+an exponential delivery delay of mean ``delivery_jitter_s`` per streamed token (seeded; each stream's
+tokens in order). No forward pass, no Ray, no sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
@@ -311,15 +312,16 @@ class Simulation:
         w.spinning = shape is None and w.has_work
         if shape is None:
             return
-        step_s = self.profile.step_s(shape) * self._slowdown(t)
+        step_s = self.profile.step_s(shape) * self._slowdown(t, w.pool == "prefill")
         w.busy_s += step_s
         if self.on_step is not None:
             self.on_step(w, t, shape, step_s)
         self._at(t + step_s, _STEP_END, w)
 
-    def _slowdown(self, t: float) -> float:
+    def _slowdown(self, t: float, prefill: bool = False) -> float:
         """CPU workers sharing ``host_cpus`` cores (with the front end's CPU per streamed token): a step
-        stretches by demand / cores while the demand exceeds the cores."""
+        stretches by demand / cores while the demand exceeds the cores; a prefill step by
+        (1 + prefill_weight x (demand - 1)) / cores."""
         cpus = self.profile.host_cpus
         if not cpus:
             return 1.0
@@ -327,6 +329,8 @@ class Simulation:
         if self.profile.frontend_cpu_per_token_s:
             rate = self._token_rate * math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
             demand += min(1.0, rate * self.profile.frontend_cpu_per_token_s)
+        if prefill and demand > 1.0:
+            demand = 1.0 + self.profile.prefill_weight * (demand - 1.0)
         return max(1.0, demand / cpus)
 
     def _start_transfer(self, w: SimWorker, flight: Flight, t: float) -> bool:
