@@ -13,9 +13,9 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   other workers, which the sweep alone does not);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
-* the host's effective CPUs: the same decode batch again while the prefill worker computes long prompts;
-  how much slower its steps get says how many workers really run at once (a 2-vCPU VM may give less
-  than 2: shared physical cores, memory bandwidth, other tenants);
+* the host's effective CPUs: the same decode batch again (in waves) while the prefill worker computes
+  prompts two at a time; how much slower its steps get says how many workers really run at once (a
+  2-vCPU VM may give less than 2: shared physical cores, memory bandwidth, other tenants);
 * the prefill weight: in that same phase, the prefill worker's steps over what the idle prefills
   predict for them: how much the rest of the host's demand counts against a prefill step
   (CostProfile.prefill_weight);
@@ -256,14 +256,14 @@ async def probe(
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     num_tokens, per_step = 0, []
-    phases: list[tuple[Scenario, int, list[Record]]] = []  # the decode batches, to fit the jitter on
+    phases: list[tuple[int, Scenario, int, list[Record]]] = []  # the decode batches, to fit the jitter on
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
         before = EngineTotals.of(handle, decode_pool)
         scenario, phase_seed = _decode_scenario(batch), next(seeds)
         recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(phase_seed), scenario)
         num_tokens += sum(r.output_tokens for r in recs)
         per_step.append(_step_ratio(profile, EngineTotals.of(handle, decode_pool) - before))
-        phases.append((scenario, phase_seed, recs))
+        phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
@@ -334,8 +334,8 @@ async def probe(
     )
     info = handle.model_info
     workloads = [
-        (_probe_workload(f"probe-decode-{i}", sc, sd, info.vocab_size, info.max_model_len), recs)
-        for i, (sc, sd, recs) in enumerate(phases)
+        (_probe_workload(f"probe-decode-{b}", sc, sd, info.vocab_size, info.max_model_len), recs)
+        for b, sc, sd, recs in phases
     ]
     measured = replace(
         measured, delivery_jitter_s=fit_delivery_jitter(cfg, measured, workloads, info.max_model_len)
