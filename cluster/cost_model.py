@@ -194,10 +194,10 @@ class CostProfile:
     much the rest of that demand counts against a prefill step: it stretches by
     (1 + prefill_weight x (demand - 1)) / cores where other steps stretch by demand / cores (measured:
     prefill steps beside a decode worker and the front end get less than an even share of the cores);
-    1.0 treats every step alike. ``delivery_jitter_s``: the
-    mean of an exponential delay the simulation adds to each streamed token on its way to the client
-    (what the deterministic step and front-end model leaves out: the OS's time slices, event-loop
-    turns), each stream's tokens kept in order; 0.0 delivers without it. The probe fits both.
+    1.0 treats every step alike. ``delivery_jitter_s``: the mean of an exponential delay the simulation
+    adds to each streamed token on its way to the client (what the deterministic step and front-end
+    model leaves out: the OS's time slices, event-loop turns), each stream's tokens kept in order; 0.0
+    delivers without it. The probe fits both.
     """
 
     name: str
