@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.serve import SCENARIOS, arrival_offsets, build_dataset
+from bench.serve import SCENARIOS, Scenario, arrival_offsets, build_dataset
 from cluster import cost_model
 from cluster.config import ClusterConfig
 from cluster.cost_model import CostProfile
@@ -62,6 +62,12 @@ def scenario_workload(
     s = replace(
         s, num_requests=n, max_concurrency=None if s.max_concurrency is None else min(s.max_concurrency, n)
     )
+    return workload_of(name, s, vocab_size, max_model_len, seed)
+
+
+def workload_of(name: str, s: Scenario, vocab_size: int, max_model_len: int, seed: int) -> Workload:
+    """The simulator's copy of a ``pdserve bench serve`` run of ``s``: the same seeded prompts, send
+    times and concurrency."""
     dataset = build_dataset(s, vocab_size, max_model_len, seed)
     return from_prompts(
         name, dataset, arrival_offsets(s, seed), vocab_size=vocab_size, max_concurrency=s.max_concurrency

@@ -40,15 +40,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, default_profile_path, load_cluster_config
-from bench.serve import Record, Scenario, arrival_offsets, build_dataset
+from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, default_profile_path, load_cluster_config, workload_of
+from bench.serve import Record, Scenario
 from bench.serve import run as run_scenario
 from cluster.config import ClusterConfig, EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
 from deploy.planner.calibrate import Sample
 from deploy.planner.sim import Simulation
 from deploy.planner.twin import SimConfig
-from deploy.planner.workload import Workload, from_prompts
+from deploy.planner.workload import Workload
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
@@ -175,13 +175,6 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
     return min(_MAX_PREFILL_WEIGHT, max(1.0, weight))
 
 
-def _probe_workload(name: str, s: Scenario, seed: int, vocab_size: int, max_model_len: int) -> Workload:
-    """The simulator's copy of a probe run: the same seeded prompts, send times and concurrency."""
-    dataset = build_dataset(s, vocab_size, max_model_len, seed)
-    offsets = arrival_offsets(s, seed)
-    return from_prompts(name, dataset, offsets, vocab_size=vocab_size, max_concurrency=s.max_concurrency)
-
-
 _MAX_JITTER_S = 0.05
 
 
@@ -202,11 +195,11 @@ def fit_delivery_jitter(
     little off moves both percentiles alike). Bisection over [0, 50 ms] (the simulated spread grows
     with the jitter); 0.0 when the simulation without jitter already reaches the measured spread."""
     base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
-    measured = []
-    for _, records in runs:
+    pairs = []
+    for workload, records in runs:
         gaps = [g for r in records if r.error is None for g in r.tbt_s]
-        measured.append(_spread(gaps) if gaps else math.nan)
-    pairs = [(w, m) for (w, _), m in zip(runs, measured, strict=True) if not math.isnan(m)]
+        if gaps:
+            pairs.append((workload, _spread(gaps)))
     if not pairs:
         return 0.0
 
@@ -334,7 +327,7 @@ async def probe(
     )
     info = handle.model_info
     workloads = [
-        (_probe_workload(f"probe-decode-{b}", sc, sd, info.vocab_size, info.max_model_len), recs)
+        (workload_of(f"probe-decode-{b}", sc, sd, info.vocab_size, info.max_model_len), recs)
         for b, sc, sd, recs in phases
     ]
     measured = replace(

@@ -24,16 +24,16 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, load_cluster_config, scenario_workload
+from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, load_cluster_config, scenario_workload, workload_of
 from bench.plan_calibrate import EngineTotals, calibrate_and_probe, client_args, running_cluster
-from bench.serve import SCENARIOS, Record, Scenario, arrival_offsets, build_dataset
+from bench.serve import SCENARIOS, Record, Scenario
 from bench.serve import run as run_scenario
 from cluster.cost_model import CostProfile
 from deploy.planner.report import Slo, Summary, summarize
 from deploy.planner.search import simulate
 from deploy.planner.sim import RequestRecord
 from deploy.planner.twin import SimConfig
-from deploy.planner.workload import Workload, from_prompts
+from deploy.planner.workload import Workload
 
 # The two Poisson rates validate runs besides the six scenarios (a light and a busy load for 1P:1D on CPU).
 POISSON = {
@@ -65,13 +65,7 @@ def as_records(records: Sequence[Record]) -> list[RequestRecord]:
 def validation_workload(name: str, vocab_size: int, max_model_len: int, seed: int) -> Workload:
     if name in SCENARIOS:
         return scenario_workload(name, vocab_size, max_model_len, seed)
-    s = POISSON[name]
-    return from_prompts(
-        name,
-        build_dataset(s, vocab_size, max_model_len, seed),
-        arrival_offsets(s, seed),
-        vocab_size=vocab_size,
-    )
+    return workload_of(name, POISSON[name], vocab_size, max_model_len, seed)
 
 
 def comparison(rows: list[tuple[str, Summary, Summary]], slo: Slo) -> str:

@@ -196,8 +196,8 @@ def test_route_choice_by_predicted_cost() -> None:
 
 
 def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
-    from bench.plan import load_cluster_config
-    from bench.plan_calibrate import _decode_scenario, _probe_workload, fit_delivery_jitter
+    from bench.plan import load_cluster_config, workload_of
+    from bench.plan_calibrate import _decode_scenario, fit_delivery_jitter
     from bench.serve import Record
 
     # "measured" runs made by the simulation itself with 3 ms of jitter (another seed): the fit, which
@@ -211,7 +211,7 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
     def runs(jitter: float) -> list[tuple[Workload, list[Record]]]:
         out = []
         for batch, seed in ((8, 1), (32, 2)):
-            workload = _probe_workload("p", _decode_scenario(batch), seed, 1000, 2048)
+            workload = workload_of("p", _decode_scenario(batch), seed, 1000, 2048)
             made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
             out.append(
                 (workload, [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records])
