@@ -92,6 +92,10 @@ class Tokenizer:
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token is not None else None
         eos_ids = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_ids, *extra_eos_token_ids]))
+        # the ids ``decode(..., skip_special_tokens=True)`` leaves out
+        self.special_token_ids = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer | None:

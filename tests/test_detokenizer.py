@@ -152,6 +152,31 @@ def test_special_tokens_skipped_or_kept(tokenizer: Tokenizer) -> None:
     assert kept.output_text == "Hello world</s>"
 
 
+def test_a_run_of_special_tokens_does_not_widen_the_decoded_window(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Skipped special tokens never enter the window: 200 of them in a row between two words decode
+    no more ids per update than the words alone, and the text is the whole output's decode."""
+    assert tokenizer.special_token_ids == {0, 1, 2, 3, 4}
+    words = tokenizer.encode("Hello world. The end", add_special_tokens=False)
+    ids = [*words[:2], *[3, 4, 0] * 67, *words[2:]]
+    decoded: list[int] = []
+    real_decode = tokenizer.decode
+
+    def counting_decode(token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        decoded.append(len(token_ids))
+        return real_decode(token_ids, skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "decode", counting_decode)
+    detok = IncrementalDetokenizer(tokenizer, [0, *words[:3], 2], stop=[])
+    for token_id in ids:
+        detok.update([token_id])
+    assert detok.output_text == real_decode(ids) == "Hello world. The end"
+    assert detok.output_token_ids == words
+    # two windows per update of a rendered token, each at most the context plus two tokens
+    assert len(decoded) == 2 * len(words) and max(decoded) <= 5
+
+
 def test_stop_string_across_token_boundaries_is_trimmed(tokenizer: Tokenizer) -> None:
     text = "The end of the story is near, said the fox."
     stop = "story is near"

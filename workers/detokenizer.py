@@ -5,6 +5,10 @@ window: ``ids[prefix_offset:read_offset]`` is text already emitted (kept only as
 decoders render a token differently at the start of a string), and ``ids[prefix_offset:]`` adds the new
 tokens. The difference between the two decodes is the new text. When it ends in U+FFFD the last token
 ended inside a multi-byte character, so we emit nothing and wait for the bytes that complete it.
+
+With ``skip_special_tokens`` the special tokens never enter the window: they render as nothing, and a run
+of them (a model repeating ``<|im_start|>``) would otherwise widen the window by one token a step, every
+step decoding it all again.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         # Only the prompt's tail is kept: the window never reaches further back than this.
-        context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+        context = self._rendered(prompt_token_ids)[-_PROMPT_CONTEXT_TOKENS:]
         self._token_ids: list[int] = list(context)
         self._num_context = len(context)
         self._prefix_offset = 0
@@ -57,7 +62,14 @@ class IncrementalDetokenizer:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated ids that render (special ones left out when they are skipped)."""
         return self._token_ids[self._num_context :]
+
+    def _rendered(self, token_ids: list[int]) -> list[int]:
+        skipped = self._skipped
+        if not skipped or skipped.isdisjoint(token_ids):
+            return token_ids
+        return [t for t in token_ids if t not in skipped]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -71,7 +83,10 @@ class IncrementalDetokenizer:
 
     def _extend(self, new_token_ids: list[int]) -> tuple[list[int], list[int]] | None:
         """Append generated ids; the two windows ``_take`` wants decoded (None: nothing to decode)."""
-        if self.stop_matched is not None or not new_token_ids:
+        if self.stop_matched is not None:
+            return None
+        new_token_ids = self._rendered(new_token_ids)
+        if not new_token_ids:
             return None
         ids = self._token_ids
         ids.extend(new_token_ids)
