@@ -14,7 +14,8 @@ EOS ignored (every request produces exactly its output length). Printed, all mea
 * transformers (``bench/hf_peer.py``): static ``generate`` batches of every ``--hf-batch-sizes``, in
   arrival order and sorted by output length, then the best of them ``--repeats`` times in all (median);
   its continuous-batching manager when the installed version has one;
-* host overhead per decode step with 64 and 256 requests running (see ``host_overhead``).
+* host overhead per decode step with 64 and 256 requests running (see ``host_overhead``), with the
+  model's forward in place and, with ``--overhead-forward null``, with it replaced by ``NullModel``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import itertools
 import json
 import os
 import random
@@ -111,8 +113,35 @@ def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> 
     return elapsed, cpu, steps
 
 
+class NullModel(torch.nn.Module):
+    """Stands in for the model when host overhead is measured apart from the forward
+    (``--overhead-forward null``): the hidden states and logits are constant zeros, so every row samples
+    token 0 (the workload ignores EOS) and the step's host code runs exactly as with the model.
+
+    Why: on this CPU box the forward streams the weights and the KV cache through the caches, so the host
+    code after it runs on cold caches (about 2x slower than the same code warm). On a GPU host the
+    forward runs on the device and leaves the CPU caches alone; this is that host's figure, less the
+    forward's own launch cost."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, max_rows: int) -> None:
+        super().__init__()
+        self.hidden = torch.zeros(max_rows, hidden_size)
+        self.logits = torch.zeros(max_rows, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden: torch.Tensor, raw: bool = False, fused: bool = False) -> torch.Tensor:
+        return self.logits[: hidden.shape[0]]
+
+
 def host_overhead(
-    model: str, options: dict[str, Any], num_running: int, num_steps: int, seed: int
+    model: str,
+    options: dict[str, Any],
+    num_running: int,
+    num_steps: int,
+    seed: int,
+    null_forward: bool = False,
 ) -> dict[str, float]:
     """Per decode-only step with ``num_running`` requests running, on the step thread, in ms:
 
@@ -145,6 +174,8 @@ def host_overhead(
             stage.submit(deltas)
     if stage is not None:
         stage.flush(60.0)
+    if null_forward:
+        runner.model = NullModel(engine.arch.hidden_size, engine.vocab_size, opts["max_num_batched_tokens"])
     stage_before = stage.busy_time_s if stage is not None else 0.0
     split: dict[str, list[float]] = {
         k: [] for k in ("host", "host_cpu", "schedule+update", "prepare", "detokenize")
@@ -202,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hf-cb-timeout", type=float, default=900.0)
     ap.add_argument("--overhead-running", type=int, nargs="*", default=[64, 256])
     ap.add_argument("--overhead-steps", type=int, default=20)
+    ap.add_argument(
+        "--overhead-forward",
+        choices=["model", "null"],
+        nargs="+",
+        default=["model"],
+        help="host overhead with the model's forward, and/or with a constant one (see NullModel)",
+    )
     ap.add_argument("--no-roofline", action="store_true", help="skip the matmul-rate measurement")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
@@ -310,21 +348,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         del model
         gc.collect()
 
-    for v in variants:
-        for n in args.overhead_running:
-            o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed)
-            results["variants"].setdefault(v.name, {})[f"host_ms_{n}"] = o
-            cpu_note = (
-                f"; thread CPU {o['host_cpu']:.3f} median, {o['host_cpu_min']:.3f} min"
-                if "host_cpu" in o
-                else ""
-            )
-            stage = f"; detokenizer thread {o['stage']:.3f} ms/step of its own CPU" if "stage" in o else ""
-            print(
-                f"host overhead {v.name}, {n:3d} running: {o['host']:.3f} ms/step wall median{cpu_note}, forward "
-                f"excluded (engine split: schedule+update {o['schedule+update']:.3f}, input prep "
-                f"{o['prepare']:.3f}, detokenize on the step thread {o['detokenize']:.3f}){stage}"
-            )
+    for v, n, fwd in itertools.product(variants, args.overhead_running, args.overhead_forward):
+        o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed, fwd == "null")
+        key = f"host_ms_{n}" if fwd == "model" else f"host_ms_{n}_null_forward"
+        results["variants"].setdefault(v.name, {})[key] = o
+        cpu_note = (
+            f"; thread CPU {o['host_cpu']:.3f} median, {o['host_cpu_min']:.3f} min" if "host_cpu" in o else ""
+        )
+        stage = f"; detokenizer thread {o['stage']:.3f} ms/step of its own CPU" if "stage" in o else ""
+        print(
+            f"host overhead {v.name}, {n:3d} running, {fwd} forward: {o['host']:.3f} ms/step wall median{cpu_note}, forward "
+            f"excluded (engine split: schedule+update {o['schedule+update']:.3f}, input prep "
+            f"{o['prepare']:.3f}, detokenize on the step thread {o['detokenize']:.3f}){stage}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
