@@ -24,8 +24,8 @@ def step(s: Scheduler) -> SchedulerOutput:
     return out
 
 
-def counts(out: SchedulerOutput) -> tuple[int, int, bool, int]:
-    return out.num_batched_tokens, out.num_decodes, out.is_mixed, out.num_prompt_tokens
+def counts(out: SchedulerOutput) -> tuple[int, int, bool, int, int]:
+    return out.num_batched_tokens, out.num_decodes, out.is_mixed, out.num_prompt_tokens, out.num_sampling
 
 
 def test_a_steps_counts_equal_those_derived_from_its_sequences() -> None:
@@ -37,13 +37,13 @@ def test_a_steps_counts_equal_those_derived_from_its_sequences() -> None:
     while s.num_unfinished:
         steps.append(step(s))
     # 1: a's prompt; 2, 3: a's decode + b's 7-token chunks; 4: b's decode + c's one-token prompt (one
-    # token, not a decode); 5: c's decode
+    # token, not a decode); 5: c's decode. Sampling: every sequence but b's first chunk.
     assert [counts(out) for out in steps] == [
-        (5, 0, False, 5),
-        (8, 1, True, 7),
-        (8, 1, True, 7),
-        (2, 2, True, 1),
-        (1, 1, False, 0),
+        (5, 0, False, 5, 1),
+        (8, 1, True, 7, 1),
+        (8, 1, True, 7, 2),
+        (2, 2, True, 1, 2),
+        (1, 1, False, 0, 1),
     ]
     for out in steps:
         derived = SchedulerOutput(out.scheduled, out.num_batched_tokens, out.preempted_ids)
@@ -64,7 +64,7 @@ def test_a_resumed_request_with_its_prefix_cached_decodes_straight_from_the_queu
     assert [(x.request_id, x.start_position, x.token_ids, x.is_decode) for x in out.scheduled] == [
         ("m", 4, [11], True)
     ]
-    assert counts(out) == (1, 1, False, 0) and resumed.num_cached_tokens == 4
+    assert counts(out) == (1, 1, False, 0, 1) and resumed.num_cached_tokens == 4
     derived = SchedulerOutput(out.scheduled, out.num_batched_tokens, out.preempted_ids)
     assert counts(derived) == counts(out)
     while s.num_unfinished:

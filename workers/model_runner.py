@@ -230,7 +230,9 @@ class ModelRunner:
         filled in on the device from the previous step's sampled tokens."""
         if self.config.attention_backend == "torch":
             out = sort_decodes_by_length(out)  # NOTE: the torch backend pads decodes per length bucket
-        arrays = build_step_arrays(out.scheduled, self.block_size, self.block_tables)
+        arrays = build_step_arrays(
+            out.scheduled, self.block_size, self.block_tables, out.num_batched_tokens, out.num_sampling
+        )
         buffers = self.buffers
         num_seqs, num_tokens = len(arrays.seq_lens), len(arrays.input_ids)
         if (

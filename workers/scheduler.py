@@ -40,6 +40,7 @@ class SchedulerOutput:
     # None (an output built elsewhere): derived from `scheduled` when asked.
     num_one_token_seqs: int | None = None
     num_decode_seqs: int | None = None
+    num_sampling_seqs: int | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -52,6 +53,13 @@ class SchedulerOutput:
                 break
             n += 1
         return n
+
+    @property
+    def num_sampling(self) -> int:
+        """Sequences that sample a token this step."""
+        if self.num_sampling_seqs is not None:
+            return self.num_sampling_seqs
+        return sum(1 for s in self.scheduled if s.needs_sample)
 
     def _num_decode_seqs(self) -> int:
         if self.num_decode_seqs is not None:
@@ -146,6 +154,7 @@ class Scheduler:
         ones: list[ScheduledRequest] = []
         others: list[ScheduledRequest] = []
         num_decode_seqs = 0
+        num_sampling = 0
         preempted: list[str] = []
 
         i = 0
@@ -187,10 +196,12 @@ class Scheduler:
                 )
                 ones.append(s)
                 num_decode_seqs += 1
+                num_sampling += 1
             else:
                 s = self._scheduled(request, num_new, table)
                 (ones if num_new == 1 else others).append(s)
                 num_decode_seqs += s.is_decode
+                num_sampling += s.needs_sample
             budget -= num_new
             i += 1
 
@@ -218,6 +229,7 @@ class Scheduler:
                 s = self._scheduled(request, num_new, self.kv.block_tables[request.request_id])
                 (ones if num_new == 1 else others).append(s)
                 num_decode_seqs += s.is_decode
+                num_sampling += s.needs_sample
                 budget -= num_new
 
         return SchedulerOutput(
@@ -226,6 +238,7 @@ class Scheduler:
             preempted,
             num_one_token_seqs=len(ones),
             num_decode_seqs=num_decode_seqs,
+            num_sampling_seqs=num_sampling,
         )
 
     @staticmethod

@@ -111,30 +111,44 @@ class PersistentBlockTables:
 
 
 def build_step_arrays(
-    sched: list[ScheduledRequest], block_size: int, tables: PersistentBlockTables | None = None
+    sched: list[ScheduledRequest],
+    block_size: int,
+    tables: PersistentBlockTables | None = None,
+    num_tokens: int | None = None,
+    num_sampling: int | None = None,
 ) -> StepArrays:
     """Flat ragged batch of ``sched`` with numpy: no per-token Python loop. With ``tables`` the block
     tables come from its persistent rows (updated in place) instead of being flattened again.
+    ``num_tokens`` / ``num_sampling``: the step's token count and its number of sequences that sample,
+    when the caller knows them (``SchedulerOutput``): a decode-only step then reads neither the query
+    lengths nor the ``needs_sample`` flags.
 
     NOTE: every per-sequence column is read with ``map`` over attrgetters (C-level iteration): at 256
     sequences a step does several such passes, and generator expressions cost ~2x as much."""
     num_seqs = len(sched)
     bs = block_size
-    q_lens = np.fromiter(map(len, map(_token_ids, sched)), np.int64, num_seqs)
     starts = np.fromiter(map(_start_position, sched), np.int64, num_seqs)
-    num_tokens = int(q_lens.sum())
+    q_lens = None
+    if num_tokens is None:
+        q_lens = np.fromiter(map(len, map(_token_ids, sched)), np.int64, num_seqs)
+        num_tokens = int(q_lens.sum())
     if num_tokens == num_seqs:  # one token per sequence (decodes): no ragged arithmetic
         input_ids = np.fromiter(map(_first, map(_token_ids, sched)), np.int64, num_tokens)
         cu_q = np.arange(num_seqs + 1, dtype=np.int64)
         seq_idx = cu_q[:-1]
         positions = starts
+        seq_lens = starts + 1
+        max_query_len = 1
     else:
+        if q_lens is None:
+            q_lens = np.fromiter(map(len, map(_token_ids, sched)), np.int64, num_seqs)
         input_ids = np.fromiter(itertools.chain.from_iterable(map(_token_ids, sched)), np.int64, num_tokens)
         cu_q = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
         seq_idx = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(num_tokens) - cu_q[seq_idx] + starts[seq_idx]
-    seq_lens = starts + q_lens
+        seq_lens = starts + q_lens
+        max_query_len = int(q_lens.max())
     num_blocks = -(-seq_lens // bs)
     width = int(num_blocks.max())
     if tables is not None:
@@ -145,9 +159,13 @@ def build_step_arrays(
     else:
         block_tables = _flat_block_tables(sched, num_blocks, width)
     slots = block_tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-    needs = np.fromiter(map(_needs_sample, sched), np.bool_, num_seqs)
-    sample_rows = np.flatnonzero(needs).tolist()
-    logits_indices = cu_q[1:][needs] - 1
+    if num_sampling == num_seqs:
+        sample_rows = list(range(num_seqs))
+        logits_indices = cu_q[1:] - 1
+    else:
+        needs = np.fromiter(map(_needs_sample, sched), np.bool_, num_seqs)
+        sample_rows = np.flatnonzero(needs).tolist()
+        logits_indices = cu_q[1:][needs] - 1
     return StepArrays(
         input_ids,
         positions,
@@ -157,7 +175,7 @@ def build_step_arrays(
         block_tables,
         logits_indices,
         sample_rows,
-        int(q_lens.max()),
+        max_query_len,
     )
 
 
