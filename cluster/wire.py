@@ -74,6 +74,7 @@ class WorkerInfo:
     cpu_cores: list[int] = dataclasses.field(default_factory=list)  # the process's CPU affinity
     kv_endpoint: str = ""  # a prefill worker's KV-sender handshake socket (ZMQ ROUTER); "" elsewhere
     model_fingerprint: str = ""  # cluster.hub.model_fingerprint: the checkpoint, whatever its path here
+    gc_frozen_objects: int = 0  # objects the start-up moved out of the collector's scans (gc.freeze)
 
 
 # ---- ops: router -> worker ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from cluster.heap import freeze_startup_heap
 from cluster.server import create_app, create_server
 from cluster.tokenizer import Tokenizer
 from deploy.planner.advice import Advisor
@@ -171,6 +172,8 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
     server = create_server(create_cluster_app(handle), host or cfg.host, int(sock.getsockname()[1]))
     future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
     http = HttpServerHandle(server, future, sock)
+    # NOTE: this process serves until it exits: a full collection need not rescan its start-up heap
+    freeze_startup_heap()
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         if server.should_exit:  # a second Ctrl-C: drop in-flight responses

@@ -163,6 +163,7 @@ class WorkerLauncher:
             cpu_core=core,
             allow_fault_injection=self.fault_injection,
             stats_interval_s=self.cfg.log.stats_interval_s,
+            freeze_heap=True,  # NOTE: each actor is a process of its own
         )
         self.actors[worker_id] = actor
         return worker_id, actor

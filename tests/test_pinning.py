@@ -21,6 +21,8 @@ def test_workers_are_pinned_one_core_each_and_still_exact() -> None:
     try:
         pinned = {w.worker_id: w.info.cpu_cores for w in handle.router.workers}
         assert pinned == {"colocated-0": [cores[0]], "colocated-1": [cores[1 % len(cores)]]}
+        # each actor froze its start-up heap (torch, tokenizer, model: far more than 10k objects)
+        assert all(w.info.gc_frozen_objects > 10_000 for w in handle.router.workers)
         prompt = shared_prefix_prompts(1, seed=2, vocab=1229)[0]
         expected = LLM(device="cpu", block_size=4).generate([prompt], greedy(8))[0].token_ids
         assert handle.generate(prompt, greedy(8), timeout_s=60).token_ids == expected

@@ -18,6 +18,9 @@ Roles: a prefill worker composes a :class:`PrefillRole` (hold after the first to
 decode worker a :class:`DecodeRole` (reserve, receive, commit); a colocated worker has none. Any worker
 runs whole requests (``Generate`` with hold False).
 
+Garbage collection: a worker launched as its own process (``freeze_heap``) freezes the objects alive at
+the end of start-up (``freeze_startup_heap``): a full collection then scans only what serving made.
+
 Health: the step thread sends a ``Heartbeat`` (with the stats snapshot) every ``heartbeat_interval_s``,
 busy or idle; the router treats a worker whose beat is stale as unhealthy (SIGSTOP, a stuck step).
 Actor methods (stats, ping, check_leaks) never wait behind a forward.
@@ -41,6 +44,7 @@ from typing import Any
 import zmq
 
 from cluster.config import EngineConfig, TransferConfig
+from cluster.heap import freeze_startup_heap
 from cluster.hub import model_fingerprint
 from cluster.protocol import ErrorCode, TokenDelta, TransferStats, WorkerStats
 from cluster.wire import (
@@ -121,7 +125,9 @@ def exit_process(reason: str) -> None:
 
 class EngineWorker:
     """One worker of any pool. Plain class: Ray wraps it at launch (deploy/launch.py), tests may drive it
-    directly. ``engine_factory`` is injectable; ``on_fatal`` runs (once) when a thread dies."""
+    directly. ``engine_factory`` is injectable; ``on_fatal`` runs (once) when a thread dies.
+    ``freeze_heap``: ``freeze_startup_heap`` once everything is built (the launcher's actors, each a
+    process of its own; never in a process that hosts anything else)."""
 
     def __init__(
         self,
@@ -139,6 +145,7 @@ class EngineWorker:
         on_fatal: Callable[[str], None] = exit_process,
         stats_interval_s: float = 0.0,
         stage_stuck_s: float = _STAGE_STUCK_S,
+        freeze_heap: bool = False,
     ) -> None:
         if cpu_core is not None:
             os.sched_setaffinity(0, {cpu_core})  # NOTE: before torch starts its thread pool
@@ -198,6 +205,8 @@ class EngineWorker:
         if self.role is not None:
             self.role.start()
         e = self.engine
+        # NOTE: with the engine, role and sockets built, before the threads serve
+        frozen = freeze_startup_heap() if freeze_heap else 0
         self.info = WorkerInfo(
             worker_id=worker_id,
             pool=pool,
@@ -214,6 +223,7 @@ class EngineWorker:
             cpu_cores=sorted(os.sched_getaffinity(0)),
             kv_endpoint=self.role.kv_endpoint() if self.role is not None else "",
             model_fingerprint=model_fingerprint(e.model_dir),
+            gc_frozen_objects=frozen,
         )
         self._stats = WorkerStats(worker_id, pool)
         self._stats_line = StatsLine(stats_interval_s)  # the periodic INFO line (0: off)
