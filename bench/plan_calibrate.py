@@ -66,13 +66,17 @@ def client_args(seed: int) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
-    """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL and handle."""
+    """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL and handle. This
+    process then hosts the router and the HTTP edge as a serving process does, and freezes its start-up
+    heap as one does (``deploy.http_host.serve_on_loop``): a benchmark process and nothing else."""
+    from cluster.heap import freeze_startup_heap
     from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
     handle = start_cluster(cfg)
     try:
         with start_http(handle) as http:
+            freeze_startup_heap()
             yield http.url, handle
     finally:
         handle.shutdown()

@@ -305,8 +305,10 @@ def bench_url(url: str, label: str, args: argparse.Namespace) -> dict[str, dict[
 
 
 def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Start the cluster of ``path``, serve it on a free loopback port, bench it, shut it down."""
+    """Start the cluster of ``path``, serve it on a free loopback port, bench it, shut it down. This
+    process freezes its start-up heap once serving, as a serving process does (``serve_on_loop``)."""
     from cluster.config import ClusterConfig
+    from cluster.heap import freeze_startup_heap
     from deploy.http_host import start_http
     from deploy.launch import start_cluster
 
@@ -316,6 +318,7 @@ def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any
     handle = start_cluster(replace(cfg, pin_cpu_cores=True) if args.pin_cpu_cores else cfg)
     try:
         with start_http(handle) as http:
+            freeze_startup_heap()
             return bench_url(http.url, label, args)
     finally:
         handle.shutdown()
