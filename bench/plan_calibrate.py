@@ -19,9 +19,10 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the prefill weight: in that same phase, the prefill worker's steps over what the idle prefills
   predict for them: how much the rest of the host's demand counts against a prefill step
   (CostProfile.prefill_weight);
-* the delivery jitter: the mean of an exponential delay per streamed token with which the simulation
-  of the decode batches (the profile measured so far, the same seeded requests) gives their measured
-  spread of gaps (90th percentile over median).
+* the delivery jitter by batch: for each decode batch (the two above and a light one of 2 streams),
+  the mean of an exponential delay per streamed token with which the simulation of that batch (the
+  profile measured so far, the same seeded requests) gives its measured spread of gaps (90th
+  percentile over median); the simulation interpolates between the batches.
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
 
 
 _MAX_JITTER_S = 0.05
+_LIGHT_BATCH, _LIGHT_WAVES = 2, 3  # the probe's light decode batch: 6 requests, 2 at a time
 
 
 def _spread(gaps: Sequence[float]) -> float:
@@ -208,7 +210,7 @@ def fit_delivery_jitter(
         return 0.0
 
     def excess(jitter: float) -> float:
-        p = replace(profile, delivery_jitter_s=jitter)
+        p = replace(profile, delivery_jitter_s=jitter, delivery_jitter_by_batch=())
         simulated = []
         for workload, real in pairs:
             gaps = [g for r in Simulation(base, p, workload).run().records for g in r.gaps_s]
@@ -224,6 +226,20 @@ def fit_delivery_jitter(
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
     return (lo + hi) / 2
+
+
+def fit_delivery_jitter_by_batch(
+    cfg: ClusterConfig,
+    profile: CostProfile,
+    runs: Sequence[tuple[int, Workload, Sequence[Record]]],
+    max_model_len: int,
+) -> tuple[tuple[int, float], ...]:
+    """``CostProfile.delivery_jitter_by_batch``: (batch, ``fit_delivery_jitter`` of that batch's run
+    alone) for each decode batch the probe ran, by batch."""
+    return tuple(
+        (batch, fit_delivery_jitter(cfg, profile, [(workload, records)], max_model_len))
+        for batch, workload, records in sorted(runs, key=lambda run: run[0])
+    )
 
 
 async def probe(
@@ -263,6 +279,13 @@ async def probe(
         phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
+    # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
+    # batch of 8's): the steps and the front end are measured on the two batches above, as before
+    light = min(_LIGHT_BATCH, engine.max_num_seqs)
+    if light not in (b for b, *_ in phases):
+        scenario, phase_seed = _decode_scenario(light, _LIGHT_WAVES), next(seeds)
+        recs, _ = await run_scenario(url, f"probe-decode-{light}", client_args(phase_seed), scenario)
+        phases.append((light, scenario, phase_seed, recs))
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
     host_cpus = profile.host_cpus
     prefill_slowdown, host_slowdown, prefill_weight = 1.0, 1.0, 1.0
@@ -331,12 +354,11 @@ async def probe(
     )
     info = handle.model_info
     workloads = [
-        (workload_of(f"probe-decode-{b}", sc, sd, info.vocab_size, info.max_model_len), recs)
+        (b, workload_of(f"probe-decode-{b}", sc, sd, info.vocab_size, info.max_model_len), recs)
         for b, sc, sd, recs in phases
     ]
-    measured = replace(
-        measured, delivery_jitter_s=fit_delivery_jitter(cfg, measured, workloads, info.max_model_len)
-    )
+    jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
+    measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
     report = {
         "hop_ms": hop * 1e3,
         "http_ms": http * 1e3,
@@ -349,7 +371,7 @@ async def probe(
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,
         "prefill_weight": prefill_weight,
-        "delivery_jitter_ms": measured.delivery_jitter_s * 1e3,
+        "delivery_jitter_ms_by_batch": {str(b): round(j * 1e3, 3) for b, j in jitter},
     }
     return measured, report
 

@@ -73,6 +73,19 @@ def test_profile_json_round_trip_and_strictness(tmp_path: Path) -> None:
         CostProfile.from_dict({**data, "hop_s": -1.0})
     roof = roofline_profile(HARDWARE["h100"], ModelShape.from_config("bench/configs/llama-3-8b"))
     assert CostProfile.from_dict(json.loads(json.dumps(roof.to_dict()))) == roof
+    jittery = replace(prof, delivery_jitter_by_batch=((2, 0.001), (8, 0.004)))
+    assert CostProfile.from_dict(json.loads(json.dumps(jittery.to_dict()))) == jittery
+    for bad in ([[8, 0.004], [2, 0.001]], [[0, 0.001]], [[2, -0.001]], [[2]], "no"):
+        with pytest.raises(ValueError, match="delivery_jitter_by_batch must"):
+            CostProfile.from_dict({**data, "delivery_jitter_by_batch": bad})
+
+
+def test_delivery_jitter_by_batch_is_interpolated_and_flat_beyond_its_ends() -> None:
+    prof = replace(make_profile(), delivery_jitter_s=0.009)
+    assert [prof.delivery_jitter_at(b) for b in (1, 40)] == [0.009, 0.009]  # no table: one mean
+    prof = replace(prof, delivery_jitter_by_batch=((2, 0.001), (8, 0.004), (32, 0.016)))
+    got = [prof.delivery_jitter_at(b) for b in (1, 2, 4, 8, 20, 32, 64)]
+    assert got == pytest.approx([0.001, 0.001, 0.002, 0.004, 0.010, 0.016, 0.016])
 
 
 def test_roofline_llama3_8b_on_h100() -> None:
@@ -220,6 +233,32 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
 
     assert fit_delivery_jitter(cfg, prof, runs(0.003), 2048) == pytest.approx(0.003, rel=0.1)
     assert fit_delivery_jitter(cfg, prof, runs(0.0), 2048) == 0.0
+    # a profile's own table does not leak into the fit of one mean
+    tabled = replace(prof, delivery_jitter_by_batch=((1, 0.02),))
+    assert fit_delivery_jitter(cfg, tabled, runs(0.0), 2048) == 0.0
+
+
+def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
+    from bench.plan import load_cluster_config, workload_of
+    from bench.plan_calibrate import _decode_scenario, fit_delivery_jitter_by_batch
+    from bench.serve import Record
+
+    # runs "measured" with 1 ms of jitter at a batch of 2 and 4 ms at a batch of 8 (the simulation, another
+    # seed): each batch's own mean comes back, in batch order
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    prof = CostProfile(
+        "t", "hand-made", LinearStepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 0.0), TransferCost(0.002, 1e9), 2048
+    )
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
+    runs = []
+    for batch, jitter, seed in ((8, 0.004, 1), (2, 0.001, 2)):
+        workload = workload_of("p", _decode_scenario(batch, 3), seed, 1000, 2048)
+        made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
+        records = [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records]
+        runs.append((batch, workload, records))
+    fitted = fit_delivery_jitter_by_batch(cfg, prof, runs, 2048)
+    assert [b for b, _ in fitted] == [2, 8]
+    assert [j for _, j in fitted] == [pytest.approx(0.001, rel=0.15), pytest.approx(0.004, rel=0.15)]
 
 
 def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:

@@ -241,6 +241,27 @@ def test_delivery_jitter_delays_tokens_in_order_and_leaves_the_schedule_alone() 
     assert [us(r) for r in other.records] != [us(r) for r in result.records]
 
 
+def test_delivery_jitter_by_batch_follows_the_tokens_a_step_streams() -> None:
+    # a table with no jitter for a step of one token and 4 ms for steps of 4: requests that run alone
+    # arrive exactly as without jitter; of four sent at once, the first prefills alone (its first token
+    # is not delayed), the three others' first tokens come from a step that streams 3 or 4
+    table = replace(profile(), delivery_jitter_by_batch=((1, 0.0), (4, 0.004)))
+    alone = workload(*((float(i), 4, 6) for i in range(10)))
+    plain, _ = run(config(num_colocated=1), profile(), alone)
+    result, _ = run(config(num_colocated=1), table, alone)
+    assert [us(r) for r in result.records] == [us(r) for r in plain.records]
+    together = workload(*((0.0, 4, 6) for _ in range(4)))
+    plain, plain_steps = run(config(num_colocated=1), profile(), together)
+    result, steps = run(config(num_colocated=1), table, together)
+    assert steps == plain_steps
+    delays = [
+        b.first_token_s - a.first_token_s
+        for a, b in zip(plain.records, result.records, strict=True)
+        if a.first_token_s is not None and b.first_token_s is not None
+    ]
+    assert len(delays) == 4 and delays[0] == 0.0 and min(delays[1:]) > 0.0
+
+
 def test_a_prefill_step_beside_a_busy_decode_worker_stretches_by_the_prefill_weight() -> None:
     # one core, 10 ms steps, hop/HTTP 0. A: prefill 0-10 ms alone, KV (4 tokens x 1000 B at 1 MB/s + 5 ms)
     # lands at 19 ms, its decodes run from 19 ms. B arrives at 20 ms: its prefill starts beside A's

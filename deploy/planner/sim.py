@@ -6,8 +6,8 @@ pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(sh
 while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
 ``prefill_weight``), a KV handoff ``handoff_s``, a control message ``hop_s``, the front end
 ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and
-an exponential delivery delay of mean ``delivery_jitter_s`` per streamed token (seeded; each stream's
-tokens in order). No forward pass, no Ray, no sockets.
+an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at`` gives for the
+number of tokens its step streams (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
@@ -353,11 +353,11 @@ class Simulation:
         a time, ``frontend_cpu_per_token_s`` each, first come first served; then HTTP to the client."""
         at_router = t + self.profile.hop_s
         http, cost = self.profile.http_s, self.profile.frontend_cpu_per_token_s
-        jitter = self.profile.delivery_jitter_s
         delay = self._rng.expovariate
         free = self._frontend_free
         flights, records = self.flights, self.records
         updated = w.end_step()
+        jitter = self.profile.delivery_jitter_at(len(updated))
         if updated and cost and self.profile.host_cpus:
             decay = math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
             self._token_rate = self._token_rate * decay + len(updated) / _RATE_WINDOW_S
