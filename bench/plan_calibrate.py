@@ -371,7 +371,7 @@ async def probe(
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,
         "prefill_weight": prefill_weight,
-        "delivery_jitter_ms_by_batch": {str(b): round(j * 1e3, 3) for b, j in jitter},
+        "delivery_jitter_ms_by_batch": {str(b): j * 1e3 for b, j in jitter},
     }
     return measured, report
 
@@ -385,6 +385,8 @@ def calibrate_and_probe(url: str, handle: ClusterHandle, *, reps: int, seed: int
 
 
 def _round(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _round(x) for k, x in v.items()}
     return [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
 
 
