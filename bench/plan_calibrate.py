@@ -180,7 +180,7 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
     return min(_MAX_PREFILL_WEIGHT, max(1.0, weight))
 
 
-_MAX_JITTER_S = 0.05
+_MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
 _LIGHT_BATCH, _LIGHT_WAVES = 2, 3  # the probe's light decode batch: 6 requests, 2 at a time
 
 
@@ -198,8 +198,8 @@ def fit_delivery_jitter(
     """``CostProfile.delivery_jitter_s``: the jitter with which the simulation of each run (``profile``
     otherwise as is, seed 0) gives, averaged over the runs, the measured spread of the gaps between a
     stream's tokens: their 90th percentile over their median (the spread, not the level: a step model a
-    little off moves both percentiles alike). Bisection over [0, 50 ms] (the simulated spread grows
-    with the jitter); 0.0 when the simulation without jitter already reaches the measured spread."""
+    little off moves both percentiles alike). The smallest such jitter, up to 32 ms (that if none
+    reaches it); 0.0 when the simulation without jitter already reaches the measured spread."""
     base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
     pairs = []
     for workload, records in runs:
@@ -217,11 +217,16 @@ def fit_delivery_jitter(
             simulated.append((_spread(gaps) if gaps else 0.0) - real)
         return statistics.fmean(simulated)
 
-    lo, hi = 0.0, _MAX_JITTER_S
-    if excess(lo) >= 0.0:
+    if excess(0.0) >= 0.0:
         return 0.0
-    if excess(hi) <= 0.0:
-        return hi
+    # NOTE: the simulated spread grows with the jitter only up to a point: past it a stream's tokens
+    # bunch up (each kept behind the one before) and the spread falls again. So the bracket is found
+    # from below, doubling, and the bisection runs inside it: the smallest jitter that fits.
+    lo, hi = 0.0, _MIN_JITTER_S
+    while excess(hi) < 0.0:
+        if hi >= _MAX_JITTER_S:
+            return hi
+        lo, hi = hi, min(2 * hi, _MAX_JITTER_S)
     while hi - lo > 1e-5:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)

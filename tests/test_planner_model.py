@@ -259,6 +259,14 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     fitted = fit_delivery_jitter_by_batch(cfg, prof, runs, 2048)
     assert [b for b, _ in fitted] == [2, 8]
     assert [j for _, j in fitted] == [pytest.approx(0.001, rel=0.15), pytest.approx(0.004, rel=0.15)]
+    # the simulated spread falls again past some jitter (a stream's tokens bunch up): the fit is the
+    # smallest jitter that reaches the measured spread, not the bound of its search
+    workload = workload_of("p", _decode_scenario(2, 3), 5, 1000, 2048)
+    made = Simulation(base, replace(prof, delivery_jitter_s=0.005), workload, seed=7).run()
+    records = [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records]
+    assert fit_delivery_jitter_by_batch(cfg, prof, [(2, workload, records)], 2048) == (
+        (2, pytest.approx(0.005, rel=0.15)),
+    )
 
 
 def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
