@@ -13,6 +13,9 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   other workers, which the sweep alone does not);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
+* the front end's CPU per request apart from its tokens, over a burst of short requests sent at once:
+  the simulation takes each request through the front end in turn as it arrives (the idle HTTP edge
+  is what the idle requests' edge time leaves after it);
 * the host's effective CPUs: the same decode batch again (in waves) while the prefill worker computes
   prompts two at a time; how much slower its steps get says how many workers really run at once (a
   2-vCPU VM may give less than 2: shared physical cores, memory bandwidth, other tenants);
@@ -182,6 +185,7 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
 
 _MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
 _LIGHT_BATCH, _LIGHT_WAVES = 2, 3  # the probe's light decode batch: 6 requests, 2 at a time
+_BURST = Scenario(16, (16, 16), (2, 2))  # the probe's burst: 16 short requests at once
 
 
 def _spread(gaps: Sequence[float]) -> float:
@@ -284,6 +288,14 @@ async def probe(
         phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
+    # a burst of short requests sent at once: this process's CPU per request apart from its tokens
+    # (the burst is short enough that the process's background work does not count)
+    cpu0 = time.process_time()
+    recs, _ = await run_scenario(url, "probe-burst", client_args(next(seeds)), _BURST)
+    done = [r for r in recs if r.error is None]
+    per_request = max(
+        0.0, (time.process_time() - cpu0 - sum(r.output_tokens for r in done) * frontend) / max(1, len(done))
+    )
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -328,7 +340,7 @@ async def probe(
     server = [r.server or {} for r in idle]
     hop = statistics.median(t["queue_s"] for t in server)
     edge = statistics.median((r.ttft_s or 0.0) - t["ttft_s"] for r, t in zip(idle, server, strict=True))
-    http = max(0.0, (edge - frontend) / 2)
+    http = max(0.0, (edge - frontend - per_request) / 2)
     moved = [
         -(-r.prompt_len // engine.block_size) * engine.block_size * profile.kv_bytes_per_token for r in idle
     ]
@@ -355,6 +367,7 @@ async def probe(
         transfer=transfer,
         step_scale=scale,
         frontend_cpu_per_token_s=frontend,
+        frontend_cpu_per_request_s=per_request,
         prefill_weight=prefill_weight,
     )
     info = handle.model_info
@@ -372,6 +385,7 @@ async def probe(
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
+        "frontend_cpu_per_request_us": per_request * 1e6,
         "host_cpus": host_cpus,
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,
