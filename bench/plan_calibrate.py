@@ -13,10 +13,6 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   other workers, which the sweep alone does not);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
-* the front end's time per request apart from its tokens (HTTP, routing, handoff messages): the one
-  with which the simulation of a burst of 16 short requests sent at once gives its measured mean TTFT
-  (the simulation takes each request through the front end in turn as it reaches the router; the idle
-  HTTP edge is what the idle requests' edge time leaves after it);
 * the host's effective CPUs: the same decode batch again (in waves) while the prefill worker computes
   prompts two at a time; how much slower its steps get says how many workers really run at once (a
   2-vCPU VM may give less than 2: shared physical cores, memory bandwidth, other tenants);
@@ -186,7 +182,6 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
 
 _MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
 _LIGHT_BATCH, _LIGHT_WAVES = 2, 3  # the probe's light decode batch: 6 requests, 2 at a time
-_BURST = Scenario(16, (16, 16), (2, 2))  # the probe's burst: 16 short requests at once
 
 
 def _spread(gaps: Sequence[float]) -> float:
@@ -232,46 +227,6 @@ def fit_delivery_jitter(
         if hi >= _MAX_JITTER_S:
             return hi
         lo, hi = hi, min(2 * hi, _MAX_JITTER_S)
-    while hi - lo > 1e-5:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
-    return (lo + hi) / 2
-
-
-_MAX_PER_REQUEST_S = 0.02
-
-
-def fit_frontend_per_request(
-    cfg: ClusterConfig,
-    profile: CostProfile,
-    idle_edge_s: float,
-    workload: Workload,
-    records: Sequence[Record],
-    max_model_len: int,
-) -> float:
-    """``CostProfile.frontend_cpu_per_request_s``: the front end's time per request with which the
-    simulation of a burst (``workload``, all sent at once) gives its measured mean TTFT. Each candidate
-    keeps an idle request's edge time as measured (``idle_edge_s``, front end per token excluded): the
-    HTTP edge is what is left of it, ``http_s = (idle_edge_s - per request) / 2``. Bisection over
-    [0, 20 ms] (the burst's simulated TTFT grows with it: more of its requests queue at the front end);
-    0.0 when the simulation without it is already as slow as the burst was."""
-    ttfts = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None]
-    if not ttfts:
-        return 0.0
-    real = statistics.fmean(ttfts)
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
-
-    def excess(per_request: float) -> float:
-        http = max(0.0, (idle_edge_s - per_request) / 2)
-        p = replace(profile, frontend_cpu_per_request_s=per_request, http_s=http)
-        simulated = [r.ttft_s for r in Simulation(base, p, workload).run().records if r.ttft_s is not None]
-        return (statistics.fmean(simulated) if simulated else 0.0) - real
-
-    lo, hi = 0.0, _MAX_PER_REQUEST_S
-    if excess(lo) >= 0.0:
-        return 0.0
-    if excess(hi) <= 0.0:
-        return hi
     while hi - lo > 1e-5:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
@@ -329,9 +284,6 @@ async def probe(
         phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
-    # a burst of short requests sent at once, for the front end's time per request (fitted below)
-    burst_seed = next(seeds)
-    burst, _ = await run_scenario(url, "probe-burst", client_args(burst_seed), _BURST)
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -412,22 +364,14 @@ async def probe(
     ]
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-    burst_workload = workload_of("probe-burst", _BURST, burst_seed, info.vocab_size, info.max_model_len)
-    per_request = fit_frontend_per_request(
-        cfg, measured, edge - frontend, burst_workload, burst, info.max_model_len
-    )
-    measured = replace(
-        measured, frontend_cpu_per_request_s=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
-    )
     report = {
         "hop_ms": hop * 1e3,
-        "http_ms": measured.http_s * 1e3,
+        "http_ms": http * 1e3,
         "transfer_latency_ms": transfer.latency_s * 1e3,
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
-        "frontend_cpu_per_request_us": per_request * 1e6,
         "host_cpus": host_cpus,
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,

@@ -269,31 +269,6 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     )
 
 
-def test_the_probe_fits_the_front_ends_time_per_request_from_a_burst() -> None:
-    from bench.plan import load_cluster_config, workload_of
-    from bench.plan_calibrate import _BURST, fit_frontend_per_request
-    from bench.serve import Record
-
-    # a burst "measured" with 2 ms per request and an idle edge of 5 ms (so HTTP 1.5 ms each way): the fit
-    # finds 2 ms again; a burst no slower than the simulation without it gives 0
-    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
-    prof = CostProfile(
-        "t", "hand-made", LinearStepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 0.0), TransferCost(0.002, 1e9), 2048
-    )
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
-    workload = workload_of("probe-burst", _BURST, 3, 1000, 2048)
-
-    def burst(per_request: float, http: float) -> list[Record]:
-        p = replace(prof, frontend_cpu_per_request_s=per_request, http_s=http)
-        made = Simulation(base, p, workload).run()
-        return [Record(r.prompt_len, r.output_len, ttft_s=r.ttft_s) for r in made.records]
-
-    assert fit_frontend_per_request(cfg, prof, 0.005, workload, burst(0.002, 0.0015), 2048) == pytest.approx(
-        0.002, rel=0.05
-    )
-    assert fit_frontend_per_request(cfg, prof, 0.005, workload, burst(0.0, 0.0025), 2048) == 0.0
-
-
 def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
     from bench.plan_calibrate import fit_prefill_weight
 

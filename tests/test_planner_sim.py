@@ -206,21 +206,6 @@ def test_front_end_handles_one_token_at_a_time() -> None:
     assert (us(b)[0], us(c)[0]) == (22000, 23000)
 
 
-def test_front_end_takes_a_burst_of_requests_one_at_a_time() -> None:
-    # 1 ms of front-end CPU per request, three sent at once: routed at 1, 2 and 3 ms. The first prefills
-    # alone (1-11 ms); the two others, queued meanwhile, share the next step (11-21 ms). With 1 ms per
-    # token too, the step's two tokens leave the front end at 22 and 23 ms.
-    burst = workload((0.0, 4, 1), (0.0, 4, 1), (0.0, 4, 1))
-    serial = replace(profile(), frontend_cpu_per_request_s=0.001)
-    result, steps = run(config(num_colocated=1), serial, burst)
-    assert [t for _, t, _, _ in steps] == [1000, 11000]
-    assert [us(r)[0] for r in result.records] == [11000, 21000, 21000]
-    both = replace(serial, frontend_cpu_per_token_s=0.001)
-    result, steps = run(config(num_colocated=1), both, burst)
-    assert [t for _, t, _, _ in steps] == [1000, 11000]
-    assert [us(r)[0] for r in result.records] == [12000, 22000, 23000]
-
-
 def test_slo_admission_refuses_what_would_queue_past_the_ttft_slo() -> None:
     # 4-token budget, 10 ms steps, TTFT SLO 25 ms, three 4-token prompts at once: the router predicts 1, 2
     # and 3 steps of queue (10, 20, 30 ms) and refuses the third, which counts as a miss

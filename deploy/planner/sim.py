@@ -5,8 +5,7 @@ twin.py) and the router's placement policy (``cluster.placement``: pick_prefill,
 pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
 while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
 ``prefill_weight``), a KV handoff ``handoff_s``, a control message ``hop_s``, the front end
-``frontend_cpu_per_request_s`` per request as it reaches the router and ``frontend_cpu_per_token_s`` per
-streamed token (one at a time, first come first served), the HTTP edge ``http_s`` each way, and
+``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and
 an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at`` gives for the
 number of tokens its step streams (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
@@ -210,9 +209,6 @@ class Simulation:
 
     # ---- router ---------------------------------------------------------------------------------------
     def _on_route(self, t: float, index: int) -> None:
-        cost = self.profile.frontend_cpu_per_request_s
-        if cost:  # NOTE: the front end takes the request in its turn; it is routed once that is done
-            t = self._frontend_free = max(t, self._frontend_free) + cost
         router = self.config.router
         rec = self.records[index]
         if len(self.flights) >= router.max_pending_requests:
