@@ -181,7 +181,7 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
 
 
 _MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
-_LIGHT_BATCH, _LIGHT_WAVES = 2, 3  # the probe's light decode batch: 6 requests, 2 at a time
+_LIGHT_BATCH, _LIGHT_WAVES = 2, 8  # the probe's light decode batch: 16 requests, 2 at a time
 
 
 def _spread(gaps: Sequence[float]) -> float:
