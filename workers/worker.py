@@ -205,7 +205,7 @@ class EngineWorker:
         if self.role is not None:
             self.role.start()
         e = self.engine
-        # NOTE: with the engine, role and sockets built, before the threads serve
+        # NOTE: with the engine, role and sockets built, before the inbound and step threads start
         frozen = freeze_startup_heap() if freeze_heap else 0
         self.info = WorkerInfo(
             worker_id=worker_id,

@@ -7,7 +7,8 @@ while more CPU workers are busy than the host has cores; a prefill step more, by
 ``prefill_weight``), a KV handoff ``handoff_s``, a control message ``hop_s``, the front end
 ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and
 an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at`` gives for the
-number of tokens its step streams (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
+number of tokens its step streams (seeded; each stream's tokens in order). No forward pass, no Ray, no
+sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
