@@ -195,3 +195,13 @@ def test_triton_backend_end_to_end_equals_transformers_on_bundled_model() -> Non
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     assert llm.stats().num_mixed_steps > 0  # chunked prompts ran beside decodes in one forward
     llm.check_no_leaks()
+
+
+def test_the_cpu_warm_up_prefill_leaves_no_trace() -> None:
+    """The start-up forward of a full-budget prompt (ModelRunner.warm_up_largest_prefill) writes nothing
+    to the KV cache and leaves no per-request state."""
+    llm = LLM(device="cpu", block_size=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    assert int(torch.count_nonzero(runner.kv_cache)) == 0
+    assert not runner.generators and runner.block_tables.num_requests == 0
+    llm.engine.check_no_leaks()
