@@ -154,7 +154,9 @@ class ModelRunner:
             self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
         if self.device.type == "cuda" and config.attention_backend == "triton":
             self.warm_up_kernels()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.attention_backend == "torch":
+            # NOTE: not the Triton path on CPU (the interpreter, for tests; or no driver at all, when a
+            # script only compiles kernels for a GPU)
             self.warm_up_largest_prefill()
         if self.graph_sizes and self.buffers is not None:
             self.graphs = DecodeGraphs(
@@ -227,7 +229,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_largest_prefill(self) -> None:
-        """On CPU: one forward of the largest prompt chunk a step can hold (the token budget, within
+        """On CPU (torch backend): one forward of the largest prompt chunk a step can hold (the token budget, within
         ``max_model_len``), every token at slot -1 (nothing is written to the cache), so the first long
         prompt served does not pay for the buffers of a shape never seen before.
 
