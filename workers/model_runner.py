@@ -229,13 +229,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_largest_prefill(self) -> None:
-        """On CPU (torch backend): one forward of the largest prompt chunk a step can hold (the token budget, within
-        ``max_model_len``), every token at slot -1 (nothing is written to the cache), so the first long
-        prompt served does not pay for the buffers of a shape never seen before.
+        """On CPU (torch backend): one forward of the largest prompt chunk a step can hold (the token
+        budget, within ``max_model_len``), every token at slot -1 (nothing is written to the cache), so
+        the first long prompt served does not pay for the buffers of a shape never seen before.
 
         Measured (bundled model, 2048-token budget, 2-core box; a fresh engine's prompts of 1024 and 1536
-        tokens, then again): 87-93 / 130-142 ms, then 72 / 118-126 ms without it; 79-81 /
-        118-122 ms, then 70-76 / 113-119 ms with it. Start-up takes ~0.15 s longer. (In ``pdserve plan validate``
+        tokens, then again): 87-93 / 130-142 ms, then 72 / 118-126 ms without it; 79-81 / 118-122 ms,
+        then 70-76 / 113-119 ms with it. Start-up takes ~0.15 s longer. (In ``pdserve plan validate``
         long_prompts' first real run is always the slow one; this is a candidate cause, not yet
         re-measured there.)"""
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
