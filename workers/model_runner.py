@@ -212,15 +212,7 @@ class ModelRunner:
                                  _PROFILE_PARAMS, 0),
                 ScheduledRequest("warm-prefill", [0, 0], 0, [0] * -(-2 // bs), True, False, _PROFILE_PARAMS, 0),
             ]  # fmt: skip
-            out = SchedulerOutput(sched, 3)
-            arrays = build_step_arrays(sched, bs)
-            arrays.slots[:] = -1
-            inputs = self.fresh_inputs(arrays, out)
-            if inputs.meta is None:
-                raise RuntimeError("warm-up step unexpectedly has no attention metadata")
-            with self.forward_context(inputs.meta):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices], fused=self.fused_ops)
+            logits = self._warm_up_step(sched)
             params = [_PROFILE_PARAMS, _PROFILE_PARAMS]
             self.sampler(logits, params, [self._generator("warm-up", _PROFILE_PARAMS, 0), None])
             self.remove("warm-up")
@@ -242,17 +234,24 @@ class ModelRunner:
         if num_tokens < 2:
             return
         blocks = [0] * -(-num_tokens // self.block_size)
-        sched = [
-            ScheduledRequest("warm-up-prefill", [0] * num_tokens, 0, blocks, True, False, _PROFILE_PARAMS, 0)
-        ]
+        self._warm_up_step(
+            [
+                ScheduledRequest(
+                    "warm-up-prefill", [0] * num_tokens, 0, blocks, True, False, _PROFILE_PARAMS, 0
+                )
+            ]
+        )
+
+    def _warm_up_step(self, sched: list[ScheduledRequest]) -> torch.Tensor:
+        """The forward and logits of a throwaway step, every token at slot -1 (nothing is written)."""
         arrays = build_step_arrays(sched, self.block_size)
         arrays.slots[:] = -1
-        inputs = self.fresh_inputs(arrays, SchedulerOutput(sched, num_tokens))
+        inputs = self.fresh_inputs(arrays, SchedulerOutput(sched, len(arrays.input_ids)))
         if inputs.meta is None:
             raise RuntimeError("warm-up step unexpectedly has no attention metadata")
         with self.forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)
-        self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_logits(hidden[inputs.logits_indices], fused=self.fused_ops)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Device tensors of one step. On CUDA they are slices of the reused buffers, uploaded with
