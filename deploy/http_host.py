@@ -172,8 +172,6 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
     server = create_server(create_cluster_app(handle), host or cfg.host, int(sock.getsockname()[1]))
     future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
     http = HttpServerHandle(server, future, sock)
-    # NOTE: this process serves until it exits: a full collection need not rescan its start-up heap
-    freeze_startup_heap()
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         if server.should_exit:  # a second Ctrl-C: drop in-flight responses
@@ -192,6 +190,9 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
             f"pdserve: serving {handle.model_info.name} ({handle.config.router.mode}) on {http.url}",
             flush=True,
         )
+        # NOTE: after the line above (printed as soon as serving starts, as before); this process serves
+        # until it exits, so a full collection need not rescan its start-up heap
+        freeze_startup_heap()
         while not concurrent.futures.wait([future], timeout=0.5)[0]:
             pass
         future.result()
