@@ -9,8 +9,8 @@ rates, seeded), shuts it down, simulates each workload with the profile, and pri
 line is ``sim vs real: max TTFT p90 error X%, max TBT p90 error Y%, max SLO attainment error Z points``.
 With ``--runs N`` each workload runs N times (other seeds, so other prompts) on both sides and the
 percentiles are of the pooled requests; each real run's TTFT p90 is printed too (the cluster's own
-run-to-run spread, the floor under any sim-vs-real figure). Writes ``<out>/validate.json`` and
-``<out>/profile.json``.
+run-to-run spread, the floor under any sim-vs-real figure). Writes ``<out>/validate.json`` (with every
+request's TTFT and mean TBT on both sides) and ``<out>/profile.json``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,22 @@ def as_records(records: Sequence[Record]) -> list[RequestRecord]:
             rec.num_tokens = r.output_tokens
         out.append(rec)
     return out
+
+
+def request_rows(records: Sequence[RequestRecord]) -> list[list[float | None]]:
+    """Each request as ``[prompt_len, output_len, TTFT ms, mean TBT ms, tokens]`` (validate.json's
+    "requests", in send order per run; TTFT None: rejected or no token), for comparing the distributions
+    behind a percentile or an attainment gap."""
+    return [
+        [
+            r.prompt_len,
+            r.output_len,
+            None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
+            round(r.mean_tbt_s * 1e3, 3),
+            r.num_tokens,
+        ]
+        for r in records
+    ]
 
 
 # ---- validation ---------------------------------------------------------------------------------------
@@ -130,6 +146,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
     if args.runs < 1:
         p.error("--runs must be at least 1")
     real: dict[str, Summary] = {}
+    per_request: dict[str, dict[str, list[list[float | None]]]] = {}  # validate.json's "requests"
     # NOTE: a seed per workload and run, apart from the probe's (seed x 1000 + 1 ...): with one seed,
     # each scenario's first prompt starts with the previous one's tokens, and the real cluster's prefix
     # cache (which lives on) would serve them
@@ -162,6 +179,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
                 print(f"real {name}: {len(records)} requests in {duration:.1f} s", flush=True)
             engine, cpu = EngineTotals.of(handle, pool) - before, time.process_time() - cpu0
             real[name] = summarize(name, pooled, total_s, slo)
+            per_request[name] = {"real": request_rows(pooled)}
             diagnostics[name] = {
                 "real_step_ms": engine.seconds / max(1, engine.num_steps) * 1e3,
                 "real_batch": engine.num_generated / max(1, engine.num_steps),
@@ -195,9 +213,9 @@ def validate_command(argv: Sequence[str] | None) -> int:
         diagnostics[name]["sim_batch"] = sum(tokens[w] for w in ids) / num_steps
         if "real_prefill_s" in diagnostics[name]:
             diagnostics[name]["sim_prefill_s"] = sum(v for w, v in busy.items() if w.startswith("prefill"))
-        sim = summarize(
-            name, [r for res in results for r in res.records], sum(res.duration_s for res in results), slo
-        )
+        sim_records = [r for res in results for r in res.records]
+        per_request[name]["sim"] = request_rows(sim_records)
+        sim = summarize(name, sim_records, sum(res.duration_s for res in results), slo)
         rows.append((name, real[name], sim))
     print(diagnostics_table(diagnostics, pool, profile))
     if args.runs > 1:
@@ -213,6 +231,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
                 "rows": [[n, asdict(r), asdict(s)] for n, r, s in rows],
                 "diagnostics": diagnostics,
                 "real_ttft_p90_ms_per_run": spread,
+                "requests": per_request,
             },
             indent=1,
         )

@@ -214,3 +214,12 @@ def test_large_budgets_search_a_coarse_grid_then_refine() -> None:
         key=lambda r: (-r.summary.goodput_rps, -r.summary.slo_attainment, r.summary.ttft_ms.p90),
     )
     assert all(abs(p - best_coarse.config.num_prefill) == 1 for p in refined)
+
+
+def test_validate_writes_each_request_as_a_row() -> None:
+    from bench.plan_validate import request_rows
+
+    served = RequestRecord(10, 5, send_s=1.0, first_token_s=1.0125, num_tokens=3)
+    served.gaps_s.extend([0.002, 0.004])
+    refused = RequestRecord(7, 2, send_s=0.0, rejected="too_long")
+    assert request_rows([served, refused]) == [[10, 5, 12.5, 3.0, 3], [7, 2, None, 0.0, 0]]
