@@ -359,7 +359,7 @@ async def probe(
     )
     info = handle.model_info
     workloads = [
-        (b, workload_of(f"probe-decode-{b}", sc, sd, info.vocab_size, info.max_model_len), recs)
+        (b, workload_of(f"probe-decode-{b}", sc, info.vocab_size, info.max_model_len, sd), recs)
         for b, sc, sd, recs in phases
     ]
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)

@@ -224,7 +224,7 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
     def runs(jitter: float) -> list[tuple[Workload, list[Record]]]:
         out = []
         for batch, seed in ((8, 1), (32, 2)):
-            workload = workload_of("p", _decode_scenario(batch), seed, 1000, 2048)
+            workload = workload_of("p", _decode_scenario(batch), 1000, 2048, seed)
             made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
             out.append(
                 (workload, [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records])
@@ -252,7 +252,7 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
     runs = []
     for batch, jitter, seed in ((8, 0.004, 1), (2, 0.001, 2)):
-        workload = workload_of("p", _decode_scenario(batch, 3), seed, 1000, 2048)
+        workload = workload_of("p", _decode_scenario(batch, 3), 1000, 2048, seed)
         made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
         records = [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records]
         runs.append((batch, workload, records))
@@ -261,7 +261,7 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     assert [j for _, j in fitted] == [pytest.approx(0.001, rel=0.15), pytest.approx(0.004, rel=0.15)]
     # the simulated spread falls again past some jitter (a stream's tokens bunch up): the fit is the
     # smallest jitter that reaches the measured spread, not the bound of its search
-    workload = workload_of("p", _decode_scenario(2, 3), 5, 1000, 2048)
+    workload = workload_of("p", _decode_scenario(2, 3), 1000, 2048, 5)
     made = Simulation(base, replace(prof, delivery_jitter_s=0.005), workload, seed=7).run()
     records = [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records]
     assert fit_delivery_jitter_by_batch(cfg, prof, [(2, workload, records)], 2048) == (
