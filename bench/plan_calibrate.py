@@ -13,6 +13,11 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   other workers, which the sweep alone does not);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
+* the front end's work per new request (HTTP, validation, the route decision): the one with which the
+  simulation of a burst of 32 short requests sent at once gives the burst's measured mean TTFT (the
+  simulation shares the front end between the requests it holds, so a burst is routed about together,
+  and counts it as a busy core meanwhile); the HTTP edge is what an idle request's edge time leaves
+  after it;
 * the host's effective CPUs: the same decode batch again (in waves) while the prefill worker computes
   prompts two at a time; how much slower its steps get says how many workers really run at once (a
   2-vCPU VM may give less than 2: shared physical cores, memory bandwidth, other tenants);
@@ -182,6 +187,8 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
 
 _MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
 _LIGHT_BATCH, _LIGHT_WAVES = 2, 8  # the probe's light decode batch: 16 requests, 2 at a time
+_BURST = Scenario(32, (16, 16), (2, 2))  # the probe's burst: 32 short requests sent at once
+_MAX_PER_REQUEST_S = 0.02
 
 
 def _spread(gaps: Sequence[float]) -> float:
@@ -247,6 +254,44 @@ def fit_delivery_jitter_by_batch(
     )
 
 
+def fit_frontend_per_request(
+    cfg: ClusterConfig,
+    profile: CostProfile,
+    idle_edge_s: float,
+    workload: Workload,
+    records: Sequence[Record],
+    max_model_len: int,
+) -> float:
+    """``CostProfile.frontend_s_per_request``: the front end's work per new request with which the
+    simulation of a burst (``workload``, sent at once; ``profile`` otherwise as is) gives the burst's
+    measured mean TTFT. Each candidate keeps an idle request's edge time as measured (``idle_edge_s``,
+    the front end's time per token excluded): the HTTP edge is what is left of it, ``http_s = (idle_edge_s
+    - per request) / 2``. Bisection over [0, 20 ms] (the simulated TTFTs grow with it: the burst is
+    routed later and the front end's busy core slows its prefill); 0.0 when the simulation without it is
+    already as slow as the burst was, 20 ms when even that is too fast."""
+    ttfts = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None]
+    if not ttfts:
+        return 0.0
+    real = statistics.fmean(ttfts)
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+
+    def excess(per_request: float) -> float:
+        http = max(0.0, (idle_edge_s - per_request) / 2)
+        p = replace(profile, frontend_s_per_request=per_request, http_s=http)
+        simulated = [r.ttft_s for r in Simulation(base, p, workload).run().records if r.ttft_s is not None]
+        return (statistics.fmean(simulated) if simulated else 0.0) - real
+
+    lo, hi = 0.0, _MAX_PER_REQUEST_S
+    if excess(lo) >= 0.0:
+        return 0.0
+    if excess(hi) <= 0.0:
+        return hi
+    while hi - lo > 1e-5:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 async def probe(
     url: str, handle: ClusterHandle, profile: CostProfile, seed: int
 ) -> tuple[CostProfile, dict[str, Any]]:
@@ -284,6 +329,9 @@ async def probe(
         phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
+    # a burst of short requests sent at once, for the front end's work per request (fitted below)
+    burst_seed = next(seeds)
+    burst, _ = await run_scenario(url, "probe-burst", client_args(burst_seed), _BURST)
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -364,14 +412,22 @@ async def probe(
     ]
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
+    burst_workload = workload_of("probe-burst", _BURST, info.vocab_size, info.max_model_len, burst_seed)
+    per_request = fit_frontend_per_request(
+        cfg, measured, edge - frontend, burst_workload, burst, info.max_model_len
+    )
+    measured = replace(
+        measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
+    )
     report = {
         "hop_ms": hop * 1e3,
-        "http_ms": http * 1e3,
+        "http_ms": measured.http_s * 1e3,
         "transfer_latency_ms": transfer.latency_s * 1e3,
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
         "prefill_scale": prefill_scale,
         "decode_scale": decode_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
+        "frontend_per_request_ms": per_request * 1e3,
         "host_cpus": host_cpus,
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,

@@ -191,7 +191,12 @@ class CostProfile:
     the router and HTTP edge sharing the host) over what the engine sweep measured alone; the cluster
     probe of ``pdserve plan calibrate --probe`` measures it, 1.0 otherwise. ``frontend_cpu_per_token_s``:
     CPU the router and HTTP edge (and an in-process benchmark client) spend per streamed token on the
-    host the CPU workers share (adds to that host's demand in the simulation). ``prefill_weight``: how
+    host the CPU workers share (adds to that host's demand in the simulation).
+    ``frontend_s_per_request``: the front end's work on a new request before it is routed (HTTP
+    parsing, validation, the route decision); the simulation shares the front end between the requests
+    it holds (processor sharing, as one event loop interleaves their handlers), so a burst of n requests
+    sent at once is routed together after about n times this, while the front end counts as one busy
+    core in the host's demand. ``prefill_weight``: how
     much the rest of that demand counts against a prefill step: it stretches by
     (1 + prefill_weight x (demand - 1)) / cores where other steps stretch by demand / cores (measured:
     prefill steps beside a decode worker and the front end get less than an even share of the cores);
@@ -214,6 +219,7 @@ class CostProfile:
     host_cpus: float | None = None
     step_scale: float = 1.0
     frontend_cpu_per_token_s: float = 0.0
+    frontend_s_per_request: float = 0.0
     prefill_weight: float = 1.0
     delivery_jitter_s: float = 0.0
     delivery_jitter_by_batch: tuple[tuple[int, float], ...] = ()

@@ -206,6 +206,28 @@ def test_front_end_handles_one_token_at_a_time() -> None:
     assert (us(b)[0], us(c)[0]) == (22000, 23000)
 
 
+def test_front_end_shares_itself_between_new_requests() -> None:
+    # 2 ms of front-end work per new request. Three sent at once share it: all routed at 6 ms (the
+    # first delivered starts a step alone, as in every simulated tie; the two others take the next). A
+    # fourth at 40 ms has it to itself: routed at 42 ms, TTFT 12 ms.
+    edge = replace(profile(), frontend_s_per_request=0.002)
+    wl = workload((0.0, 4, 1), (0.0, 4, 1), (0.0, 4, 1), (0.040, 4, 1))
+    result, steps = run(config(num_colocated=1), edge, wl)
+    assert [(t, shape.num_prefill_seqs) for _, t, shape, _ in steps] == [(6000, 1), (16000, 2), (42000, 1)]
+    assert [us(r)[0] for r in result.records] == [16000, 26000, 26000, 12000]
+    # A at 0, B at 1 ms: A has 1 ms alone, then both share it: A is done at 3 ms, B (1 ms of its 2 then)
+    # at 4 ms. A's step runs 3-13 ms; B's waits for it: 13-23 ms.
+    result, steps = run(config(num_colocated=1), edge, workload((0.0, 4, 1), (0.001, 4, 1)))
+    assert [t for _, t, _, _ in steps] == [3000, 13000]
+    assert [us(r)[0] for r in result.records] == [13000, 22000]
+    # On a host of one core, a step that starts while the front end holds a request is stretched by
+    # 2 (the worker and the front end): A's step lasts 20 ms, B's (started with the front end idle) 10.
+    one_core = replace(edge, host_cpus=1.0)
+    result, steps = run(config(num_colocated=1), one_core, workload((0.0, 4, 1), (0.001, 4, 1)))
+    assert [(t, d) for _, t, _, d in steps] == [(3000, 20000), (23000, 10000)]
+    assert [us(r)[0] for r in result.records] == [23000, 32000]
+
+
 def test_slo_admission_refuses_what_would_queue_past_the_ttft_slo() -> None:
     # 4-token budget, 10 ms steps, TTFT SLO 25 ms, three 4-token prompts at once: the router predicts 1, 2
     # and 3 steps of queue (10, 20, 30 ms) and refuses the third, which counts as a miss

@@ -5,6 +5,7 @@ twin.py) and the router's placement policy (``cluster.placement``: pick_prefill,
 pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
 while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
 ``prefill_weight``), a KV handoff ``handoff_s``, a control message ``hop_s``, the front end
+``frontend_s_per_request`` per new request (shared between the requests it holds) and
 ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and
 an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at`` gives for the
 number of tokens its step streams (seeded; each stream's tokens in order). No forward pass, no Ray, no
@@ -12,7 +13,8 @@ sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
-* client send -> (http) router: the route decision (cluster/routing.py: mode, worker and reason, as
+* client send -> (http) front end: each request's own work, the front end shared between the requests
+  it holds (processor sharing: one event loop interleaving their handlers) -> router: the route decision (cluster/routing.py: mode, worker and reason, as
   the router decides), SLO-aware admission when the router config asks for it (cluster/admission.py),
   count it -> (hop) worker's command queue;
 * a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
@@ -48,7 +50,7 @@ from deploy.planner.workload import Workload
 from workers.request import RequestStatus
 
 # event kinds
-_SEND, _ROUTE, _DELIVER, _STEP_END, _PREFILLED, _SETTLE, _CLIENT_DONE = range(7)
+_SEND, _ROUTE, _DELIVER, _STEP_END, _PREFILLED, _SETTLE, _CLIENT_DONE, _EDGE, _EDGE_DONE = range(9)
 _RUNNING = RequestStatus.RUNNING
 _RATE_WINDOW_S = 0.25  # time constant of the streamed-token rate
 # worker commands
@@ -146,6 +148,12 @@ class Simulation:
         self._token_rate = 0.0  # tokens/s streamed through the front end (exponential moving average)
         self._token_rate_t = 0.0
         self._frontend_free = 0.0  # the front end is busy with earlier tokens until then
+        # new requests in the front end, shared between them (processor sharing, in virtual time: each
+        # has received `_edge_v` seconds of work, the min-heap holds the virtual time each one is done)
+        self._edge: list[tuple[float, int]] = []
+        self._edge_v = 0.0
+        self._edge_t = 0.0
+        self._edge_gen = 0  # of the one pending _EDGE_DONE event that counts
         self._rng = random.Random(seed)
         self._slots = workload.max_concurrency or 0
         self._backlog: deque[int] = deque()
@@ -168,6 +176,8 @@ class Simulation:
             _PREFILLED: self._on_prefilled,
             _SETTLE: self._on_settle,
             _CLIENT_DONE: self._on_client_done,
+            _EDGE: self._on_edge,
+            _EDGE_DONE: self._on_edge_done,
         }
         events = self._events
         while events:
@@ -199,7 +209,7 @@ class Simulation:
                 return
             self._slots -= 1
         self.records[index].send_s = t
-        self._at(t + self.profile.http_s, _ROUTE, index)
+        self._at(t + self.profile.http_s, _EDGE if self.profile.frontend_s_per_request else _ROUTE, index)
 
     def _on_client_done(self, t: float, index: int) -> None:
         if not self.workload.max_concurrency:
@@ -207,6 +217,35 @@ class Simulation:
         self._slots += 1
         if self._backlog:
             self._on_send(t, self._backlog.popleft())
+
+    # ---- front end: new requests -----------------------------------------------------------------------
+    def _on_edge(self, t: float, index: int) -> None:
+        """A request reaches the front end: it shares the front end with the others there."""
+        self._edge_advance(t)
+        heapq.heappush(self._edge, (self._edge_v + self.profile.frontend_s_per_request, index))
+        self._edge_next(t)
+
+    def _on_edge_done(self, t: float, gen: int) -> None:
+        if gen != self._edge_gen:
+            return  # NOTE: a request came in since, and moved the next completion
+        self._edge_advance(t)
+        edge, done = self._edge, []
+        while edge and edge[0][0] <= self._edge_v + 1e-12:
+            done.append(heapq.heappop(edge)[1])
+        self._edge_next(t)
+        for index in done:
+            self._on_route(t, index)
+
+    def _edge_advance(self, t: float) -> None:
+        if self._edge:
+            self._edge_v += (t - self._edge_t) / len(self._edge)
+        self._edge_t = t
+
+    def _edge_next(self, t: float) -> None:
+        self._edge_gen += 1
+        if self._edge:
+            left = max(0.0, self._edge[0][0] - self._edge_v)
+            self._at(t + left * len(self._edge), _EDGE_DONE, self._edge_gen)
 
     # ---- router ---------------------------------------------------------------------------------------
     def _on_route(self, t: float, index: int) -> None:
@@ -320,14 +359,16 @@ class Simulation:
         self._at(t + step_s, _STEP_END, w)
 
     def _slowdown(self, t: float, prefill: bool = False) -> float:
-        """CPU workers sharing ``host_cpus`` cores (with the front end's CPU per streamed token): a step
-        stretches by demand / cores while the demand exceeds the cores; a prefill step by
-        (1 + prefill_weight x (demand - 1)) / cores."""
+        """CPU workers sharing ``host_cpus`` cores (with the front end: one core while it holds new
+        requests, else its CPU per streamed token): a step stretches by demand / cores while the demand
+        exceeds the cores; a prefill step by (1 + prefill_weight x (demand - 1)) / cores."""
         cpus = self.profile.host_cpus
         if not cpus:
             return 1.0
         demand = float(self._num_busy)
-        if self.profile.frontend_cpu_per_token_s:
+        if self._edge:
+            demand += 1.0
+        elif self.profile.frontend_cpu_per_token_s:
             rate = self._token_rate * math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
             demand += min(1.0, rate * self.profile.frontend_cpu_per_token_s)
         if prefill and demand > 1.0:
