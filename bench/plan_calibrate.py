@@ -14,7 +14,7 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
 * the front end's work per new request (HTTP, validation, the route decision): the one with which the
-  simulation of a burst of 32 short requests sent at once gives the burst's measured mean TTFT (the
+  simulation of bursts of 8 and 32 short requests sent at once gives their measured mean TTFTs (the
   simulation shares the front end between the requests it holds, so a burst is routed about together,
   and counts it as a busy core meanwhile); the HTTP edge is what an idle request's edge time leaves
   after it;
@@ -187,7 +187,9 @@ def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float)
 
 _MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
 _LIGHT_BATCH, _LIGHT_WAVES = 2, 8  # the probe's light decode batch: 16 requests, 2 at a time
-_BURST = Scenario(32, (16, 16), (2, 2))  # the probe's burst: 32 short requests sent at once
+# the probe's bursts: short requests sent at once, a few and many (smoke and long_decode send 4 and 8 at
+# once, batch_pressure 64)
+_BURSTS = (Scenario(8, (16, 16), (2, 2)), Scenario(32, (16, 16), (2, 2)))
 _MAX_PER_REQUEST_S = 0.02
 
 
@@ -258,28 +260,36 @@ def fit_frontend_per_request(
     cfg: ClusterConfig,
     profile: CostProfile,
     idle_edge_s: float,
-    workload: Workload,
-    records: Sequence[Record],
+    runs: Sequence[tuple[Workload, Sequence[Record]]],
     max_model_len: int,
 ) -> float:
     """``CostProfile.frontend_s_per_request``: the front end's work per new request with which the
-    simulation of a burst (``workload``, sent at once; ``profile`` otherwise as is) gives the burst's
-    measured mean TTFT. Each candidate keeps an idle request's edge time as measured (``idle_edge_s``,
-    the front end's time per token excluded): the HTTP edge is what is left of it, ``http_s = (idle_edge_s
-    - per request) / 2``. Bisection over [0, 20 ms] (the simulated TTFTs grow with it: the burst is
-    routed later and the front end's busy core slows its prefill); 0.0 when the simulation without it is
-    already as slow as the burst was, 20 ms when even that is too fast."""
-    ttfts = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None]
-    if not ttfts:
+    simulation of each burst (``runs``: its workload, sent at once, and its measured records; ``profile``
+    otherwise as is) gives, summed over the bursts, their measured mean TTFTs. Each candidate keeps an
+    idle request's edge time as measured (``idle_edge_s``, the front end's time per token excluded): the
+    HTTP edge is what is left of it, ``http_s = (idle_edge_s - per request) / 2``. Bisection over
+    [0, 20 ms] (the simulated TTFTs grow with it: a burst is routed later and the front end's busy core
+    slows its prefill); 0.0 when the simulation without it is already as slow as the bursts were, 20 ms
+    when even that is too fast."""
+    pairs = []
+    for workload, records in runs:
+        ttfts = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None]
+        if ttfts:
+            pairs.append((workload, statistics.fmean(ttfts)))
+    if not pairs:
         return 0.0
-    real = statistics.fmean(ttfts)
     base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
 
     def excess(per_request: float) -> float:
         http = max(0.0, (idle_edge_s - per_request) / 2)
         p = replace(profile, frontend_s_per_request=per_request, http_s=http)
-        simulated = [r.ttft_s for r in Simulation(base, p, workload).run().records if r.ttft_s is not None]
-        return (statistics.fmean(simulated) if simulated else 0.0) - real
+        total = 0.0
+        for workload, real in pairs:
+            simulated = [
+                r.ttft_s for r in Simulation(base, p, workload).run().records if r.ttft_s is not None
+            ]
+            total += (statistics.fmean(simulated) if simulated else 0.0) - real
+        return total
 
     lo, hi = 0.0, _MAX_PER_REQUEST_S
     if excess(lo) >= 0.0:
@@ -329,9 +339,12 @@ async def probe(
         phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
-    # a burst of short requests sent at once, for the front end's work per request (fitted below)
-    burst_seed = next(seeds)
-    burst, _ = await run_scenario(url, "probe-burst", client_args(burst_seed), _BURST)
+    # bursts of short requests sent at once, for the front end's work per request (fitted below)
+    bursts = []
+    for scenario in _BURSTS:
+        burst_seed = next(seeds)
+        recs, _ = await run_scenario(url, "probe-burst", client_args(burst_seed), scenario)
+        bursts.append((scenario, burst_seed, recs))
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -412,10 +425,11 @@ async def probe(
     ]
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-    burst_workload = workload_of("probe-burst", _BURST, info.vocab_size, info.max_model_len, burst_seed)
-    per_request = fit_frontend_per_request(
-        cfg, measured, edge - frontend, burst_workload, burst, info.max_model_len
-    )
+    burst_runs = [
+        (workload_of("probe-burst", sc, info.vocab_size, info.max_model_len, sd), recs)
+        for sc, sd, recs in bursts
+    ]
+    per_request = fit_frontend_per_request(cfg, measured, edge - frontend, burst_runs, info.max_model_len)
     measured = replace(
         measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
     )

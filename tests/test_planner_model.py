@@ -281,26 +281,30 @@ def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
 
 def test_the_probe_fits_the_front_ends_work_per_request() -> None:
     from bench.plan import load_cluster_config, workload_of
-    from bench.plan_calibrate import _BURST, fit_frontend_per_request
+    from bench.plan_calibrate import _BURSTS, fit_frontend_per_request
     from bench.serve import Record
 
-    # a burst "measured" by the simulation itself with 3 ms of front-end work per request and an HTTP
-    # edge of 1 ms (so an idle request's edge time is 2 x 1 + 3 = 5 ms): the fit finds 3 ms again
+    # the probe's bursts "measured" by the simulation itself with 3 ms of front-end work per request and
+    # an HTTP edge of 1 ms (so an idle request's edge time is 2 x 1 + 3 = 5 ms): the fit finds 3 ms again
     cfg = load_cluster_config("deploy/cpu-disagg.yaml")
     prof = CostProfile(
         "t", "hand-made", LinearStepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 0.0), TransferCost(0.002, 1e9), 2048
     )
     prof = replace(prof, host_cpus=2.0, hop_s=0.001)
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
-    burst = workload_of("burst", _BURST, 1000, 2048, 3)
+    bursts = [workload_of("burst", sc, 1000, 2048, seed) for seed, sc in enumerate(_BURSTS)]
 
-    def measured(per_request: float, http: float) -> list[Record]:
-        made = Simulation(base, replace(prof, frontend_s_per_request=per_request, http_s=http), burst).run()
-        return [Record(r.prompt_len, r.output_len, ttft_s=r.ttft_s) for r in made.records]
+    def measured(per_request: float, http: float) -> list[tuple[Workload, list[Record]]]:
+        p = replace(prof, frontend_s_per_request=per_request, http_s=http)
+        runs = []
+        for burst in bursts:
+            made = Simulation(base, p, burst).run()
+            runs.append((burst, [Record(r.prompt_len, r.output_len, ttft_s=r.ttft_s) for r in made.records]))
+        return runs
 
-    fitted = fit_frontend_per_request(cfg, prof, 0.005, burst, measured(0.003, 0.001), 2048)
+    fitted = fit_frontend_per_request(cfg, prof, 0.005, measured(0.003, 0.001), 2048)
     assert fitted == pytest.approx(0.003, abs=2e-5)
-    # a burst as fast as the simulation without it: none; one slower than 20 ms a request allows: 20 ms
-    assert fit_frontend_per_request(cfg, prof, 0.002, burst, measured(0.0, 0.001), 2048) == 0.0
-    slow = [replace(r, ttft_s=10.0) for r in measured(0.0, 0.001)]
-    assert fit_frontend_per_request(cfg, prof, 0.005, burst, slow, 2048) == 0.02
+    # bursts as fast as the simulation without it: none; slower than 20 ms a request allows: 20 ms
+    assert fit_frontend_per_request(cfg, prof, 0.002, measured(0.0, 0.001), 2048) == 0.0
+    slow = [(w, [replace(r, ttft_s=10.0) for r in recs]) for w, recs in measured(0.0, 0.001)]
+    assert fit_frontend_per_request(cfg, prof, 0.005, slow, 2048) == 0.02
