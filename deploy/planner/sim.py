@@ -14,9 +14,9 @@ sockets.
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
 * client send -> (http) front end: each request's own work, the front end shared between the requests
-  it holds (processor sharing: one event loop interleaving their handlers) -> router: the route decision (cluster/routing.py: mode, worker and reason, as
-  the router decides), SLO-aware admission when the router config asks for it (cluster/admission.py),
-  count it -> (hop) worker's command queue;
+  it holds (processor sharing: one event loop interleaving their handlers) -> router: the route
+  decision (cluster/routing.py: mode, worker and reason, as the router decides), SLO-aware admission
+  when the router config asks for it (cluster/admission.py), count it -> (hop) worker's command queue;
 * a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
 * step end: tokens go (hop) to the router, through the front end, (http) to the client; a held
   prefill's first token makes the router pick a decode worker and send it the handoff (hop); the
