@@ -7,17 +7,20 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * one control hop: the router's queue time of a request sent to an idle cluster;
 * the HTTP edge: client TTFT minus the router's TTFT, halved (in and out);
 * the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
-* the step scales: the engines' own step time (from their stats) in idle prefills and in steady decode
-  batches over what the sweep predicts for the same shapes; the fitted model's prefill and decode
-  terms are scaled by them (in place, a worker shares the host with the router, HTTP edge and the
-  other workers, which the sweep alone does not);
+* the step scales: the engines' own step time (from their stats) in steady decode batches over what the
+  sweep predicts for the same shapes scales the fitted model's decode terms and its base; the prefill
+  workers' own time in idle prefills (four prompt lengths, each prompt alone) and in the bursts below
+  (many short prompts in one step) fits, by least squares, a scale of its prompt terms and what a
+  prefill step and each prompt chunk in it cost in place beyond the model (in place, a worker shares the
+  host with the router, HTTP edge and the other workers, which the sweep alone does not, and a prefill
+  worker holds its prompts for their handoffs);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
-* the front end's work per new request (HTTP, validation, the route decision): the one with which the
-  simulation of bursts of 8 and 32 short requests sent at once gives their measured mean TTFTs (the
-  simulation shares the front end between the requests it holds, so a burst is routed about together,
-  and counts it as a busy core meanwhile); the HTTP edge is what an idle request's edge time leaves
-  after it;
+* the front end's work per new request (HTTP, validation, the route decision), from the edge times
+  (client TTFT minus the router's) of bursts of 8 and 32 short requests sent at once: the simulation
+  shares the front end between the requests it holds, so a burst is routed about together, and counts
+  it as a busy core meanwhile (``fit_frontend_per_request``); the HTTP edge is what an idle request's
+  edge time leaves after it;
 * the host's effective CPUs: the same decode batch again (in waves) while the prefill worker computes
   prompts two at a time; how much slower its steps get says how many workers really run at once (a
   2-vCPU VM may give less than 2: shared physical cores, memory bandwidth, other tenants);
@@ -167,10 +170,71 @@ def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
     return [shape_of([(s, min(budget, n - s), False)]) for s in range(0, n, budget)]
 
 
-def _prefill_model_s(profile: CostProfile, records: Sequence[Record], budget: int) -> float:
-    """The model's seconds for the prompts of ``records``, each computed alone in chunks of ``budget``
-    (requests that ran side by side shared steps: a little less than this)."""
-    return sum(profile.step.step_s(c) for r in records for c in _prefill_chunks(r.prompt_len, budget))
+_MIN_EXTRA_S = 1e-6  # a fitted extra below this is noise
+
+
+@dataclass(frozen=True)
+class PrefillRun:
+    """What a prefill pool ran in one probe phase: its engines' seconds, the model's seconds of the
+    prompts' own terms (a step's base excluded), its steps and the prompt chunks they computed."""
+
+    seconds: float
+    prompt_s: float
+    steps: int
+    chunks: int
+
+    @classmethod
+    def of(cls, ran: EngineTotals, step: Any, records: Sequence[Record], budget: int) -> PrefillRun:
+        base = step.base_s if isinstance(step, LinearStepCost) else 0.0
+        chunks = [c for r in records for c in _prefill_chunks(r.prompt_len, budget)]
+        return cls(ran.seconds, sum(step.step_s(c) - base for c in chunks), ran.num_steps, len(chunks))
+
+
+def fit_prefill_terms(runs: Sequence[PrefillRun], base_s: float) -> tuple[float, float, float]:
+    """(scale of the prompt terms, extra seconds per prefill step, extra seconds per prompt chunk): the
+    least-squares fit of seconds - base_s x steps = scale x prompt_s + per step x steps + per chunk x
+    chunks. Of the fits with a positive scale and extras of a microsecond or more (both extras, either
+    one, none), the one with the least squared error; the ratio of the sums when none is.
+
+    NOTE: idle prompts alone have one chunk a step, so they cannot tell the two extras apart; a burst
+    (many prompts in one step) can."""
+    y = np.array([r.seconds - base_s * r.steps for r in runs], dtype=np.float64)
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for extras in (("step", "chunk"), ("step",), ("chunk",), ()):
+        if len(runs) < 1 + len(extras):
+            continue
+        design = np.array(
+            [[r.prompt_s] + [float(r.steps if e == "step" else r.chunks) for e in extras] for r in runs],
+            dtype=np.float64,
+        )
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        if not (coef[0] > 0.0 and all(c >= _MIN_EXTRA_S for c in coef[1:])):
+            continue
+        error = float(((design @ coef - y) ** 2).sum())
+        terms = dict(zip(extras, (float(c) for c in coef[1:]), strict=True))
+        fit = (float(coef[0]), terms.get("step", 0.0), terms.get("chunk", 0.0))
+        if best is None or error < best[0]:
+            best = (error, fit)
+    if best is not None:
+        return best[1]
+    return float(y.sum() / sum(r.prompt_s for r in runs)), 0.0, 0.0
+
+
+def in_place_step(
+    step: Any, runs: Sequence[PrefillRun], decode_scale: float
+) -> tuple[Any, float, dict[str, float]]:
+    """(step model, step scale, fitted terms) in place. A fitted linear model: its decode terms and its
+    base scale by ``decode_scale`` (most steps decode), its prompt terms by the prefill scale
+    ``fit_prefill_terms`` finds in ``runs``, and a prefill step and each prompt chunk cost its extras
+    (``prefill_step_s``, added to ``prefill_seq_s``); step scale 1.0. A roofline is kept as it is, with
+    one factor for every step: the geometric mean of the prefill runs' ratio and the decode scale."""
+    if isinstance(step, LinearStepCost):
+        scale, per_step, per_chunk = fit_prefill_terms(runs, step.base_s * decode_scale)
+        scaled = step.scaled(scale, decode_scale, base=decode_scale)
+        in_place = replace(scaled, prefill_step_s=per_step, prefill_seq_s=scaled.prefill_seq_s + per_chunk)
+        return in_place, 1.0, {"scale": scale, "per_step": per_step, "per_chunk": per_chunk}
+    ratio = sum(r.seconds for r in runs) / sum(r.prompt_s for r in runs)
+    return step, math.sqrt(ratio * decode_scale), {"scale": ratio, "per_step": 0.0, "per_chunk": 0.0}
 
 
 _MAX_PREFILL_WEIGHT = 4.0
@@ -257,49 +321,31 @@ def fit_delivery_jitter_by_batch(
 
 
 def fit_frontend_per_request(
-    cfg: ClusterConfig,
-    profile: CostProfile,
-    idle_edge_s: float,
-    runs: Sequence[tuple[Workload, Sequence[Record]]],
-    max_model_len: int,
+    bursts: Sequence[Sequence[Record]], idle_edge_s: float, frontend_cpu_per_token_s: float
 ) -> float:
-    """``CostProfile.frontend_s_per_request``: the front end's work per new request with which the
-    simulation of each burst (``runs``: its workload, sent at once, and its measured records; ``profile``
-    otherwise as is) gives, summed over the bursts, their measured mean TTFTs. Each candidate keeps an
-    idle request's edge time as measured (``idle_edge_s``, the front end's time per token excluded): the
-    HTTP edge is what is left of it, ``http_s = (idle_edge_s - per request) / 2``. Bisection over
-    [0, 20 ms] (the simulated TTFTs grow with it: a burst is routed later and the front end's busy core
-    slows its prefill); 0.0 when the simulation without it is already as slow as the bursts were, 20 ms
-    when even that is too fast."""
-    pairs = []
-    for workload, records in runs:
-        ttfts = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None]
-        if ttfts:
-            pairs.append((workload, statistics.fmean(ttfts)))
-    if not pairs:
+    """``CostProfile.frontend_s_per_request`` from bursts of requests sent at once, by their edge time
+    (client TTFT minus the router's TTFT). The front end shares itself between the n new requests of a
+    burst, so they are routed about together, (n - 1) x per request later than a lone one; and the
+    first tokens of the step that prefilled them leave it one at a time, (n / 2 - 1) x its time per
+    token later on average. So a burst's mean edge time over an idle request's (``idle_edge_s``) is
+    (n - 1) x per request + (n / 2 - 1) x per token: least squares over the bursts, within [0, 20 ms]
+    (0.0 without a burst of two or more answered requests)."""
+    xs, ys = [], []
+    for records in bursts:
+        edges = [
+            r.ttft_s - r.server["ttft_s"]
+            for r in records
+            if r.error is None and r.ttft_s is not None and r.server and "ttft_s" in r.server
+        ]
+        n = len(records)
+        if n < 2 or not edges:
+            continue
+        xs.append(n - 1.0)
+        ys.append(statistics.fmean(edges) - idle_edge_s - max(0.0, n / 2 - 1) * frontend_cpu_per_token_s)
+    if not xs:
         return 0.0
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
-
-    def excess(per_request: float) -> float:
-        http = max(0.0, (idle_edge_s - per_request) / 2)
-        p = replace(profile, frontend_s_per_request=per_request, http_s=http)
-        total = 0.0
-        for workload, real in pairs:
-            simulated = [
-                r.ttft_s for r in Simulation(base, p, workload).run().records if r.ttft_s is not None
-            ]
-            total += (statistics.fmean(simulated) if simulated else 0.0) - real
-        return total
-
-    lo, hi = 0.0, _MAX_PER_REQUEST_S
-    if excess(lo) >= 0.0:
-        return 0.0
-    if excess(hi) <= 0.0:
-        return hi
-    while hi - lo > 1e-5:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if excess(mid) < 0.0 else (lo, mid)
-    return (lo + hi) / 2
+    per_request = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return min(_MAX_PER_REQUEST_S, max(0.0, per_request))
 
 
 async def probe(
@@ -313,19 +359,21 @@ async def probe(
     # NOTE: a seed per probe run: the same seed would give each run's first prompt the previous one's
     # tokens as a prefix, and prefix-cache hits would make prefills look cheaper than they are
     seeds = iter(range(seed * 1000 + 1, seed * 1000 + 1000))
+    budget = engine.max_num_batched_tokens
     idle: list[Record] = []
-    before = EngineTotals.of(handle, prefill_pool)
+    prefill_runs: list[PrefillRun] = []  # the prefill pool's idle prefills (and bursts, below)
     for n in (16, 256, 1024, 1792):
+        before = EngineTotals.of(handle, prefill_pool)
         scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
         recs, _ = await run_scenario(url, f"probe-{n}", client_args(next(seeds)), scenario)
-        idle += [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
-    prefill = EngineTotals.of(handle, prefill_pool) - before
+        done = [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
+        if done:
+            prefill_runs.append(
+                PrefillRun.of(EngineTotals.of(handle, prefill_pool) - before, profile.step, done, budget)
+            )
+        idle += done
     if not idle:
         raise RuntimeError("cluster probe: every probe request failed")
-    model_s = _prefill_model_s(profile, idle, engine.max_num_batched_tokens)
-    if colocated:  # the second token is decoded there too
-        model_s += sum(profile.step.step_s(shape_of([(r.prompt_len, 1, True)])) for r in idle)
-    prefill_scale = prefill.seconds / model_s
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     num_tokens, per_step = 0, []
@@ -340,11 +388,18 @@ async def probe(
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
     # bursts of short requests sent at once, for the front end's work per request (fitted below)
+    # (in a disaggregated cluster, the prefill worker's time in them joins the prefill fit: many prompts
+    # in one step; colocated, the burst's decodes share those steps)
     bursts = []
     for scenario in _BURSTS:
-        burst_seed = next(seeds)
-        recs, _ = await run_scenario(url, "probe-burst", client_args(burst_seed), scenario)
-        bursts.append((scenario, burst_seed, recs))
+        before = EngineTotals.of(handle, prefill_pool)
+        recs, _ = await run_scenario(url, "probe-burst", client_args(next(seeds)), scenario)
+        done = [r for r in recs if r.error is None]
+        if done and not colocated:
+            prefill_runs.append(
+                PrefillRun.of(EngineTotals.of(handle, prefill_pool) - before, profile.step, done, budget)
+            )
+        bursts.append((scenario, recs))
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -353,6 +408,7 @@ async def probe(
         recs, _ = await run_scenario(url, f"probe-decode-{light}", client_args(phase_seed), scenario)
         phases.append((light, scenario, phase_seed, recs))
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
+    step, _, fitted = in_place_step(profile.step, prefill_runs, decode_scale)
     host_cpus = profile.host_cpus
     prefill_slowdown, host_slowdown, prefill_weight = 1.0, 1.0, 1.0
     if not colocated and host_cpus:
@@ -379,9 +435,10 @@ async def probe(
         # the prefill worker's steps in the same phase, over what the idle prefills predict for them:
         # how much the rest of the host's demand counts against a prefill step
         done = [r for recs, _ in runs for r in recs if r.error is None]
-        prefill_slowdown = prefilled.seconds / (
-            prefill_scale * _prefill_model_s(profile, done, engine.max_num_batched_tokens)
-        )
+        expected = sum(step.step_s(c) for r in done for c in _prefill_chunks(r.prompt_len, budget))
+        if not isinstance(step, LinearStepCost):
+            expected *= fitted["scale"]
+        prefill_slowdown = prefilled.seconds / expected
         demand = 2.0 + min(1.0, rate * frontend)
         host_slowdown = max(1.0, demand / host_cpus)
         prefill_weight = fit_prefill_weight(prefill_slowdown, demand, host_cpus)
@@ -401,12 +458,8 @@ async def probe(
         transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
     else:
         transfer = TransferCost(float(seconds.mean()), profile.transfer.bytes_per_s)
-    # NOTE: a fitted model takes the two measured scales term by term; a roofline only as one factor
-    step: Any = profile.step
-    if isinstance(step, LinearStepCost):
-        step, scale = step.scaled(prefill_scale, decode_scale), 1.0
-    else:
-        scale = math.sqrt(prefill_scale * decode_scale)
+    # NOTE: again, with the decode scale as the contended phase left it
+    step, scale, fitted = in_place_step(profile.step, prefill_runs, decode_scale)
     measured = replace(
         profile,
         step=step,
@@ -425,11 +478,7 @@ async def probe(
     ]
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-    burst_runs = [
-        (workload_of("probe-burst", sc, info.vocab_size, info.max_model_len, sd), recs)
-        for sc, sd, recs in bursts
-    ]
-    per_request = fit_frontend_per_request(cfg, measured, edge - frontend, burst_runs, info.max_model_len)
+    per_request = fit_frontend_per_request([recs for _, recs in bursts], edge, frontend)
     measured = replace(
         measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
     )
@@ -438,7 +487,9 @@ async def probe(
         "http_ms": measured.http_s * 1e3,
         "transfer_latency_ms": transfer.latency_s * 1e3,
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
-        "prefill_scale": prefill_scale,
+        "prefill_scale": fitted["scale"],
+        "prefill_extra_per_step_ms": fitted["per_step"] * 1e3,
+        "prefill_extra_per_chunk_ms": fitted["per_chunk"] * 1e3,
         "decode_scale": decode_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
         "frontend_per_request_ms": per_request * 1e3,

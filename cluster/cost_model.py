@@ -67,8 +67,10 @@ def shape_of(chunks: Iterable[tuple[int, int, bool]]) -> StepShape:
 class LinearStepCost:
     """step_s = base + per prefill token + per prefill sequence + per decode sequence + per context token
     read by decodes + per prefill attention pair + per padded decode context position + per padded
-    position beyond ``padded_knee_tokens`` (a hinge: the padded batch outgrows the CPU's caches).
-    Fitted (non-negative, knee by search) by ``pdserve plan calibrate``."""
+    position beyond ``padded_knee_tokens`` (a hinge: the padded batch outgrows the CPU's caches) + once
+    per step that computes any prompt chunk (``prefill_step_s``). Fitted (non-negative, knee by search)
+    by ``pdserve plan calibrate``; ``prefill_step_s`` is not in the engine sweep's fit: the cluster probe
+    measures it, what a prefill step costs in place (a worker's held prefills) beyond the sweep's model."""
 
     base_s: float
     prefill_token_s: float
@@ -79,6 +81,7 @@ class LinearStepCost:
     padded_context_token_s: float = 0.0
     padded_excess_token_s: float = 0.0
     padded_knee_tokens: float = 0.0
+    prefill_step_s: float = 0.0
 
     kind = "linear"
     FEATURES = (
@@ -122,17 +125,20 @@ class LinearStepCost:
             + self.attention_pair_s * shape.num_attention_pairs
             + self.padded_context_token_s * padded
             + (self.padded_excess_token_s * excess if excess > 0 else 0.0)
+            + (self.prefill_step_s if shape.num_prefill_seqs else 0.0)
         )
 
-    def scaled(self, prefill: float, decode: float) -> LinearStepCost:
-        """Prefill terms times ``prefill``, decode terms times ``decode``, the base by their geometric
-        mean: what the cluster probe measured of each kind of step in place."""
+    def scaled(self, prefill: float, decode: float, base: float | None = None) -> LinearStepCost:
+        """Prefill terms times ``prefill``, decode terms times ``decode``, the base times ``base`` (by
+        default their geometric mean): what the cluster probe measured of each kind of step in place."""
         values = {
             name: getattr(self, name) * (prefill if name in self.PREFILL_TERMS else decode)
             for name in self.FEATURES
         }
-        values["base_s"] = self.base_s * math.sqrt(prefill * decode)
-        return LinearStepCost(**values, padded_knee_tokens=self.padded_knee_tokens)
+        values["base_s"] = self.base_s * (math.sqrt(prefill * decode) if base is None else base)
+        return LinearStepCost(
+            **values, padded_knee_tokens=self.padded_knee_tokens, prefill_step_s=self.prefill_step_s * prefill
+        )
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,13 @@ def test_linear_step_cost() -> None:
     assert LINEAR.step_s(shape) == pytest.approx(expected, rel=1e-12)
     assert make_profile(step_scale=1.5).step_s(shape) == pytest.approx(1.5 * expected, rel=1e-12)
     assert LINEAR.step_s(StepShape()) == 0.0
+    # a step that computes any prompt chunk pays prefill_step_s once (scaled as a prefill term)
+    probed = replace(LINEAR, prefill_step_s=0.003)
+    assert probed.step_s(shape) == pytest.approx(expected + 0.003, rel=1e-12)
+    decodes = StepShape(0, 0, 8, 4000, 0, 6000)
+    assert probed.step_s(decodes) == LINEAR.step_s(decodes)
+    assert probed.scaled(2.0, 1.0).prefill_step_s == 0.006
+    assert probed.scaled(2.0, 1.0, base=3.0).base_s == pytest.approx(3 * LINEAR.base_s)
 
 
 def test_profile_json_round_trip_and_strictness(tmp_path: Path) -> None:
@@ -280,31 +287,61 @@ def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
 
 
 def test_the_probe_fits_the_front_ends_work_per_request() -> None:
-    from bench.plan import load_cluster_config, workload_of
-    from bench.plan_calibrate import _BURSTS, fit_frontend_per_request
+    from bench.plan_calibrate import fit_frontend_per_request
     from bench.serve import Record
 
-    # the probe's bursts "measured" by the simulation itself with 3 ms of front-end work per request and
-    # an HTTP edge of 1 ms (so an idle request's edge time is 2 x 1 + 3 = 5 ms): the fit finds 3 ms again
-    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
-    prof = CostProfile(
-        "t", "hand-made", LinearStepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 0.0), TransferCost(0.002, 1e9), 2048
+    # idle edge 5 ms, 0.2 ms of front end per token; bursts of 8 and 32 whose mean edge is (n - 1) x
+    # 1.5 ms + (n / 2 - 1) x 0.2 ms over the idle one (the router's TTFT 40 ms, whatever it is)
+    def burst(n: int, extra: float) -> list[Record]:
+        edge = 0.005 + (n - 1) * 0.0015 + (n / 2 - 1) * 0.0002 + extra
+        return [Record(16, 2, ttft_s=0.040 + edge, server={"ttft_s": 0.040}) for _ in range(n)]
+
+    assert fit_frontend_per_request([burst(8, 0.0), burst(32, 0.0)], 0.005, 0.0002) == pytest.approx(0.0015)
+    # least squares over the bursts: 7 x 1 ms more in the small one, 31 x 1 ms less in the large one
+    uneven = [burst(8, 0.007), burst(32, -0.031)]
+    assert fit_frontend_per_request(uneven, 0.005, 0.0002) == pytest.approx(
+        0.0015 + (7 * 7 - 31 * 31) / (49 + 961) * 0.001
     )
-    prof = replace(prof, host_cpus=2.0, hop_s=0.001)
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
-    bursts = [workload_of("burst", sc, 1000, 2048, seed) for seed, sc in enumerate(_BURSTS)]
+    # bursts no slower than idle requests: none; failed ones and lone requests say nothing
+    assert fit_frontend_per_request([burst(8, -0.02)], 0.005, 0.0002) == 0.0
+    failed = [Record(16, 2, error="boom") for _ in range(8)]
+    assert fit_frontend_per_request([failed, burst(1, 0.0)], 0.005, 0.0002) == 0.0
 
-    def measured(per_request: float, http: float) -> list[tuple[Workload, list[Record]]]:
-        p = replace(prof, frontend_s_per_request=per_request, http_s=http)
-        runs = []
-        for burst in bursts:
-            made = Simulation(base, p, burst).run()
-            runs.append((burst, [Record(r.prompt_len, r.output_len, ttft_s=r.ttft_s) for r in made.records]))
-        return runs
 
-    fitted = fit_frontend_per_request(cfg, prof, 0.005, measured(0.003, 0.001), 2048)
-    assert fitted == pytest.approx(0.003, abs=2e-5)
-    # bursts as fast as the simulation without it: none; slower than 20 ms a request allows: 20 ms
-    assert fit_frontend_per_request(cfg, prof, 0.002, measured(0.0, 0.001), 2048) == 0.0
-    slow = [(w, [replace(r, ttft_s=10.0) for r in recs]) for w, recs in measured(0.0, 0.001)]
-    assert fit_frontend_per_request(cfg, prof, 0.005, slow, 2048) == 0.02
+def test_the_probe_fits_the_prompt_terms_and_the_extras_of_a_prefill_step_and_chunk() -> None:
+    from bench.plan_calibrate import PrefillRun, fit_prefill_terms, in_place_step
+
+    # made with a base of 4.5 ms a step, the prompt terms at 0.9x, 3 ms more per prefill step and 1 ms
+    # more per prompt chunk: four idle lengths (a chunk a step) and two bursts (many chunks a step)
+    def run(prompt_s: float, steps: int, chunks: int) -> PrefillRun:
+        return PrefillRun(
+            0.0045 * steps + 0.9 * prompt_s + 0.003 * steps + 0.001 * chunks, prompt_s, steps, chunks
+        )
+
+    idle = [run(0.01, 4, 4), run(0.06, 4, 4), run(0.28, 4, 4), run(0.5, 8, 8)]
+    bursts = [run(0.02, 2, 8), run(0.08, 3, 32)]
+    scale, per_step, per_chunk = fit_prefill_terms(idle + bursts, 0.0045)
+    assert (scale, per_step, per_chunk) == (pytest.approx(0.9), pytest.approx(0.003), pytest.approx(0.001))
+    # prompts cheaper in place than the model with no extra at all: the scale alone
+    cheap = [
+        PrefillRun(0.0045 * r.steps + 0.5 * r.prompt_s, r.prompt_s, r.steps, r.chunks) for r in idle + bursts
+    ]
+    assert fit_prefill_terms(cheap, 0.0045) == (pytest.approx(0.5), 0.0, 0.0)
+
+    step = LinearStepCost(0.003, 6e-5, 7e-4, 1.5e-4, 6e-7, 1e-7)
+    in_place, step_scale, fitted = in_place_step(step, idle + bursts, 1.5)  # base 3 ms x 1.5 = 4.5 ms
+    assert step_scale == 1.0
+    assert fitted == {
+        "scale": pytest.approx(0.9),
+        "per_step": pytest.approx(0.003),
+        "per_chunk": pytest.approx(0.001),
+    }
+    assert in_place.base_s == pytest.approx(0.0045)
+    assert (in_place.prefill_token_s, in_place.decode_seq_s) == (
+        pytest.approx(5.4e-5),
+        pytest.approx(2.25e-4),
+    )
+    assert (in_place.prefill_seq_s, in_place.prefill_step_s) == (
+        pytest.approx(0.9 * 7e-4 + 0.001),
+        pytest.approx(0.003),
+    )
