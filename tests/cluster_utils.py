@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,32 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
             return value
         time.sleep(0.02)
     raise TimeoutError(f"{what} not reached within {timeout_s} s")
+
+
+JOB_AGENT_NOT_READY = "No available agent"  # the dashboard's answer while its job agent starts
+JOB_RETRY_PAUSE_S = 2.0
+
+
+def submit_job(
+    command: list[str],
+    *,
+    env: dict[str, str],
+    timeout_s: float,
+    cwd: Any = None,
+    ready_within_s: float = 300.0,
+    alive: Callable[[], bool] = lambda: True,
+) -> subprocess.CompletedProcess[str]:
+    """Run a ``ray job submit`` command. Right after ``ray start`` the dashboard may have no job agent
+    yet, and says so: only that answer is retried, with a pause, while ``alive()`` and within
+    ``ready_within_s``; any other outcome is returned as it is."""
+    deadline = time.monotonic() + ready_within_s
+    while True:
+        job = subprocess.run(
+            command, env=env, cwd=cwd, timeout=timeout_s, capture_output=True, text=True, check=False
+        )
+        if JOB_AGENT_NOT_READY not in job.stdout + job.stderr or not alive() or time.monotonic() > deadline:
+            return job
+        time.sleep(JOB_RETRY_PAUSE_S)  # NOTE: a bounded retry of the one answer that says "not yet"
 
 
 def cluster_config(model_dir: str, **overrides: Any) -> dict[str, Any]:

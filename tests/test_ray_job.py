@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import pytest
 
 from cluster.protocol import SamplingParams
-from tests.cluster_utils import wait_for
+from tests.cluster_utils import submit_job, wait_for
 from workers.llm import LLM
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 RAY = str(pathlib.Path(sys.executable).with_name("ray"))
 BIND_ERRORS = ("already in use", "Failed to bind", "EADDRINUSE")
 START_ATTEMPTS = 3
-RETRY_PAUSE_S = 2.0
 
 
 def _pids_naming(text: str) -> list[int]:
@@ -127,15 +126,7 @@ def test_ray_job_submit_serves_a_request() -> None:
             sys.executable, "-m", "deploy.launch", "--config", "deploy/cpu-disagg.yaml",
             "--prompt", "Once upon a time", "--max-tokens", "8",
         ]  # fmt: skip
-        # NOTE: right after `ray start` the dashboard may have no job agent yet; it says so, and only
-        # that answer is retried, with a pause, while our head lives and within a bound.
-        deadline = time.monotonic() + 300
-        while True:
-            job = subprocess.run(submit, env=env, timeout=600, capture_output=True, text=True)
-            not_ready = "No available agent" in job.stdout + job.stderr
-            if not not_ready or head.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(RETRY_PAUSE_S)
+        job = submit_job(submit, env=env, timeout_s=600, alive=lambda: head.poll() is None)
         assert head.poll() is None, "our ray head exited during the test"
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
     lines = [line for line in job.stdout.splitlines() if line.startswith(("PROMPT", "OUTPUT", "TOKENS"))]

@@ -15,7 +15,7 @@ import pytest
 
 from bench.netns_lab import Lab, netns_refusal, two_host_lab
 from cluster.protocol import SamplingParams
-from tests.cluster_utils import greedy, shared_prefix_prompts
+from tests.cluster_utils import greedy, shared_prefix_prompts, submit_job
 from workers.llm import LLM
 
 # NOTE: the first test also pays the lab's bring-up (two Ray nodes), hence a longer bound than the suite's
@@ -99,10 +99,10 @@ def test_ray_job_submit_onto_the_two_node_cluster(lab: Lab, offline: LLM, tmp_pa
     prompt = "Once upon a time"
     expected = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].text
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": lab.dashboard_url}
-    done = subprocess.run(
+    done = submit_job(
         [str(Path(sys.executable).with_name("ray")), "job", "submit", "--working-dir", str(ROOT),
          "--", sys.executable, "-m", "deploy.launch", "--config", str(config), "--prompt", prompt, "--max-tokens", "12"],
-        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT, check=False,
+        env=env, timeout_s=900, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"OUTPUT {expected!r}" in done.stdout
