@@ -390,7 +390,7 @@ async def probe(
     # bursts of short requests sent at once, for the front end's work per request (fitted below)
     # (in a disaggregated cluster, the prefill worker's time in them joins the prefill fit: many prompts
     # in one step; colocated, the burst's decodes share those steps)
-    bursts = []
+    bursts: list[list[Record]] = []
     for scenario in _BURSTS:
         before = EngineTotals.of(handle, prefill_pool)
         recs, _ = await run_scenario(url, "probe-burst", client_args(next(seeds)), scenario)
@@ -399,7 +399,7 @@ async def probe(
             prefill_runs.append(
                 PrefillRun.of(EngineTotals.of(handle, prefill_pool) - before, profile.step, done, budget)
             )
-        bursts.append((scenario, recs))
+        bursts.append(recs)
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -478,7 +478,7 @@ async def probe(
     ]
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-    per_request = fit_frontend_per_request([recs for _, recs in bursts], edge, frontend)
+    per_request = fit_frontend_per_request(bursts, edge, frontend)
     measured = replace(
         measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
     )
