@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, load_cluster_config, scenario_workload, workload_of
 from bench.plan_calibrate import EngineTotals, calibrate_and_probe, client_args, running_cluster
@@ -61,10 +62,10 @@ def as_records(records: Sequence[Record]) -> list[RequestRecord]:
     return out
 
 
-def request_rows(records: Sequence[RequestRecord]) -> list[list[float | None]]:
-    """Each request as ``[prompt_len, output_len, TTFT ms, mean TBT ms, tokens]`` (validate.json's
-    "requests", in send order per run; TTFT None: rejected or no token), for comparing the distributions
-    behind a percentile or an attainment gap."""
+def request_rows(records: Sequence[RequestRecord]) -> list[list[Any]]:
+    """Each request as ``[prompt_len, output_len, TTFT ms, mean TBT ms, tokens, [gap ms, ...]]``
+    (validate.json's "requests", in send order per run; TTFT None: rejected or no token), for comparing
+    the distributions behind a percentile or an attainment gap: the TBT percentiles pool the gaps."""
     return [
         [
             r.prompt_len,
@@ -72,6 +73,7 @@ def request_rows(records: Sequence[RequestRecord]) -> list[list[float | None]]:
             None if r.ttft_s is None else round(r.ttft_s * 1e3, 3),
             round(r.mean_tbt_s * 1e3, 3),
             r.num_tokens,
+            [round(g * 1e3, 3) for g in r.gaps_s],
         ]
         for r in records
     ]
@@ -146,7 +148,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
     if args.runs < 1:
         p.error("--runs must be at least 1")
     real: dict[str, Summary] = {}
-    per_request: dict[str, dict[str, list[list[float | None]]]] = {}  # validate.json's "requests"
+    per_request: dict[str, dict[str, list[list[Any]]]] = {}  # validate.json's "requests"
     # NOTE: a seed per workload and run, apart from the probe's (seed x 1000 + 1 ...): with one seed,
     # each scenario's first prompt starts with the previous one's tokens, and the real cluster's prefix
     # cache (which lives on) would serve them

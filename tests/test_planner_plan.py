@@ -222,4 +222,7 @@ def test_validate_writes_each_request_as_a_row() -> None:
     served = RequestRecord(10, 5, send_s=1.0, first_token_s=1.0125, num_tokens=3)
     served.gaps_s.extend([0.002, 0.004])
     refused = RequestRecord(7, 2, send_s=0.0, rejected="too_long")
-    assert request_rows([served, refused]) == [[10, 5, 12.5, 3.0, 3], [7, 2, None, 0.0, 0]]
+    assert request_rows([served, refused]) == [
+        [10, 5, 12.5, 3.0, 3, [2.0, 4.0]],
+        [7, 2, None, 0.0, 0, []],
+    ]
