@@ -390,6 +390,38 @@ class TransferStats:
 
 
 @dataclass
+class StepSplit:
+    """The step thread's engine steps (wall seconds, tokens out, prompt tokens computed) and the share of
+    them during which this worker's transfer side finished KV transfers (``beside_*``;
+    ``beside_transfers``: how many finished then). The transfer threads share the process, the interpreter lock and the cores with
+    the step thread: ``pdserve plan calibrate``'s probe reads what a transfer adds to the steps beside
+    it from the two shares (deploy/planner: ``CostProfile.handoff_step_s``)."""
+
+    num_steps: int = 0
+    seconds: float = 0.0
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    beside_steps: int = 0
+    beside_seconds: float = 0.0
+    beside_tokens: int = 0
+    beside_prompt_tokens: int = 0
+    beside_transfers: int = 0
+
+    def count(self, seconds: float, num_tokens: int, prompt_tokens: int, finished_transfers: int) -> None:
+        """One more step (on the step thread)."""
+        self.num_steps += 1
+        self.seconds += seconds
+        self.num_tokens += num_tokens
+        self.prompt_tokens += prompt_tokens
+        if finished_transfers > 0:
+            self.beside_steps += 1
+            self.beside_seconds += seconds
+            self.beside_tokens += num_tokens
+            self.beside_prompt_tokens += prompt_tokens
+            self.beside_transfers += finished_transfers
+
+
+@dataclass
 class WorkerStats:
     """One worker's snapshot, published by its step thread with every heartbeat; the router keeps the
     latest and /metrics exports it.
@@ -399,6 +431,7 @@ class WorkerStats:
     handshake's included.
     broken_peers: KV-transfer peers (``peer_name``) whose pair with this worker is broken (its connection
     closed, or building it failed): not used until rebuilt, with the next generation, on its next use.
+    steps: the step thread's steps, split by whether a KV transfer finished beside them.
     """
 
     worker_id: str
@@ -409,6 +442,7 @@ class WorkerStats:
     transfer: TransferStats = field(default_factory=TransferStats)
     rejected_frames: dict[str, int] = field(default_factory=dict)
     broken_peers: list[str] = field(default_factory=list)
+    steps: StepSplit = field(default_factory=StepSplit)
 
 
 def peer_name(worker_id: str, incarnation: str) -> str:

@@ -159,6 +159,16 @@ def test_bad_frames_are_counted_and_dropped_while_the_worker_keeps_serving(
         router.push.send(frame)
     assert generate(router, "after-bad-frames") == reference
     assert worker.stats().rejected_frames == {"malformed": 2, "bad_mac": 1, "unknown_tag": 1, "replayed": 1}
+    # its split of the steps: every step the engine ran, its prompt and its 8 tokens; no transfer beside
+    # (published after the step that streamed the last token: waited for, bounded)
+    engine = worker.engine.stats()
+    steps = wait_for(
+        lambda: worker.stats().steps if worker.stats().steps.num_steps == engine.num_steps else None,
+        10.0,
+        "the stats of the last step",
+    )
+    assert (steps.num_tokens, steps.prompt_tokens) == (8, len(PROMPT))
+    assert steps.seconds > 0.0 and (steps.beside_steps, steps.beside_transfers) == (0, 0)
     assert worker.health() and fatal == []
     assert worker.check_leaks() is None
 

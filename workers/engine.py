@@ -378,6 +378,11 @@ class Engine:
         return self.scheduler.kv.block_tables.get(request_id)
 
     # ---- observability -----------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed so far (prefix-cache hits excluded): ``stats()``'s, without the copy."""
+        return self._stats.num_prompt_tokens
+
     def stats(self) -> EngineStats:
         st = self._stats
         kv = self.scheduler.kv

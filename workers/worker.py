@@ -46,7 +46,7 @@ import zmq
 from cluster.config import EngineConfig, TransferConfig
 from cluster.heap import freeze_startup_heap
 from cluster.hub import model_fingerprint
-from cluster.protocol import ErrorCode, TokenDelta, TransferStats, WorkerStats
+from cluster.protocol import ErrorCode, StepSplit, TokenDelta, TransferStats, WorkerStats
 from cluster.wire import (
     OPS,
     ROUTER_ID,
@@ -226,6 +226,7 @@ class EngineWorker:
             gc_frozen_objects=frozen,
         )
         self._stats = WorkerStats(worker_id, pool)
+        self._steps = StepSplit()  # the step thread's own; published as a copy
         self._stats_line = StatsLine(stats_interval_s)  # the periodic INFO line (0: off)
         self._publish_stats()
         for target, name in ((self._inbound_loop, "inbound"), (self._step_loop, "step")):
@@ -343,7 +344,16 @@ class EngineWorker:
             if self.role is not None:
                 self.role.poll()
             if self.engine.has_unfinished():
-                self._on_deltas(self.engine.step())
+                finished, prompt = self._finished_transfers(), self.engine.num_prompt_tokens
+                t0 = time.perf_counter()
+                deltas = self.engine.step()
+                self._steps.count(
+                    time.perf_counter() - t0,
+                    len(deltas),
+                    self.engine.num_prompt_tokens - prompt,
+                    self._finished_transfers() - finished,
+                )
+                self._on_deltas(deltas)
             problem = self._stage_problem()
             if problem is not None:
                 self._fatal(problem)  # NOTE: its tokens would never leave; the worker says so, then stops
@@ -351,6 +361,12 @@ class EngineWorker:
             self._publish_stats()
             self._beat()
             self._stats_line.maybe_log(self._stats)
+
+    def _finished_transfers(self) -> int:
+        if self.role is None:
+            return 0
+        t = self.role.transfer_stats()
+        return t.num_ok + t.num_failed
 
     def _hang_until_shutdown(self) -> None:
         self._stop.wait(_FAULT_HANG_S)
@@ -505,6 +521,7 @@ class EngineWorker:
             transfer=role.transfer_stats() if role is not None else TransferStats(),
             rejected_frames=self._rejected_frames(),
             broken_peers=role.broken_peers() if role is not None else [],
+            steps=dataclasses.replace(self._steps),
         )
 
     def _rejected_frames(self) -> dict[str, int]:
