@@ -27,6 +27,11 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the prefill weight: in that same phase, the prefill worker's steps over what the idle prefills
   predict for them: how much the rest of the host's demand counts against a prefill step
   (CostProfile.prefill_weight);
+* what a KV handoff costs the steps beside it: the workers split their own steps by whether a transfer
+  finished during them (``cluster.protocol.StepSplit``); over the light batch of 2 streams and as many
+  short streams (a handoff every few steps), the steps beside a transfer over the others, less what
+  their shapes alone differ by, per transfer: on the decode side (receiving) and on the prefill side
+  (sending) (``fit_handoff_step``; CostProfile.handoff_receive_step_s / handoff_send_step_s);
 * the delivery jitter by batch: for each decode batch (the two above and a light one of 2 streams),
   the mean of an exponential delay per streamed token with which the simulation of that batch (the
   profile measured so far, the same seeded requests) gives its measured spread of gaps (90th
@@ -42,8 +47,8 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +59,7 @@ from bench.serve import Record, Scenario
 from bench.serve import run as run_scenario
 from cluster.config import ClusterConfig, EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
+from cluster.protocol import StepSplit
 from deploy.planner.calibrate import Sample
 from deploy.planner.sim import Simulation
 from deploy.planner.twin import SimConfig
@@ -156,6 +162,10 @@ def calibrate_profile(
 
 def _decode_scenario(batch: int, waves: int = 1) -> Scenario:
     return Scenario(batch * waves, (_DECODE_PROMPT, _DECODE_PROMPT), (96, 96), max_concurrency=batch)
+
+
+def _handoff_scenario(batch: int) -> Scenario:
+    return Scenario(16 * batch, (_DECODE_PROMPT, _DECODE_PROMPT), (16, 16), max_concurrency=batch)
 
 
 def _step_ratio(profile: CostProfile, ran: EngineTotals) -> float:
@@ -348,6 +358,65 @@ def fit_frontend_per_request(
     return min(_MAX_PER_REQUEST_S, max(0.0, per_request))
 
 
+_MAX_HANDOFF_STEP_S = 0.02
+
+
+def step_split_of(handle: ClusterHandle, pool: str) -> StepSplit:
+    """The step split of every worker of ``pool``, summed (fresh: asked of the actors)."""
+    import ray
+
+    ids = [w.worker_id for w in handle.router.workers if w.pool == pool]
+    stats = ray.get([handle.actors[i].stats.remote() for i in ids], timeout=60)
+    total = StepSplit()
+    for st in stats:
+        for f in fields(StepSplit):
+            setattr(total, f.name, getattr(total, f.name) + getattr(st.steps, f.name))
+    return total
+
+
+def split_delta(after: StepSplit, before: StepSplit) -> StepSplit:
+    return StepSplit(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(StepSplit)})
+
+
+def fit_handoff_step(split: StepSplit, model_s: Callable[[float, float], float]) -> float:
+    """What a finished transfer adds to a step beside it (``CostProfile.handoff_receive_step_s`` from a
+    decode pool's split, ``handoff_send_step_s`` from a prefill pool's): the steps beside which a
+    transfer finished over the others, per transfer, less what their shapes alone make them differ by
+    (``model_s(tokens a step streams, prompt tokens it computes)``, of each share's mean step), within
+    [0, 20 ms]; 0.0 when no transfer finished beside a step or no step ran without one."""
+    plain_steps = split.num_steps - split.beside_steps
+    if split.beside_transfers < 1 or plain_steps < 1:
+        return 0.0
+    plain = (split.seconds - split.beside_seconds) / plain_steps
+    shape_gap = model_s(
+        split.beside_tokens / split.beside_steps, split.beside_prompt_tokens / split.beside_steps
+    )
+    shape_gap -= model_s(
+        (split.num_tokens - split.beside_tokens) / plain_steps,
+        (split.prompt_tokens - split.beside_prompt_tokens) / plain_steps,
+    )
+    extra = split.beside_seconds - split.beside_steps * (plain + shape_gap)
+    return min(_MAX_HANDOFF_STEP_S, max(0.0, extra / split.beside_transfers))
+
+
+def _light_step_model(step: Any, prompt_len: int, context: int) -> Callable[[float, float], float]:
+    """``fit_handoff_step``'s model of a mean step of the light phases: a decode batch of the tokens it
+    streams (rounded) at ``context`` tokens, plus its prompt tokens as prompts of ``prompt_len``
+    (linear between whole numbers of them)."""
+
+    def model_s(tokens: float, prompt_tokens: float) -> float:
+        decodes = [(context, 1, True)] * round(tokens) if prompt_tokens < 1 else []
+        k = prompt_tokens / prompt_len
+        lo = math.floor(k)
+
+        def at(n: int) -> float:
+            return float(step.step_s(shape_of(decodes + [(0, prompt_len, False)] * n)))
+
+        return at(lo) + (k - lo) * (at(lo + 1) - at(lo))
+
+    return model_s
+
+
 async def probe(
     url: str, handle: ClusterHandle, profile: CostProfile, seed: int
 ) -> tuple[CostProfile, dict[str, Any]]:
@@ -403,10 +472,16 @@ async def probe(
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
+    split0 = {pool: step_split_of(handle, pool) for pool in (prefill_pool, decode_pool)}
     if light not in (b for b, *_ in phases):
         scenario, phase_seed = _decode_scenario(light, _LIGHT_WAVES), next(seeds)
         recs, _ = await run_scenario(url, f"probe-decode-{light}", client_args(phase_seed), scenario)
         phases.append((light, scenario, phase_seed, recs))
+    # short streams at the same batch: a handoff every few steps, received beside the other's steps
+    # (their cost to those steps is read from the decode workers' step split over both phases)
+    if not colocated:
+        await run_scenario(url, "probe-handoffs", client_args(next(seeds)), _handoff_scenario(light))
+    handoffs = {pool: split_delta(step_split_of(handle, pool), split0[pool]) for pool in split0}
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
     step, _, fitted = in_place_step(profile.step, prefill_runs, decode_scale)
     host_cpus = profile.host_cpus
@@ -471,6 +546,13 @@ async def probe(
         frontend_cpu_per_token_s=frontend,
         prefill_weight=prefill_weight,
     )
+    if not colocated:
+        light_step = _light_step_model(step, _DECODE_PROMPT, _DECODE_PROMPT + 32)
+        measured = replace(
+            measured,
+            handoff_receive_step_s=fit_handoff_step(handoffs[decode_pool], light_step),
+            handoff_send_step_s=fit_handoff_step(handoffs[prefill_pool], light_step),
+        )
     info = handle.model_info
     workloads = [
         (b, workload_of(f"probe-decode-{b}", sc, info.vocab_size, info.max_model_len, sd), recs)
@@ -498,6 +580,8 @@ async def probe(
         "prefill_slowdown": prefill_slowdown,
         "prefill_weight": prefill_weight,
         "delivery_jitter_ms_by_batch": {str(b): j * 1e3 for b, j in jitter},
+        "handoff_receive_step_ms": measured.handoff_receive_step_s * 1e3,
+        "handoff_send_step_ms": measured.handoff_send_step_s * 1e3,
     }
     return measured, report
 

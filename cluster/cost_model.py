@@ -212,7 +212,11 @@ class CostProfile:
     delivers without it. ``delivery_jitter_by_batch``: (tokens a step streams, mean delay) points that
     make the mean depend on the step's batch instead (measured: a step of 2 streams' tokens reaches its
     clients with less jitter than one of 8 or 32); linear in between, flat beyond the first and last.
-    The probe fits them all.
+    ``handoff_receive_step_s`` and ``handoff_send_step_s``: what one KV handoff adds to a step its
+    receiving (sending) worker runs meanwhile: the transfer threads share the process, the interpreter
+    lock and the cores with the step thread (measured on the 2-core CPU box: about 2 ms a handoff, from
+    the workers' own split of their steps, ``cluster.protocol.StepSplit``); 0.0 where a transfer runs
+    beside the steps for free. The probe fits them all.
     """
 
     name: str
@@ -229,6 +233,8 @@ class CostProfile:
     prefill_weight: float = 1.0
     delivery_jitter_s: float = 0.0
     delivery_jitter_by_batch: tuple[tuple[int, float], ...] = ()
+    handoff_receive_step_s: float = 0.0
+    handoff_send_step_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:
         return self.step.step_s(shape) * self.step_scale

@@ -63,7 +63,7 @@ def test_linear_step_cost() -> None:
 
 
 def test_profile_json_round_trip_and_strictness(tmp_path: Path) -> None:
-    prof = make_profile(hop_s=0.001, http_s=0.002, host_cpus=2.0)
+    prof = make_profile(hop_s=0.001, http_s=0.002, host_cpus=2.0, handoff_receive_step_s=0.002)
     path = tmp_path / "p.json"
     prof.save(path)
     assert CostProfile.load(path) == prof
@@ -345,3 +345,44 @@ def test_the_probe_fits_the_prompt_terms_and_the_extras_of_a_prefill_step_and_ch
         pytest.approx(0.9 * 7e-4 + 0.001),
         pytest.approx(0.003),
     )
+
+
+def test_a_step_split_counts_every_step_and_apart_those_beside_a_finished_transfer() -> None:
+    from cluster.protocol import StepSplit
+
+    split = StepSplit()
+    split.count(0.25, 2, 0, 0)
+    split.count(0.5, 1, 0, 2)
+    split.count(2.0, 1, 256, 1)
+    assert split == StepSplit(3, 2.75, 4, 256, 2, 2.5, 2, 256, 3)
+
+
+def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
+    from bench.plan_calibrate import _light_step_model, fit_handoff_step
+    from cluster.protocol import StepSplit
+
+    # 100 plain steps of 3 ms at a batch of 2; 10 steps at a batch of 1 took 5 ms, beside 10 transfers.
+    # A step of 1 is 0.2 ms cheaper than one of 2, so each transfer added 5 - (3 - 0.2) = 2.2 ms.
+    def model_s(tokens: float, prompt_tokens: float) -> float:
+        return 0.0026 + 0.0002 * tokens
+
+    split = StepSplit(110, 0.35, 210, 0, 10, 0.05, 10, 0, 10)
+    assert fit_handoff_step(split, model_s) == pytest.approx(0.0022)
+    # per transfer: twice the transfers beside the same steps, half each
+    assert fit_handoff_step(replace(split, beside_transfers=20), model_s) == pytest.approx(0.0011)
+    # nothing to compare: no transfer beside a step, or no step without one; beside steps no slower: 0
+    assert (
+        fit_handoff_step(replace(split, beside_steps=0, beside_seconds=0.0, beside_transfers=0), model_s)
+        == 0.0
+    )
+    assert fit_handoff_step(replace(split, num_steps=10, seconds=0.05, num_tokens=10), model_s) == 0.0
+    assert fit_handoff_step(replace(split, seconds=0.328, beside_seconds=0.028), model_s) == 0.0
+    # bounded at 20 ms
+    assert fit_handoff_step(replace(split, seconds=1.3, beside_seconds=1.0), model_s) == 0.02
+
+    # the light phases' model: decodes of the tokens a step streams, or prompts of 256 (linear between)
+    step = LinearStepCost(0.002, 1e-5, 5e-4, 2e-4, 1e-6, 0.0)
+    light = _light_step_model(step, 256, 288)
+    assert light(2.0, 0.0) == pytest.approx(step.step_s(shape_of([(288, 1, True)] * 2)))
+    one, two = (step.step_s(shape_of([(0, 256, False)] * k)) for k in (1, 2))
+    assert light(1.0, 384.0) == pytest.approx(one + 0.5 * (two - one))
