@@ -28,10 +28,11 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   predict for them: how much the rest of the host's demand counts against a prefill step
   (CostProfile.prefill_weight);
 * what a KV handoff costs the steps beside it: the workers split their own steps by whether a transfer
-  finished during them (``cluster.protocol.StepSplit``); over the light batch of 2 streams and as many
-  short streams (a handoff every few steps), the steps beside a transfer over the others, less what
-  their shapes alone differ by, per transfer: on the decode side (receiving) and on the prefill side
-  (sending) (``fit_handoff_step``; CostProfile.handoff_receive_step_s / handoff_send_step_s);
+  finished during them (``cluster.protocol.StepSplit``); over the light batch of 2 streams, as many
+  short streams (a handoff every few steps) and the contended phase below, each phase on its own, the
+  steps beside a transfer over the others, less what their shapes alone differ by, per transfer: on
+  the decode side (receiving) and on the prefill side (sending) (``fit_handoff_step``;
+  CostProfile.handoff_receive_step_s / handoff_send_step_s);
 * the delivery jitter by batch: for each decode batch (the two above and a light one of 2 streams),
   the mean of an exponential delay per streamed token with which the simulation of that batch (the
   profile measured so far, the same seeded requests) gives its measured spread of gaps (90th
@@ -378,31 +379,54 @@ def split_delta(after: StepSplit, before: StepSplit) -> StepSplit:
     return StepSplit(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(StepSplit)})
 
 
-def fit_handoff_step(split: StepSplit, model_s: Callable[[float, float], float]) -> float:
+def fit_handoff_step(splits: Sequence[StepSplit], model_s: Callable[[float, float], float]) -> float:
     """What a finished transfer adds to a step beside it (``CostProfile.handoff_receive_step_s`` from a
-    decode pool's split, ``handoff_send_step_s`` from a prefill pool's): the steps beside which a
-    transfer finished over the others, per transfer, less what their shapes alone make them differ by
-    (``model_s(tokens a step streams, prompt tokens it computes)``, of each share's mean step), within
-    [0, 20 ms]; 0.0 when no transfer finished beside a step or no step ran without one."""
-    plain_steps = split.num_steps - split.beside_steps
-    if split.beside_transfers < 1 or plain_steps < 1:
+    decode pool's splits, ``handoff_send_step_s`` from a prefill pool's), from one split per phase: in
+    each, the steps beside which a transfer finished over the others, less what their shapes alone make
+    them differ by (``model_s(tokens a step streams, prompt tokens it computes)``, of each share's mean
+    step); summed over the phases, per transfer, within [0, 20 ms]. A phase where no transfer finished
+    beside a step or no step ran without one adds nothing; 0.0 when none does.
+
+    NOTE: a phase is compared within itself: the phases load the host differently, so the steps of one
+    are no baseline for the steps beside a transfer in another."""
+    extra, transfers = 0.0, 0
+    for split in splits:
+        plain_steps = split.num_steps - split.beside_steps
+        if split.beside_transfers < 1 or plain_steps < 1:
+            continue
+        plain = (split.seconds - split.beside_seconds) / plain_steps
+        beside = split.beside_steps
+        shape_gap = model_s(split.beside_tokens / beside, split.beside_prompt_tokens / beside) - model_s(
+            (split.num_tokens - split.beside_tokens) / plain_steps,
+            (split.prompt_tokens - split.beside_prompt_tokens) / plain_steps,
+        )
+        extra += split.beside_seconds - beside * (plain + shape_gap)
+        transfers += split.beside_transfers
+    if transfers < 1:
         return 0.0
-    plain = (split.seconds - split.beside_seconds) / plain_steps
-    shape_gap = model_s(
-        split.beside_tokens / split.beside_steps, split.beside_prompt_tokens / split.beside_steps
-    )
-    shape_gap -= model_s(
-        (split.num_tokens - split.beside_tokens) / plain_steps,
-        (split.prompt_tokens - split.beside_prompt_tokens) / plain_steps,
-    )
-    extra = split.beside_seconds - split.beside_steps * (plain + shape_gap)
-    return min(_MAX_HANDOFF_STEP_S, max(0.0, extra / split.beside_transfers))
+    return min(_MAX_HANDOFF_STEP_S, max(0.0, extra / transfers))
 
 
-def _light_step_model(step: Any, prompt_len: int, context: int) -> Callable[[float, float], float]:
-    """``fit_handoff_step``'s model of a mean step of the light phases: a decode batch of the tokens it
-    streams (rounded) at ``context`` tokens, plus its prompt tokens as prompts of ``prompt_len``
-    (linear between whole numbers of them)."""
+class _SplitWindows:
+    """The pools' step splits over chosen phases of the probe, one window per phase."""
+
+    def __init__(self, handle: ClusterHandle, pools: Sequence[str]) -> None:
+        self.handle = handle
+        self.windows: dict[str, list[StepSplit]] = {pool: [] for pool in pools}
+        self._at: dict[str, StepSplit] = {}
+
+    def open(self) -> None:
+        self._at = {pool: step_split_of(self.handle, pool) for pool in self.windows}
+
+    def close(self) -> None:
+        for pool, before in self._at.items():
+            self.windows[pool].append(split_delta(step_split_of(self.handle, pool), before))
+
+
+def _probe_step_model(step: Any, prompt_len: int, context: int) -> Callable[[float, float], float]:
+    """``fit_handoff_step``'s model of a mean step of the probe's phases: a decode batch of the tokens it
+    streams (rounded) at ``context`` tokens, or its prompt tokens as prompts of ``prompt_len`` (linear
+    between whole numbers of them)."""
 
     def model_s(tokens: float, prompt_tokens: float) -> float:
         decodes = [(context, 1, True)] * round(tokens) if prompt_tokens < 1 else []
@@ -472,16 +496,19 @@ async def probe(
     # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
     # batch of 8's): the steps and the front end are measured on the two batches above, as before
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
-    split0 = {pool: step_split_of(handle, pool) for pool in (prefill_pool, decode_pool)}
+    # what a handoff costs the steps beside it, from the workers' step splits over this light batch,
+    # as many short streams (a handoff every few steps) and the contended phase below
+    splits = _SplitWindows(handle, (prefill_pool, decode_pool))
     if light not in (b for b, *_ in phases):
         scenario, phase_seed = _decode_scenario(light, _LIGHT_WAVES), next(seeds)
+        splits.open()
         recs, _ = await run_scenario(url, f"probe-decode-{light}", client_args(phase_seed), scenario)
+        splits.close()
         phases.append((light, scenario, phase_seed, recs))
-    # short streams at the same batch: a handoff every few steps, received beside the other's steps
-    # (their cost to those steps is read from the decode workers' step split over both phases)
     if not colocated:
+        splits.open()
         await run_scenario(url, "probe-handoffs", client_args(next(seeds)), _handoff_scenario(light))
-    handoffs = {pool: split_delta(step_split_of(handle, pool), split0[pool]) for pool in split0}
+        splits.close()
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
     step, _, fitted = in_place_step(profile.step, prefill_runs, decode_scale)
     host_cpus = profile.host_cpus
@@ -494,10 +521,12 @@ async def probe(
         before_prefill = EngineTotals.of(handle, prefill_pool)
         batch = min(8, engine.max_num_seqs)
         busy = Scenario(96, (_DECODE_PROMPT, _DECODE_PROMPT), (2, 2), max_concurrency=2)
+        splits.open()
         runs = await asyncio.gather(
             run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch, 6)),
             run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
         )
+        splits.close()
         contended = EngineTotals.of(handle, decode_pool) - before
         prefilled = EngineTotals.of(handle, prefill_pool) - before_prefill
         rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
@@ -547,11 +576,11 @@ async def probe(
         prefill_weight=prefill_weight,
     )
     if not colocated:
-        light_step = _light_step_model(step, _DECODE_PROMPT, _DECODE_PROMPT + 32)
+        probe_step = _probe_step_model(step, _DECODE_PROMPT, _DECODE_PROMPT + 32)
         measured = replace(
             measured,
-            handoff_receive_step_s=fit_handoff_step(handoffs[decode_pool], light_step),
-            handoff_send_step_s=fit_handoff_step(handoffs[prefill_pool], light_step),
+            handoff_receive_step_s=fit_handoff_step(splits.windows[decode_pool], probe_step),
+            handoff_send_step_s=fit_handoff_step(splits.windows[prefill_pool], probe_step),
         )
     info = handle.model_info
     workloads = [

@@ -358,7 +358,7 @@ def test_a_step_split_counts_every_step_and_apart_those_beside_a_finished_transf
 
 
 def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
-    from bench.plan_calibrate import _light_step_model, fit_handoff_step
+    from bench.plan_calibrate import _probe_step_model, fit_handoff_step
     from cluster.protocol import StepSplit
 
     # 100 plain steps of 3 ms at a batch of 2; 10 steps at a batch of 1 took 5 ms, beside 10 transfers.
@@ -367,22 +367,26 @@ def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
         return 0.0026 + 0.0002 * tokens
 
     split = StepSplit(110, 0.35, 210, 0, 10, 0.05, 10, 0, 10)
-    assert fit_handoff_step(split, model_s) == pytest.approx(0.0022)
+    assert fit_handoff_step([split], model_s) == pytest.approx(0.0022)
     # per transfer: twice the transfers beside the same steps, half each
-    assert fit_handoff_step(replace(split, beside_transfers=20), model_s) == pytest.approx(0.0011)
+    assert fit_handoff_step([replace(split, beside_transfers=20)], model_s) == pytest.approx(0.0011)
+    # each phase against its own plain steps: a slower phase (plain 6 ms, beside 8.8 ms, 10 transfers
+    # adding 3.0 ms each after the 0.2 ms a smaller batch saves) pools its 30 ms over all 20 transfers
+    slow = StepSplit(110, 0.688, 210, 0, 10, 0.088, 10, 0, 10)
+    assert fit_handoff_step([split, slow], model_s) == pytest.approx((0.022 + 0.030) / 20)
     # nothing to compare: no transfer beside a step, or no step without one; beside steps no slower: 0
-    assert (
-        fit_handoff_step(replace(split, beside_steps=0, beside_seconds=0.0, beside_transfers=0), model_s)
-        == 0.0
-    )
-    assert fit_handoff_step(replace(split, num_steps=10, seconds=0.05, num_tokens=10), model_s) == 0.0
-    assert fit_handoff_step(replace(split, seconds=0.328, beside_seconds=0.028), model_s) == 0.0
+    nothing_beside = replace(split, beside_steps=0, beside_seconds=0.0, beside_tokens=0, beside_transfers=0)
+    assert fit_handoff_step([nothing_beside], model_s) == 0.0
+    assert fit_handoff_step([nothing_beside, split], model_s) == pytest.approx(0.0022)
+    assert fit_handoff_step([replace(split, num_steps=10, seconds=0.05, num_tokens=10)], model_s) == 0.0
+    assert fit_handoff_step([replace(split, seconds=0.328, beside_seconds=0.028)], model_s) == 0.0
+    assert fit_handoff_step([], model_s) == 0.0
     # bounded at 20 ms
-    assert fit_handoff_step(replace(split, seconds=1.3, beside_seconds=1.0), model_s) == 0.02
+    assert fit_handoff_step([replace(split, seconds=1.3, beside_seconds=1.0)], model_s) == 0.02
 
-    # the light phases' model: decodes of the tokens a step streams, or prompts of 256 (linear between)
+    # the probe phases' model: decodes of the tokens a step streams, or prompts of 256 (linear between)
     step = LinearStepCost(0.002, 1e-5, 5e-4, 2e-4, 1e-6, 0.0)
-    light = _light_step_model(step, 256, 288)
+    light = _probe_step_model(step, 256, 288)
     assert light(2.0, 0.0) == pytest.approx(step.step_s(shape_of([(288, 1, True)] * 2)))
     one, two = (step.step_s(shape_of([(0, 256, False)] * k)) for k in (1, 2))
     assert light(1.0, 384.0) == pytest.approx(one + 0.5 * (two - one))
