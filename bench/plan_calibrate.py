@@ -29,10 +29,9 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   (CostProfile.prefill_weight);
 * what a KV handoff costs the steps beside it: the workers split their own steps by whether a transfer
   finished during them (``cluster.protocol.StepSplit``); over the light batch of 2 streams, as many
-  short streams (a handoff every few steps) and the contended phase below, each phase on its own, the
-  steps beside a transfer over the others, less what their shapes alone differ by, per transfer: on
-  the decode side (receiving) and on the prefill side (sending) (``fit_handoff_step``;
-  CostProfile.handoff_receive_step_s / handoff_send_step_s);
+  short streams (a handoff every few steps) and the contended phase above, each phase on its own, the
+  decode workers' steps beside a received transfer over the others, less what their shapes alone
+  differ by, per transfer (``fit_handoff_step``; CostProfile.handoff_receive_step_s);
 * the delivery jitter by batch: for each decode batch (the two above and a light one of 2 streams),
   the mean of an exponential delay per streamed token with which the simulation of that batch (the
   profile measured so far, the same seeded requests) gives its measured spread of gaps (90th
@@ -380,8 +379,8 @@ def split_delta(after: StepSplit, before: StepSplit) -> StepSplit:
 
 
 def fit_handoff_step(splits: Sequence[StepSplit], model_s: Callable[[float, float], float]) -> float:
-    """What a finished transfer adds to a step beside it (``CostProfile.handoff_receive_step_s`` from a
-    decode pool's splits, ``handoff_send_step_s`` from a prefill pool's), from one split per phase: in
+    """What a finished transfer adds to a step beside it (``CostProfile.handoff_receive_step_s``, from a
+    decode pool's splits), from one split per phase: in
     each, the steps beside which a transfer finished over the others, less what their shapes alone make
     them differ by (``model_s(tokens a step streams, prompt tokens it computes)``, of each share's mean
     step); summed over the phases, per transfer, within [0, 20 ms]. A phase where no transfer finished
@@ -498,7 +497,7 @@ async def probe(
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
     # what a handoff costs the steps beside it, from the workers' step splits over this light batch,
     # as many short streams (a handoff every few steps) and the contended phase below
-    splits = _SplitWindows(handle, (prefill_pool, decode_pool))
+    splits = _SplitWindows(handle, (decode_pool,))
     if light not in (b for b, *_ in phases):
         scenario, phase_seed = _decode_scenario(light, _LIGHT_WAVES), next(seeds)
         splits.open()
@@ -580,7 +579,6 @@ async def probe(
         measured = replace(
             measured,
             handoff_receive_step_s=fit_handoff_step(splits.windows[decode_pool], probe_step),
-            handoff_send_step_s=fit_handoff_step(splits.windows[prefill_pool], probe_step),
         )
     info = handle.model_info
     workloads = [
@@ -610,7 +608,6 @@ async def probe(
         "prefill_weight": prefill_weight,
         "delivery_jitter_ms_by_batch": {str(b): j * 1e3 for b, j in jitter},
         "handoff_receive_step_ms": measured.handoff_receive_step_s * 1e3,
-        "handoff_send_step_ms": measured.handoff_send_step_s * 1e3,
     }
     return measured, report
 

@@ -212,11 +212,12 @@ class CostProfile:
     delivers without it. ``delivery_jitter_by_batch``: (tokens a step streams, mean delay) points that
     make the mean depend on the step's batch instead (measured: a step of 2 streams' tokens reaches its
     clients with less jitter than one of 8 or 32); linear in between, flat beyond the first and last.
-    ``handoff_receive_step_s`` and ``handoff_send_step_s``: what one KV handoff adds to a step its
-    receiving (sending) worker runs meanwhile: the transfer threads share the process, the interpreter
-    lock and the cores with the step thread (measured on the 2-core CPU box: about 2 ms a handoff, from
-    the workers' own split of their steps, ``cluster.protocol.StepSplit``); 0.0 where a transfer runs
-    beside the steps for free. The probe fits them all.
+    ``handoff_receive_step_s``: what receiving one KV handoff adds to a step its worker runs meanwhile:
+    the transfer threads share the process, the interpreter lock and the cores with the step thread
+    (measured on the 2-core CPU box: 1.5-2.4 ms a handoff, from the workers' own split of their steps,
+    ``cluster.protocol.StepSplit``); 0.0 where a transfer runs beside the steps for free. (The sending
+    side is not modelled: the same measurement on the prefill workers gave 0.0, 2.3 and 9.6 ms in three
+    probes, within its noise.) The probe fits them all.
     """
 
     name: str
@@ -234,7 +235,6 @@ class CostProfile:
     delivery_jitter_s: float = 0.0
     delivery_jitter_by_batch: tuple[tuple[int, float], ...] = ()
     handoff_receive_step_s: float = 0.0
-    handoff_send_step_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:
         return self.step.step_s(shape) * self.step_scale
