@@ -380,11 +380,11 @@ def split_delta(after: StepSplit, before: StepSplit) -> StepSplit:
 
 def fit_handoff_step(splits: Sequence[StepSplit], model_s: Callable[[float, float], float]) -> float:
     """What a finished transfer adds to a step beside it (``CostProfile.handoff_receive_step_s``, from a
-    decode pool's splits), from one split per phase: in
-    each, the steps beside which a transfer finished over the others, less what their shapes alone make
-    them differ by (``model_s(tokens a step streams, prompt tokens it computes)``, of each share's mean
-    step); summed over the phases, per transfer, within [0, 20 ms]. A phase where no transfer finished
-    beside a step or no step ran without one adds nothing; 0.0 when none does.
+    decode pool's splits), from one split per phase: in each, the steps beside which a transfer finished
+    over the others, less what their shapes alone make them differ by (``model_s(tokens a step streams,
+    prompt tokens it computes)``, of each share's mean step); summed over the phases, per transfer,
+    within [0, 20 ms]. A phase where no transfer finished beside a step or no step ran without one adds
+    nothing; 0.0 when none does.
 
     NOTE: a phase is compared within itself: the phases load the host differently, so the steps of one
     are no baseline for the steps beside a transfer in another."""
@@ -407,7 +407,7 @@ def fit_handoff_step(splits: Sequence[StepSplit], model_s: Callable[[float, floa
 
 
 class _SplitWindows:
-    """The pools' step splits over chosen phases of the probe, one window per phase."""
+    """Pools' step splits over chosen phases of the probe, one window per phase."""
 
     def __init__(self, handle: ClusterHandle, pools: Sequence[str]) -> None:
         self.handle = handle
@@ -424,11 +424,11 @@ class _SplitWindows:
 
 def _probe_step_model(step: Any, prompt_len: int, context: int) -> Callable[[float, float], float]:
     """``fit_handoff_step``'s model of a mean step of the probe's phases: a decode batch of the tokens it
-    streams (rounded) at ``context`` tokens, or its prompt tokens as prompts of ``prompt_len`` (linear
-    between whole numbers of them)."""
+    streams (rounded) at ``context`` tokens, and its prompt tokens (a recompute's) as prompts of
+    ``prompt_len`` (linear between whole numbers of them)."""
 
     def model_s(tokens: float, prompt_tokens: float) -> float:
-        decodes = [(context, 1, True)] * round(tokens) if prompt_tokens < 1 else []
+        decodes = [(context, 1, True)] * round(tokens)
         k = prompt_tokens / prompt_len
         lo = math.floor(k)
 

@@ -393,9 +393,10 @@ class TransferStats:
 class StepSplit:
     """The step thread's engine steps (wall seconds, tokens out, prompt tokens computed) and the share of
     them during which this worker's transfer side finished KV transfers (``beside_*``;
-    ``beside_transfers``: how many finished then). The transfer threads share the process, the interpreter lock and the cores with
-    the step thread: ``pdserve plan calibrate``'s probe reads what a transfer adds to the steps beside
-    it from the two shares (deploy/planner: ``CostProfile.handoff_step_s``)."""
+    ``beside_transfers``: how many finished then). The transfer threads share the process, the
+    interpreter lock and the cores with the step thread: ``pdserve plan calibrate``'s probe reads what a
+    received transfer adds to the steps beside it from the two shares
+    (``CostProfile.handoff_receive_step_s``)."""
 
     num_steps: int = 0
     seconds: float = 0.0

@@ -384,9 +384,9 @@ def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
     # bounded at 20 ms
     assert fit_handoff_step([replace(split, seconds=1.3, beside_seconds=1.0)], model_s) == 0.02
 
-    # the probe phases' model: decodes of the tokens a step streams, or prompts of 256 (linear between)
+    # the probe phases' model: decodes of the tokens a step streams, and prompts of 256 (linear between)
     step = LinearStepCost(0.002, 1e-5, 5e-4, 2e-4, 1e-6, 0.0)
-    light = _probe_step_model(step, 256, 288)
-    assert light(2.0, 0.0) == pytest.approx(step.step_s(shape_of([(288, 1, True)] * 2)))
-    one, two = (step.step_s(shape_of([(0, 256, False)] * k)) for k in (1, 2))
-    assert light(1.0, 384.0) == pytest.approx(one + 0.5 * (two - one))
+    model = _probe_step_model(step, 256, 288)
+    assert model(2.0, 0.0) == pytest.approx(step.step_s(shape_of([(288, 1, True)] * 2)))
+    one, two = (step.step_s(shape_of([(288, 1, True)] + [(0, 256, False)] * k)) for k in (1, 2))
+    assert model(1.0, 384.0) == pytest.approx(one + 0.5 * (two - one))
