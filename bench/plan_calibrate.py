@@ -406,6 +406,21 @@ def fit_handoff_step(splits: Sequence[StepSplit], model_s: Callable[[float, floa
     return min(_MAX_HANDOFF_STEP_S, max(0.0, extra / transfers))
 
 
+def twin_decode_ratio(
+    cfg: ClusterConfig, profile: CostProfile, runs: Sequence[tuple[Workload, float]], max_model_len: int
+) -> float:
+    """The decode workers' measured seconds over the twin's (``profile``, the same seeded requests) in
+    each run, geometric mean; 1.0 without a run the twin gives time to."""
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    logs = []
+    for workload, seconds in runs:
+        busy = Simulation(base, profile, workload).run().worker_busy_s
+        simulated = sum(v for w, v in busy.items() if not w.startswith("prefill"))
+        if simulated > 0.0 and seconds > 0.0:
+            logs.append(math.log(seconds / simulated))
+    return math.exp(statistics.fmean(logs)) if logs else 1.0
+
+
 class _SplitWindows:
     """Pools' step splits over chosen phases of the probe, one window per phase."""
 
@@ -469,13 +484,16 @@ async def probe(
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     num_tokens, per_step = 0, []
+    decode_seconds: list[float] = []  # the decode workers' engine seconds in each phase
     phases: list[tuple[int, Scenario, int, list[Record]]] = []  # the decode batches, to fit the jitter on
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
         before = EngineTotals.of(handle, decode_pool)
         scenario, phase_seed = _decode_scenario(batch), next(seeds)
         recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(phase_seed), scenario)
         num_tokens += sum(r.output_tokens for r in recs)
-        per_step.append(_step_ratio(profile, EngineTotals.of(handle, decode_pool) - before))
+        ran = EngineTotals.of(handle, decode_pool) - before
+        per_step.append(_step_ratio(profile, ran))
+        decode_seconds.append(ran.seconds)
         phases.append((batch, scenario, phase_seed, recs))
     frontend = (time.process_time() - cpu0) / max(1, num_tokens)
     decode_demand = 1.0 + min(1.0, num_tokens / (time.perf_counter() - wall0) * frontend)
@@ -580,17 +598,29 @@ async def probe(
             measured,
             handoff_receive_step_s=fit_handoff_step(splits.windows[decode_pool], probe_step),
         )
+    per_request = fit_frontend_per_request(bursts, edge, frontend)
+    measured = replace(
+        measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
+    )
     info = handle.model_info
     workloads = [
         (b, workload_of(f"probe-decode-{b}", sc, info.vocab_size, info.max_model_len, sd), recs)
         for b, sc, sd, recs in phases
     ]
+    # NOTE: the decode scale took up, besides the steps' own in-place cost, what the twin models on its
+    # own in those phases (their prompts' prefill steps beside the decodes, the handoffs received beside
+    # them): corrected by their measured over simulated decode seconds, twice (the twin's stretch moves
+    # with the scale)
+    twin_scale, linear = 1.0, measured.step
+    if isinstance(linear, LinearStepCost):
+        runs_s = [(w, s) for (_, w, _), s in zip(workloads, decode_seconds, strict=False)]
+        for _ in range(2):
+            ratio = twin_decode_ratio(cfg, measured, runs_s, info.max_model_len)
+            linear = linear.scaled(1.0, ratio, base=ratio)
+            measured = replace(measured, step=linear)
+            twin_scale *= ratio
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-    per_request = fit_frontend_per_request(bursts, edge, frontend)
-    measured = replace(
-        measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
-    )
     report = {
         "hop_ms": hop * 1e3,
         "http_ms": measured.http_s * 1e3,
@@ -599,7 +629,7 @@ async def probe(
         "prefill_scale": fitted["scale"],
         "prefill_extra_per_step_ms": fitted["per_step"] * 1e3,
         "prefill_extra_per_chunk_ms": fitted["per_chunk"] * 1e3,
-        "decode_scale": decode_scale,
+        "decode_scale": decode_scale * twin_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
         "frontend_per_request_ms": per_request * 1e3,
         "host_cpus": host_cpus,
