@@ -421,6 +421,27 @@ def twin_decode_ratio(
     return math.exp(statistics.fmean(logs)) if logs else 1.0
 
 
+def twin_decode_scale(
+    cfg: ClusterConfig,
+    profile: CostProfile,
+    runs: Sequence[tuple[Workload, float]],
+    max_model_len: int,
+    rounds: int = 2,
+) -> tuple[CostProfile, float]:
+    """``profile`` with its linear step's decode terms and base times the factor that makes the twin's
+    decode seconds of ``runs`` their measured ones (``twin_decode_ratio``, applied ``rounds`` times: the
+    schedule, and so the ratio, moves with the scale), and that factor; a roofline profile as it is."""
+    scale, step = 1.0, profile.step
+    if not isinstance(step, LinearStepCost):
+        return profile, 1.0
+    for _ in range(rounds):
+        ratio = twin_decode_ratio(cfg, profile, runs, max_model_len)
+        step = step.scaled(1.0, ratio, base=ratio)
+        profile = replace(profile, step=step)
+        scale *= ratio
+    return profile, scale
+
+
 class _SplitWindows:
     """Pools' step splits over chosen phases of the probe, one window per phase."""
 
@@ -611,14 +632,8 @@ async def probe(
     # own in those phases (their prompts' prefill steps beside the decodes, the handoffs received beside
     # them): corrected by their measured over simulated decode seconds, twice (the twin's stretch moves
     # with the scale)
-    twin_scale, linear = 1.0, measured.step
-    if isinstance(linear, LinearStepCost):
-        runs_s = [(w, s) for (_, w, _), s in zip(workloads, decode_seconds, strict=False)]
-        for _ in range(2):
-            ratio = twin_decode_ratio(cfg, measured, runs_s, info.max_model_len)
-            linear = linear.scaled(1.0, ratio, base=ratio)
-            measured = replace(measured, step=linear)
-            twin_scale *= ratio
+    runs_s = [(w, s) for (_, w, _), s in zip(workloads, decode_seconds, strict=False)]
+    measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, info.max_model_len)
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
     report = {

@@ -390,3 +390,31 @@ def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
     assert model(2.0, 0.0) == pytest.approx(step.step_s(shape_of([(288, 1, True)] * 2)))
     one, two = (step.step_s(shape_of([(288, 1, True)] + [(0, 256, False)] * k)) for k in (1, 2))
     assert model(1.0, 384.0) == pytest.approx(one + 0.5 * (two - one))
+
+
+def test_the_probe_corrects_the_decode_scale_through_the_twin() -> None:
+    from bench.plan import load_cluster_config, workload_of
+    from bench.plan_calibrate import _decode_scenario, twin_decode_ratio, twin_decode_scale
+
+    # decode phases "measured" by the twin itself with the decode terms and the base 1.2x: two rounds of
+    # the measured over the simulated decode seconds find 1.2 again (one round falls short: a slower
+    # decode worker takes the wave's handoffs into other steps); 1.0 without a run
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    step = LinearStepCost(0.003, 6e-5, 7e-4, 1.5e-4, 6e-7, 1e-7)
+    prof = CostProfile("t", "hand-made", step, TransferCost(0.002, 1e9), 2048)
+    slower = replace(prof, step=step.scaled(1.0, 1.2, base=1.2))
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
+    runs = []
+    for batch, seed in ((8, 1), (32, 2)):
+        workload = workload_of("p", _decode_scenario(batch), 1000, 2048, seed)
+        busy = Simulation(base, slower, workload).run().worker_busy_s
+        runs.append((workload, sum(v for w, v in busy.items() if w.startswith("decode"))))
+    corrected, scale = twin_decode_scale(cfg, prof, runs, 2048)
+    assert scale == pytest.approx(1.2, rel=0.01)
+    assert corrected.step.base_s == pytest.approx(0.003 * scale)
+    assert (corrected.step.decode_seq_s, corrected.step.prefill_token_s) == (
+        pytest.approx(1.5e-4 * scale),
+        6e-5,
+    )
+    assert twin_decode_ratio(cfg, slower, runs, 2048) == 1.0
+    assert twin_decode_scale(cfg, prof, [], 2048) == (prof, 1.0)
