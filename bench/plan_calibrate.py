@@ -8,12 +8,15 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the HTTP edge: client TTFT minus the router's TTFT, halved (in and out);
 * the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
 * the step scales: the engines' own step time (from their stats) in steady decode batches over what the
-  sweep predicts for the same shapes scales the fitted model's decode terms and its base; the prefill
-  workers' own time in idle prefills (four prompt lengths, each prompt alone) and in the bursts below
-  (many short prompts in one step) fits, by least squares, a scale of its prompt terms and what a
-  prefill step and each prompt chunk in it cost in place beyond the model (in place, a worker shares the
-  host with the router, HTTP edge and the other workers, which the sweep alone does not, and a prefill
-  worker holds its prompts for their handoffs);
+  sweep predicts for the same shapes scales the fitted model's decode terms and its base, and at the end
+  the twin replays those batches with everything else measured and corrects that scale by their
+  measured over simulated decode seconds (``twin_decode_scale``: the batches' own prefills and handoffs
+  run beside their decodes, which the twin models on its own); the prefill workers' own time in idle
+  prefills (four prompt lengths, each prompt alone) and in the bursts below (many short prompts in one
+  step) fits, by least squares, a scale of its prompt terms and what a prefill step and each prompt
+  chunk in it cost in place beyond the model (in place, a worker shares the host with the router, HTTP
+  edge and the other workers, which the sweep alone does not, and a prefill worker holds its prompts
+  for their handoffs);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
 * the front end's work per new request (HTTP, validation, the route decision), from the edge times
@@ -531,8 +534,8 @@ async def probe(
                 PrefillRun.of(EngineTotals.of(handle, prefill_pool) - before, profile.step, done, budget)
             )
         bursts.append(recs)
-    # NOTE: a light batch too, for the jitter alone (its tokens reach the clients steadier than a
-    # batch of 8's): the steps and the front end are measured on the two batches above, as before
+    # NOTE: a light batch too, for the jitter (its tokens reach the clients steadier than a batch of
+    # 8's) and the handoff cost (below): the steps and the front end are measured on the two batches above
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
     # what a handoff costs the steps beside it, from the workers' step splits over this light batch,
     # as many short streams (a handoff every few steps) and the contended phase below
@@ -630,9 +633,8 @@ async def probe(
     ]
     # NOTE: the decode scale took up, besides the steps' own in-place cost, what the twin models on its
     # own in those phases (their prompts' prefill steps beside the decodes, the handoffs received beside
-    # them): corrected by their measured over simulated decode seconds, twice (the twin's stretch moves
-    # with the scale)
-    runs_s = [(w, s) for (_, w, _), s in zip(workloads, decode_seconds, strict=False)]
+    # them): corrected by their measured over simulated decode seconds
+    runs_s = [(w, s) for (_, w, _), s in zip(workloads[: len(decode_seconds)], decode_seconds, strict=True)]
     measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, info.max_model_len)
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
