@@ -19,7 +19,7 @@ import zmq
 
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import FrameSigner, new_secret
-from cluster.protocol import ErrorCode, SamplingParams, TokenDelta
+from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats
 from cluster.router import Delta
 from cluster.wire import (
     EVENTS,
@@ -159,16 +159,16 @@ def test_bad_frames_are_counted_and_dropped_while_the_worker_keeps_serving(
         router.push.send(frame)
     assert generate(router, "after-bad-frames") == reference
     assert worker.stats().rejected_frames == {"malformed": 2, "bad_mac": 1, "unknown_tag": 1, "replayed": 1}
+
     # its split of the steps: every step the engine ran, its prompt and its 8 tokens; no transfer beside
-    # (published after the step that streamed the last token: waited for, bounded)
-    engine = worker.engine.stats()
-    steps = wait_for(
-        lambda: worker.stats().steps if worker.stats().steps.num_steps == engine.num_steps else None,
-        10.0,
-        "the stats of the last step",
-    )
-    assert (steps.num_tokens, steps.prompt_tokens) == (8, len(PROMPT))
-    assert steps.seconds > 0.0 and (steps.beside_steps, steps.beside_transfers) == (0, 0)
+    # (published with the stats after the step that streamed the last token: waited for, bounded)
+    def last_step_stats() -> WorkerStats | None:
+        st = worker.stats()
+        return st if st.steps.num_tokens == 8 else None
+
+    stats = wait_for(last_step_stats, 10.0, "the last step's stats")
+    assert (stats.steps.num_steps, stats.steps.prompt_tokens) == (stats.engine.num_steps, len(PROMPT))
+    assert stats.steps.seconds > 0.0 and (stats.steps.beside_steps, stats.steps.beside_transfers) == (0, 0)
     assert worker.health() and fatal == []
     assert worker.check_leaks() is None
 
