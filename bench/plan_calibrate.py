@@ -62,7 +62,7 @@ from bench.serve import Record, Scenario
 from bench.serve import run as run_scenario
 from cluster.config import ClusterConfig, EngineConfig
 from cluster.cost_model import CostProfile, LinearStepCost, StepShape, TransferCost, shape_of
-from cluster.protocol import StepSplit
+from cluster.protocol import StepSplit, WorkerStats
 from deploy.planner.calibrate import Sample
 from deploy.planner.sim import Simulation
 from deploy.planner.twin import SimConfig
@@ -100,6 +100,14 @@ def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
         handle.shutdown()
 
 
+def pool_stats(handle: ClusterHandle, pool: str) -> list[WorkerStats]:
+    """Fresh stats of every worker of ``pool`` (asked of the actors, not the last heartbeat)."""
+    import ray
+
+    ids = [w.worker_id for w in handle.router.workers if w.pool == pool]
+    return list(ray.get([handle.actors[i].stats.remote() for i in ids], timeout=60))
+
+
 @dataclass(frozen=True)
 class EngineTotals:
     """A pool's engine counters, summed: subtract two to see what ran in between."""
@@ -110,12 +118,8 @@ class EngineTotals:
 
     @classmethod
     def of(cls, handle: ClusterHandle, pool: str) -> EngineTotals:
-        """Fresh totals of every worker of ``pool`` (asked of the actors, not the last heartbeat)."""
-        import ray
-
-        ids = [w.worker_id for w in handle.router.workers if w.pool == pool]
-        stats = ray.get([handle.actors[i].stats.remote() for i in ids], timeout=60)
-        engines = [st.engine for st in stats]
+        """Fresh totals of every worker of ``pool`` (``pool_stats``)."""
+        engines = [st.engine for st in pool_stats(handle, pool)]
         seconds = sum(
             e.schedule_time_s + e.prepare_time_s + e.forward_time_s + e.detokenize_time_s for e in engines
         )
@@ -365,13 +369,9 @@ _MAX_HANDOFF_STEP_S = 0.02
 
 
 def step_split_of(handle: ClusterHandle, pool: str) -> StepSplit:
-    """The step split of every worker of ``pool``, summed (fresh: asked of the actors)."""
-    import ray
-
-    ids = [w.worker_id for w in handle.router.workers if w.pool == pool]
-    stats = ray.get([handle.actors[i].stats.remote() for i in ids], timeout=60)
+    """The step split of every worker of ``pool``, summed (fresh: ``pool_stats``)."""
     total = StepSplit()
-    for st in stats:
+    for st in pool_stats(handle, pool):
         for f in fields(StepSplit):
             setattr(total, f.name, getattr(total, f.name) + getattr(st.steps, f.name))
     return total

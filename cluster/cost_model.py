@@ -214,7 +214,7 @@ class CostProfile:
     clients with less jitter than one of 8 or 32); linear in between, flat beyond the first and last.
     ``handoff_receive_step_s``: what receiving one KV handoff adds to a step its worker runs meanwhile:
     the transfer threads share the process, the interpreter lock and the cores with the step thread
-    (measured on the 2-core CPU box: 1.5-2.4 ms a handoff, from the workers' own split of their steps,
+    (measured on the 2-core CPU box: 1.5-2.7 ms a handoff, from the workers' own split of their steps,
     ``cluster.protocol.StepSplit``); 0.0 where a transfer runs beside the steps for free. (The sending
     side is not modelled: the same measurement on the prefill workers gave 0.0, 2.3 and 9.6 ms in three
     probes, within its noise.) The probe fits them all.
