@@ -215,9 +215,12 @@ class CostProfile:
     ``handoff_receive_step_s``: what receiving one KV handoff adds to a step its worker runs meanwhile:
     the transfer threads share the process, the interpreter lock and the cores with the step thread
     (measured on the 2-core CPU box: 1.5-2.7 ms a handoff, from the workers' own split of their steps,
-    ``cluster.protocol.StepSplit``); 0.0 where a transfer runs beside the steps for free. (The sending
-    side is not modelled: the same measurement on the prefill workers gave 0.0, 2.3 and 9.6 ms in three
-    probes, within its noise.) The probe fits them all.
+    ``cluster.protocol.StepSplit``); 0.0 where a transfer runs beside the steps for free.
+    ``handoff_send_step_s``: the same for a handoff sent while the prefill worker runs a step: its
+    transfer thread's work, and the receiving side's outside its own steps, on the same cores (the
+    probe fits it through the twin from bursts of prompts like batch_pressure's and stress's, where each
+    prompt's handoff leaves beside the next prompts' step: 5-7 ms on the CPU box; the step split alone
+    could not see it, since a light load sends between steps). The probe fits them all.
     """
 
     name: str
@@ -235,6 +238,7 @@ class CostProfile:
     delivery_jitter_s: float = 0.0
     delivery_jitter_by_batch: tuple[tuple[int, float], ...] = ()
     handoff_receive_step_s: float = 0.0
+    handoff_send_step_s: float = 0.0
 
     def step_s(self, shape: StepShape) -> float:
         return self.step.step_s(shape) * self.step_scale

@@ -300,34 +300,41 @@ def test_a_prefill_step_beside_a_busy_decode_worker_stretches_by_the_prefill_wei
         assert [(t, d) for w, t, _, d in steps if w == "decode-0"][:2] == [(19000, 10000), (29000, 20000)]
 
 
-def test_a_handoff_received_beside_a_step_costs_the_step_after_it() -> None:
+def test_a_handoff_that_finishes_beside_a_step_costs_the_step_after_it() -> None:
     # 10 ms steps, hop/HTTP 0, a handoff of a 6-token prompt: 2 blocks x 4 tokens x 1000 B at 1 MB/s + 5 ms
-    # = 13 ms, one at a time on the decode worker's link; one that lands during a step of the decode
-    # worker costs 4 ms, charged to its next step. A@0 prefills 0-10, its KV moves 10-23 while the
-    # decode worker is idle: no charge. B@12 prefills 12-22, C@15 22-32, D@30 32-42. B's KV moves 23-36
-    # (behind A's), C's 36-49 (its handoff waited in the inbox from 32 to the turn at 33), D's 49-62
-    # (from the turn at 43). The decode worker: A's decodes from 23; B's KV landed beside the step at
-    # 33, C's beside the one at 43, D's beside the one at 57: each next step takes 14 ms.
+    # = 13 ms, one at a time on the decode worker's link. A handoff that finishes during a step of its
+    # receiving worker costs 4 ms, of its sending worker 3 ms: charged to that worker's next step.
+    # A@0 prefills 0-10, its KV moves 10-23 while both workers are idle: no charge. B@12 prefills
+    # 12-22, C@15 22-32, D@30 32-45 (+3: A's send finished at 23, beside C's step). B's KV moves 23-36
+    # (behind A's), C's 36-49, D's 57-70 (its handoff waited in the decode worker's inbox from 45).
+    # The decode worker: A's decodes from 23; B's KV landed beside the step at 33, C's beside the one at
+    # 43, D's beside the one at 57: each next step takes 14 ms.
     cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    prof = replace(profile(), handoff_receive_step_s=0.004, handoff_send_step_s=0.003)
     wl = workload((0.0, 6, 4), (0.012, 6, 2), (0.015, 6, 2), (0.030, 6, 2))
-    result, steps = run(cfg, replace(profile(), handoff_receive_step_s=0.004), wl)
+    result, steps = run(cfg, prof, wl)
     assert steps == [
         ("prefill-0", 0, prefill(6), 10000),
         ("prefill-0", 12000, prefill(6), 10000),
         ("prefill-0", 22000, prefill(6), 10000),
         ("decode-0", 23000, decodes(6), 10000),
-        ("prefill-0", 32000, prefill(6), 10000),
+        ("prefill-0", 32000, prefill(6), 13000),
         ("decode-0", 33000, decodes(7), 10000),
         ("decode-0", 43000, decodes(8, 6), 14000),
         ("decode-0", 57000, decodes(6), 14000),
         ("decode-0", 71000, decodes(6), 14000),
     ]
-    # (a transfer's time runs from the decode worker's turn that takes its handoff: C's from 33 ms, D's
-    # from 43)
-    assert [round(r.transfer_s * 1e6) for r in result.records] == [13000, 14000, 16000, 19000]
-    # without the cost, the same schedule at 10 ms a step
+    # the twin counts what it charged: A's send on the prefill worker, B's, C's and D's receives
+    assert result.worker_charged_handoffs == {"prefill-0": 1, "decode-0": 3}
+    # (a transfer's time runs from the decode worker's turn that takes its handoff: C's from 33 ms, D's from 57)
+    assert [round(r.transfer_s * 1e6) for r in result.records] == [13000, 14000, 16000, 13000]
+    # without the costs, the same schedule at 10 ms a step
     _, plain = run(cfg, profile(), wl)
-    assert [(w, t, d) for w, t, _, d in plain] == [(w, t, 10000) for w, t, _, _ in steps[:7]] + [
-        ("decode-0", 53000, 10000),
-        ("decode-0", 63000, 10000),
+    assert [(w, t, d) for w, t, _, d in plain][:6] == [
+        ("prefill-0", 0, 10000),
+        ("prefill-0", 12000, 10000),
+        ("prefill-0", 22000, 10000),
+        ("decode-0", 23000, 10000),
+        ("prefill-0", 32000, 10000),
+        ("decode-0", 33000, 10000),
     ]

@@ -4,13 +4,13 @@ What runs for real: every worker's ``Scheduler`` / ``KVCacheManager`` / prefix c
 twin.py) and the router's placement policy (``cluster.placement``: pick_prefill, pick_decode,
 pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
 while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
-``prefill_weight``; longer by ``handoff_receive_step_s`` for each handoff its worker received beside the
-step before it), a KV handoff ``handoff_s``, a control message ``hop_s``, the front end
-``frontend_s_per_request`` per new request (shared between the requests it holds) and
-``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and
-an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at`` gives for the
-number of tokens its step streams (seeded; each stream's tokens in order). No forward pass, no Ray, no
-sockets.
+``prefill_weight``; longer by ``handoff_receive_step_s`` / ``handoff_send_step_s`` for each handoff that
+its worker received / sent beside the step before it), a KV handoff ``handoff_s``, a control message
+``hop_s``, the front end ``frontend_s_per_request`` per new request (shared between the requests it
+holds) and ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s``
+each way, and an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at``
+gives for the number of tokens its step streams (seeded; each stream's tokens in order). No forward
+pass, no Ray, no sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
@@ -100,6 +100,8 @@ class SimResult:
     worker_steps: dict[str, int]
     worker_tokens: dict[str, int]  # tokens sampled there
     prefix_hit_tokens: int
+    # handoffs (received or sent) that finished beside a step and were charged to the next one
+    worker_charged_handoffs: dict[str, int] = field(default_factory=dict)
 
 
 class Simulation:
@@ -200,6 +202,7 @@ class Simulation:
                 for w in self.workers
                 if w.scheduler.kv.prefix_cache is not None
             ),
+            {w.worker_id: w.num_charged_handoffs for w in self.workers},
         )
 
     # ---- client ---------------------------------------------------------------------------------------
@@ -323,8 +326,11 @@ class Simulation:
     # ---- workers --------------------------------------------------------------------------------------
     def _on_deliver(self, t: float, payload: tuple[SimWorker, int, Flight]) -> None:
         w, cmd = payload[0], payload[1]
-        if cmd == KV_DONE and w.in_step:  # received on its transfer thread, beside a step
-            w.received_beside += 1
+        if w.in_step and cmd in (KV_DONE, KV_SENT):  # a handoff finished on a transfer thread, beside a step
+            if cmd == KV_DONE:
+                w.received_beside += 1
+            else:
+                w.sent_beside += 1
         w.inbox.append((cmd, payload[2]))
         if not w.in_step:
             self._turn(w, t)
@@ -332,7 +338,8 @@ class Simulation:
     def _turn(self, w: SimWorker, t: float) -> None:
         """One pass of the worker's step loop: commands, waiting handoffs, then one step (if any)."""
         was_busy = w.spinning  # a turn never runs during a step
-        received, w.received_beside = w.received_beside, 0
+        received, sent = w.received_beside, w.sent_beside
+        w.received_beside = w.sent_beside = 0
         while w.inbox:
             cmd, flight = w.inbox.popleft()
             if cmd in (GENERATE, GENERATE_HELD):
@@ -357,10 +364,12 @@ class Simulation:
         if shape is None:
             return
         step_s = self.profile.step_s(shape) * self._slowdown(t, w.pool == "prefill")
-        if received:
-            # NOTE: what the handoffs received beside the last step cost it; the twin fixed that step's
-            # end when it began, so the step after it (if one follows at once) takes it instead
-            step_s += received * self.profile.handoff_receive_step_s
+        if received or sent:
+            # NOTE: what the handoffs that finished beside the last step cost it; the twin fixed that
+            # step's end when it began, so the step after it (if one follows at once) takes it instead
+            prof = self.profile
+            step_s += received * prof.handoff_receive_step_s + sent * prof.handoff_send_step_s
+            w.num_charged_handoffs += received + sent
         w.busy_s += step_s
         if self.on_step is not None:
             self.on_step(w, t, shape, step_s)

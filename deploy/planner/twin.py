@@ -107,7 +107,10 @@ class SimWorker:
         self.step_out: SchedulerOutput | None = None
         self.spinning = False  # has work it cannot schedule now: the real step loop polls (burns a core)
         self.link_free_s = 0.0  # its transfer thread is busy until then
-        self.received_beside = 0  # handoffs received during its current step: they cost its next one
+        # handoffs that finished (received, sent) during its current step: they cost its next one
+        self.received_beside = 0
+        self.sent_beside = 0
+        self.num_charged_handoffs = 0  # (received, sent) handoffs charged to its steps so far
         # the router's view (WorkerLoad)
         self.num_assigned = 0
         self.num_prompt_tokens = 0
