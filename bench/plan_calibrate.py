@@ -12,11 +12,14 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   the twin replays those batches with everything else measured and corrects that scale by their
   measured over simulated decode seconds (``twin_decode_scale``: the batches' own prefills and handoffs
   run beside their decodes, which the twin models on its own); the prefill workers' own time in idle
-  prefills (four prompt lengths, each prompt alone) and in the bursts below (many short prompts in one
-  step) fits, by least squares, a scale of its prompt terms and what a prefill step and each prompt
-  chunk in it cost in place beyond the model (in place, a worker shares the host with the router, HTTP
-  edge and the other workers, which the sweep alone does not, and a prefill worker holds its prompts
-  for their handoffs);
+  prefills (four prompt lengths, each prompt alone), in the bursts below (many short prompts in one
+  step) and in bursts of prompts like batch_pressure's and stress's (steps full of prompts) fits, by
+  least squares of relative errors, a scale of its prompt terms, what a prefill step and each prompt
+  chunk in it cost in place beyond the model, and what a handoff sent beside a prefill step costs it
+  (in place, a worker shares the host with the router, HTTP edge and the other workers, which the sweep
+  alone does not; a prefill worker's transfer thread sends each prompt's KV while the next prompts
+  compute, and the receiving side works meanwhile): each phase's chunks and sends are the twin's
+  schedule of its prompts (``fit_prefill_sends``);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
 * the front end's work per new request (HTTP, validation, the route decision), from the edge times
@@ -27,8 +30,8 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the host's effective CPUs: the same decode batch again (in waves) while the prefill worker computes
   prompts two at a time; how much slower its steps get says how many workers really run at once (a
   2-vCPU VM may give less than 2: shared physical cores, memory bandwidth, other tenants);
-* the prefill weight: in that same phase, the prefill worker's steps over what the idle prefills
-  predict for them: how much the rest of the host's demand counts against a prefill step
+* the prefill weight: in that same phase, the prefill worker's time over the twin's for the same
+  prompts on an idle host: how much the rest of the host's demand counts against a prefill step
   (CostProfile.prefill_weight);
 * what a KV handoff costs the steps beside it: the workers split their own steps by whether a transfer
   finished during them (``cluster.protocol.StepSplit``); over the light batch of 2 streams, as many
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import statistics
@@ -193,65 +197,163 @@ _MIN_EXTRA_S = 1e-6  # a fitted extra below this is noise
 @dataclass(frozen=True)
 class PrefillRun:
     """What a prefill pool ran in one probe phase: its engines' seconds, the model's seconds of the
-    prompts' own terms (a step's base excluded), its steps and the prompt chunks they computed."""
+    prompts' own terms (a step's base excluded) apart from their attention (``attention_s``, the
+    attention pairs' term), its steps, the prompt chunks they computed, and how many handoffs it sent
+    beside its steps (0 until the twin counts them: ``fit_prefill_sends``)."""
 
     seconds: float
     prompt_s: float
     steps: int
     chunks: int
+    sent: float = 0.0
+    attention_s: float = 0.0
 
     @classmethod
     def of(cls, ran: EngineTotals, step: Any, records: Sequence[Record], budget: int) -> PrefillRun:
-        base = step.base_s if isinstance(step, LinearStepCost) else 0.0
         chunks = [c for r in records for c in _prefill_chunks(r.prompt_len, budget)]
-        return cls(ran.seconds, sum(step.step_s(c) - base for c in chunks), ran.num_steps, len(chunks))
+        prompt_s, attention_s = prompt_terms(step, chunks)
+        return cls(ran.seconds, prompt_s, ran.num_steps, len(chunks), attention_s=attention_s)
 
 
-def fit_prefill_terms(runs: Sequence[PrefillRun], base_s: float) -> tuple[float, float, float]:
-    """(scale of the prompt terms, extra seconds per prefill step, extra seconds per prompt chunk): the
-    least-squares fit of seconds - base_s x steps = scale x prompt_s + per step x steps + per chunk x
-    chunks. Of the fits with a positive scale and extras of a microsecond or more (both extras, either
-    one, none), the one with the least squared error; the ratio of the sums when none is.
+def prompt_terms(step: Any, shapes: Sequence[StepShape]) -> tuple[float, float]:
+    """The seconds ``step`` gives the prompts of ``shapes`` (a step's base excluded): (all but their
+    attention, their attention pairs' term; a roofline model's all in the first)."""
+    if not isinstance(step, LinearStepCost):
+        return sum(step.step_s(s) for s in shapes), 0.0
+    attention = sum(step.attention_pair_s * s.num_attention_pairs for s in shapes)
+    return sum(step.step_s(s) - step.base_s for s in shapes) - attention, attention
 
-    NOTE: idle prompts alone have one chunk a step, so they cannot tell the two extras apart; a burst
-    (many prompts in one step) can."""
+
+_EXTRAS = ("step", "chunk", "sent")
+
+
+def fit_prefill_terms(runs: Sequence[PrefillRun], base_s: float) -> dict[str, float]:
+    """The terms of seconds - base_s x steps = scale x prompt_s + attention scale x attention_s + per
+    step x steps + per chunk x chunks + per send x sent, fitted by least squares of relative errors (each
+    run weighs 1 / its seconds): ``scale``, ``attention_scale`` (the scale itself where no run has
+    attention seconds), ``per_step``, ``per_chunk``, ``per_sent`` (seconds). Of the fits with positive
+    scales and extras of a microsecond or more (any subset of the three extras), the one with the least
+    error; the ratio of the sums for both scales when none is.
+
+    NOTE: idle prompts alone have one chunk a step and send their handoffs between steps, so they tell
+    none of the extras apart; bursts (many prompts in a step, each one's handoff leaving beside the
+    next step) can. Prompts of several lengths tell the attention (quadratic in a prompt's length) from
+    the rest: in place it scales apart from the sweep's."""
     y = np.array([r.seconds - base_s * r.steps for r in runs], dtype=np.float64)
-    best: tuple[float, tuple[float, float, float]] | None = None
-    for extras in (("step", "chunk"), ("step",), ("chunk",), ()):
-        if len(runs) < 1 + len(extras):
-            continue
-        design = np.array(
-            [[r.prompt_s] + [float(r.steps if e == "step" else r.chunks) for e in extras] for r in runs],
-            dtype=np.float64,
-        )
-        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-        if not (coef[0] > 0.0 and all(c >= _MIN_EXTRA_S for c in coef[1:])):
-            continue
-        error = float(((design @ coef - y) ** 2).sum())
-        terms = dict(zip(extras, (float(c) for c in coef[1:]), strict=True))
-        fit = (float(coef[0]), terms.get("step", 0.0), terms.get("chunk", 0.0))
-        if best is None or error < best[0]:
-            best = (error, fit)
+    columns = {
+        "scale": [r.prompt_s for r in runs],
+        "attention_scale": [r.attention_s for r in runs],
+        "step": [float(r.steps) for r in runs],
+        "chunk": [float(r.chunks) for r in runs],
+        "sent": [r.sent for r in runs],
+    }
+    scales = ("scale", "attention_scale") if any(r.attention_s > 0.0 for r in runs) else ("scale",)
+    weights = np.array([1.0 / max(r.seconds, 1e-6) for r in runs], dtype=np.float64)
+    best: tuple[float, dict[str, float]] | None = None
+    for k in range(len(_EXTRAS), -1, -1):
+        for extras in itertools.combinations(_EXTRAS, k):
+            names = scales + extras
+            if len(runs) < len(names):
+                continue
+            design = np.array([columns[n] for n in names], dtype=np.float64).T
+            coef, *_ = np.linalg.lstsq(design * weights[:, None], y * weights, rcond=None)
+            if not (
+                all(c > 0.0 for c in coef[: len(scales)])
+                and all(c >= _MIN_EXTRA_S for c in coef[len(scales) :])
+            ):
+                continue
+            error = float((((design @ coef - y) * weights) ** 2).sum())
+            if best is None or error < best[0]:
+                best = (error, dict(zip(names, (float(c) for c in coef), strict=True)))
     if best is not None:
-        return best[1]
-    return float(y.sum() / sum(r.prompt_s for r in runs)), 0.0, 0.0
+        fit = best[1]
+    else:
+        fit = {"scale": float(y.sum() / sum(r.prompt_s + r.attention_s for r in runs))}
+    return {
+        "scale": fit["scale"],
+        "attention_scale": fit.get("attention_scale", fit["scale"]),
+        **{f"per_{e}": fit.get(e, 0.0) for e in _EXTRAS},
+    }
 
 
 def in_place_step(
     step: Any, runs: Sequence[PrefillRun], decode_scale: float
 ) -> tuple[Any, float, dict[str, float]]:
     """(step model, step scale, fitted terms) in place. A fitted linear model: its decode terms and its
-    base scale by ``decode_scale`` (most steps decode), its prompt terms by the prefill scale
-    ``fit_prefill_terms`` finds in ``runs``, and a prefill step and each prompt chunk cost its extras
-    (``prefill_step_s``, added to ``prefill_seq_s``); step scale 1.0. A roofline is kept as it is, with
-    one factor for every step: the geometric mean of the prefill runs' ratio and the decode scale."""
+    base scale by ``decode_scale`` (most steps decode), its prompt terms by the scales
+    ``fit_prefill_terms`` finds in ``runs`` (the attention pairs' term by its own), and a prefill step
+    and each prompt chunk cost its extras (``prefill_step_s``, added to ``prefill_seq_s``); step scale
+    1.0; the fitted terms include the cost of a handoff sent beside a step (``per_sent``,
+    ``CostProfile.handoff_send_step_s``). A roofline is kept as it is, with one factor for every step:
+    the geometric mean of the prefill runs' ratio and the decode scale."""
     if isinstance(step, LinearStepCost):
-        scale, per_step, per_chunk = fit_prefill_terms(runs, step.base_s * decode_scale)
-        scaled = step.scaled(scale, decode_scale, base=decode_scale)
-        in_place = replace(scaled, prefill_step_s=per_step, prefill_seq_s=scaled.prefill_seq_s + per_chunk)
-        return in_place, 1.0, {"scale": scale, "per_step": per_step, "per_chunk": per_chunk}
-    ratio = sum(r.seconds for r in runs) / sum(r.prompt_s for r in runs)
-    return step, math.sqrt(ratio * decode_scale), {"scale": ratio, "per_step": 0.0, "per_chunk": 0.0}
+        fitted = fit_prefill_terms(runs, step.base_s * decode_scale)
+        scaled = step.scaled(fitted["scale"], decode_scale, base=decode_scale)
+        in_place = replace(
+            scaled,
+            attention_pair_s=step.attention_pair_s * fitted["attention_scale"],
+            prefill_step_s=fitted["per_step"],
+            prefill_seq_s=scaled.prefill_seq_s + fitted["per_chunk"],
+        )
+        return in_place, 1.0, fitted
+    ratio = sum(r.seconds for r in runs) / sum(r.prompt_s + r.attention_s for r in runs)
+    fitted = {"scale": ratio, "attention_scale": ratio, "per_step": 0.0, "per_chunk": 0.0, "per_sent": 0.0}
+    return step, math.sqrt(ratio * decode_scale), fitted
+
+
+def twin_prefill_phase(
+    cfg: ClusterConfig, profile: CostProfile, sweep_step: Any, workload: Workload, max_model_len: int
+) -> tuple[float, float, int, int]:
+    """How the twin's prefill workers run ``workload`` under ``profile``: (the seconds of the prompt
+    terms of ``sweep_step`` over their steps, and of their attention apart (``prompt_terms``); the
+    prompt chunks they compute; the handoffs they send beside a step, each charged to the step after
+    it). The twin runs the real Scheduler, so its chunks are the ones a real burst is cut into (a prompt
+    may span two steps)."""
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    shapes: list[StepShape] = []
+
+    def on_step(w: Any, t: float, shape: StepShape, step_s: float) -> None:
+        if w.pool == "prefill" and shape.num_prefill_seqs:
+            shapes.append(shape)
+
+    charged = Simulation(base, profile, workload, on_step=on_step).run().worker_charged_handoffs
+    prompt_s, attention_s = prompt_terms(sweep_step, shapes)
+    chunks = sum(s.num_prefill_seqs for s in shapes)
+    return prompt_s, attention_s, chunks, sum(n for w, n in charged.items() if w.startswith("prefill"))
+
+
+def fit_prefill_sends(
+    cfg: ClusterConfig,
+    profile: CostProfile,
+    sweep_step: Any,
+    runs: Sequence[PrefillRun],
+    workloads: Sequence[Workload],
+    decode_scale: float,
+    max_model_len: int,
+    rounds: int = 2,
+) -> tuple[CostProfile, dict[str, float]]:
+    """``profile`` with the in-place step (``in_place_step`` of ``sweep_step``) and the send cost
+    (``handoff_send_step_s``) fitted on the prefill ``runs``: each run's prompt seconds, chunks and
+    handoffs sent beside a step are the twin's for its ``workloads`` entry under the profile so far
+    (``twin_prefill_phase``; the measured seconds and steps stay); ``rounds`` times, since the schedule
+    moves with the fitted terms. Returns the fitted terms too."""
+    fitted: dict[str, float] = {}
+    for _ in range(rounds):
+        phases = [twin_prefill_phase(cfg, profile, sweep_step, w, max_model_len) for w in workloads]
+        runs = [
+            replace(r, prompt_s=prompt_s, attention_s=attention_s, chunks=chunks, sent=float(sent))
+            for r, (prompt_s, attention_s, chunks, sent) in zip(runs, phases, strict=True)
+        ]
+        step, scale, fitted = in_place_step(sweep_step, runs, decode_scale)
+        profile = replace(profile, step=step, step_scale=scale, handoff_send_step_s=fitted["per_sent"])
+    return profile, fitted
+
+
+def twin_prefill_s(cfg: ClusterConfig, profile: CostProfile, workload: Workload, max_model_len: int) -> float:
+    """The twin's prefill workers' busy seconds in ``workload`` (``profile``)."""
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    busy = Simulation(base, profile, workload).run().worker_busy_s
+    return sum(v for w, v in busy.items() if w.startswith("prefill"))
 
 
 _MAX_PREFILL_WEIGHT = 4.0
@@ -271,6 +373,13 @@ _LIGHT_BATCH, _LIGHT_WAVES = 2, 8  # the probe's light decode batch: 16 requests
 # the probe's bursts: short requests sent at once, a few and many (smoke and long_decode send 4 and 8 at
 # once, batch_pressure 64)
 _BURSTS = (Scenario(8, (16, 16), (2, 2)), Scenario(32, (16, 16), (2, 2)))
+# bursts of prompts like batch_pressure's (64-256 tokens, 64 at once) and stress's (64-512, all at once)
+# for the prefill fit: steps full of prompts, each prompt's handoff leaving beside the next ones' step
+_PREFILL_BURSTS = (
+    Scenario(24, (128, 192), (2, 2)),
+    Scenario(48, (64, 256), (2, 2)),
+    Scenario(32, (64, 512), (2, 2)),
+)
 _MAX_PER_REQUEST_S = 0.02
 
 
@@ -493,15 +602,17 @@ async def probe(
     budget = engine.max_num_batched_tokens
     idle: list[Record] = []
     prefill_runs: list[PrefillRun] = []  # the prefill pool's idle prefills (and bursts, below)
+    prefill_loads: list[tuple[Scenario, int]] = []  # what each of them ran (scenario, seed)
     for n in (16, 256, 1024, 1792):
         before = EngineTotals.of(handle, prefill_pool)
-        scenario = Scenario(4, (n, n), (2, 2), max_concurrency=1)
-        recs, _ = await run_scenario(url, f"probe-{n}", client_args(next(seeds)), scenario)
+        scenario, phase_seed = Scenario(4, (n, n), (2, 2), max_concurrency=1), next(seeds)
+        recs, _ = await run_scenario(url, f"probe-{n}", client_args(phase_seed), scenario)
         done = [r for r in recs if r.error is None and r.server and r.ttft_s is not None]
         if done:
             prefill_runs.append(
                 PrefillRun.of(EngineTotals.of(handle, prefill_pool) - before, profile.step, done, budget)
             )
+            prefill_loads.append((scenario, phase_seed))
         idle += done
     if not idle:
         raise RuntimeError("cluster probe: every probe request failed")
@@ -525,15 +636,17 @@ async def probe(
     # (in a disaggregated cluster, the prefill worker's time in them joins the prefill fit: many prompts
     # in one step; colocated, the burst's decodes share those steps)
     bursts: list[list[Record]] = []
-    for scenario in _BURSTS:
-        before = EngineTotals.of(handle, prefill_pool)
-        recs, _ = await run_scenario(url, "probe-burst", client_args(next(seeds)), scenario)
+    for scenario in _BURSTS + (() if colocated else _PREFILL_BURSTS):
+        before, phase_seed = EngineTotals.of(handle, prefill_pool), next(seeds)
+        recs, _ = await run_scenario(url, "probe-burst", client_args(phase_seed), scenario)
         done = [r for r in recs if r.error is None]
         if done and not colocated:
             prefill_runs.append(
                 PrefillRun.of(EngineTotals.of(handle, prefill_pool) - before, profile.step, done, budget)
             )
-        bursts.append(recs)
+            prefill_loads.append((scenario, phase_seed))
+        if scenario in _BURSTS:
+            bursts.append(recs)
     # NOTE: a light batch too, for the jitter (its tokens reach the clients steadier than a batch of
     # 8's) and the handoff cost (below): the steps and the front end are measured on the two batches above
     light = min(_LIGHT_BATCH, engine.max_num_seqs)
@@ -551,9 +664,9 @@ async def probe(
         await run_scenario(url, "probe-handoffs", client_args(next(seeds)), _handoff_scenario(light))
         splits.close()
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
-    step, _, fitted = in_place_step(profile.step, prefill_runs, decode_scale)
     host_cpus = profile.host_cpus
     prefill_slowdown, host_slowdown, prefill_weight = 1.0, 1.0, 1.0
+    contended: tuple[float, float, list[tuple[Scenario, int]]] | None = None  # prefill s, demand, loads
     if not colocated and host_cpus:
         # the first decode batch again (in waves, to last as long as the prefills), while the prefill
         # worker computes prompts like the scenarios' (256 tokens, two at a time): how much two busy
@@ -562,36 +675,29 @@ async def probe(
         before_prefill = EngineTotals.of(handle, prefill_pool)
         batch = min(8, engine.max_num_seqs)
         busy = Scenario(96, (_DECODE_PROMPT, _DECODE_PROMPT), (2, 2), max_concurrency=2)
+        loads = [(_decode_scenario(batch, 6), next(seeds)), (busy, next(seeds))]
         splits.open()
         runs = await asyncio.gather(
-            run_scenario(url, "probe-contended", client_args(next(seeds)), _decode_scenario(batch, 6)),
-            run_scenario(url, "probe-prefill-load", client_args(next(seeds)), busy),
+            run_scenario(url, "probe-contended", client_args(loads[0][1]), loads[0][0]),
+            run_scenario(url, "probe-prefill-load", client_args(loads[1][1]), loads[1][0]),
         )
         splits.close()
-        contended = EngineTotals.of(handle, decode_pool) - before
+        decoded = EngineTotals.of(handle, decode_pool) - before
         prefilled = EngineTotals.of(handle, prefill_pool) - before_prefill
         rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
-        slowdown = _step_ratio(profile, contended) / per_step[0]
+        slowdown = _step_ratio(profile, decoded) / per_step[0]
         if slowdown > 1.0:
             host_cpus = min(host_cpus, (2.0 + min(1.0, rate * frontend)) / slowdown)
             # NOTE: the simulation stretches steps by demand / host_cpus itself; the decode scale was
             # measured beside the busy front end, so it must not count that share twice
             decode_scale /= max(1.0, decode_demand / host_cpus)
-        # the prefill worker's steps in the same phase, over what the idle prefills predict for them:
-        # how much the rest of the host's demand counts against a prefill step
-        done = [r for recs, _ in runs for r in recs if r.error is None]
-        expected = sum(step.step_s(c) for r in done for c in _prefill_chunks(r.prompt_len, budget))
-        if not isinstance(step, LinearStepCost):
-            expected *= fitted["scale"]
-        prefill_slowdown = prefilled.seconds / expected
         demand = 2.0 + min(1.0, rate * frontend)
         host_slowdown = max(1.0, demand / host_cpus)
-        prefill_weight = fit_prefill_weight(prefill_slowdown, demand, host_cpus)
+        contended = (prefilled.seconds, demand, loads)  # the prefill weight is fitted on it below
 
     server = [r.server or {} for r in idle]
     hop = statistics.median(t["queue_s"] for t in server)
     edge = statistics.median((r.ttft_s or 0.0) - t["ttft_s"] for r, t in zip(idle, server, strict=True))
-    http = max(0.0, (edge - frontend) / 2)
     moved = [
         -(-r.prompt_len // engine.block_size) * engine.block_size * profile.kv_bytes_per_token for r in idle
     ]
@@ -603,32 +709,50 @@ async def probe(
         transfer = TransferCost(max(0.0, latency), 1.0 / slope if slope > 0 else profile.transfer.bytes_per_s)
     else:
         transfer = TransferCost(float(seconds.mean()), profile.transfer.bytes_per_s)
-    # NOTE: again, with the decode scale as the contended phase left it
+    # NOTE: with the decode scale as the contended phase left it
     step, scale, fitted = in_place_step(profile.step, prefill_runs, decode_scale)
+    per_request = fit_frontend_per_request(bursts, edge, frontend)
     measured = replace(
         profile,
         step=step,
         host_cpus=host_cpus,
         hop_s=hop,
-        http_s=http,
+        http_s=max(0.0, (edge - frontend - per_request) / 2),
         transfer=transfer,
         step_scale=scale,
         frontend_cpu_per_token_s=frontend,
-        prefill_weight=prefill_weight,
+        frontend_s_per_request=per_request,
     )
+    info = handle.model_info
+    max_len = info.max_model_len
+
+    def load(scenario: Scenario, load_seed: int) -> Workload:
+        return workload_of("probe", scenario, info.vocab_size, max_len, load_seed)
+
+    if not colocated:
+        prefill_workloads = [load(sc, sd) for sc, sd in prefill_loads]
+        measured, fitted = fit_prefill_sends(
+            cfg, measured, profile.step, prefill_runs, prefill_workloads, decode_scale, max_len
+        )
+        step = measured.step
+    if contended is not None and host_cpus:
+        # the prefill worker's time in the contended phase over the twin's for its prompts on an idle
+        # host (each client's requests alone): how much the rest of the host's demand counts against a
+        # prefill step
+        prefill_s, demand, clients = contended
+        alone = replace(measured, host_cpus=None)
+        expected = sum(twin_prefill_s(cfg, alone, load(sc, sd), max_len) for sc, sd in clients)
+        prefill_slowdown = prefill_s / expected
+        prefill_weight = fit_prefill_weight(prefill_slowdown, demand, host_cpus)
+        measured = replace(measured, prefill_weight=prefill_weight)
     if not colocated:
         probe_step = _probe_step_model(step, _DECODE_PROMPT, _DECODE_PROMPT + 32)
         measured = replace(
             measured,
             handoff_receive_step_s=fit_handoff_step(splits.windows[decode_pool], probe_step),
         )
-    per_request = fit_frontend_per_request(bursts, edge, frontend)
-    measured = replace(
-        measured, frontend_s_per_request=per_request, http_s=max(0.0, (edge - frontend - per_request) / 2)
-    )
-    info = handle.model_info
     workloads = [
-        (b, workload_of(f"probe-decode-{b}", sc, info.vocab_size, info.max_model_len, sd), recs)
+        (b, workload_of(f"probe-decode-{b}", sc, info.vocab_size, max_len, sd), recs)
         for b, sc, sd, recs in phases
     ]
     # NOTE: the decode scale took up, besides the steps' own in-place cost, what the twin models on its
@@ -638,14 +762,16 @@ async def probe(
     measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, info.max_model_len)
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
     measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-    report = {
+    report: dict[str, Any] = {
         "hop_ms": hop * 1e3,
         "http_ms": measured.http_s * 1e3,
         "transfer_latency_ms": transfer.latency_s * 1e3,
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
         "prefill_scale": fitted["scale"],
+        "prefill_attention_scale": fitted["attention_scale"],
         "prefill_extra_per_step_ms": fitted["per_step"] * 1e3,
         "prefill_extra_per_chunk_ms": fitted["per_chunk"] * 1e3,
+        "handoff_send_step_ms": measured.handoff_send_step_s * 1e3,
         "decode_scale": decode_scale * twin_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
         "frontend_per_request_ms": per_request * 1e3,
@@ -656,6 +782,12 @@ async def probe(
         "delivery_jitter_ms_by_batch": {str(b): j * 1e3 for b, j in jitter},
         "handoff_receive_step_ms": measured.handoff_receive_step_s * 1e3,
     }
+    if not colocated:  # each prefill phase (seconds, steps) and how close the twin's prefill worker comes
+        report["prefill_phases"] = [[r.seconds, r.steps] for r in prefill_runs]
+        report["prefill_twin_over_real"] = [
+            twin_prefill_s(cfg, measured, w, max_len) / r.seconds
+            for r, w in zip(prefill_runs, prefill_workloads, strict=True)
+        ]
     return measured, report
 
 
@@ -670,7 +802,7 @@ def calibrate_and_probe(url: str, handle: ClusterHandle, *, reps: int, seed: int
 def _round(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _round(x) for k, x in v.items()}
-    return [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
+    return [_round(x) for x in v] if isinstance(v, list) else round(v, 3)
 
 
 def calibrate_command(argv: Sequence[str] | None) -> int:

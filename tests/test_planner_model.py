@@ -308,38 +308,66 @@ def test_the_probe_fits_the_front_ends_work_per_request() -> None:
     assert fit_frontend_per_request([failed, burst(1, 0.0)], 0.005, 0.0002) == 0.0
 
 
-def test_the_probe_fits_the_prompt_terms_and_the_extras_of_a_prefill_step_and_chunk() -> None:
+def test_the_probe_fits_the_prompt_terms_and_the_extras_of_a_prefill_step_a_chunk_and_a_send() -> None:
     from bench.plan_calibrate import PrefillRun, fit_prefill_terms, in_place_step
 
-    # made with a base of 4.5 ms a step, the prompt terms at 0.9x, 3 ms more per prefill step and 1 ms
-    # more per prompt chunk: four idle lengths (a chunk a step) and two bursts (many chunks a step)
-    def run(prompt_s: float, steps: int, chunks: int) -> PrefillRun:
-        return PrefillRun(
-            0.0045 * steps + 0.9 * prompt_s + 0.003 * steps + 0.001 * chunks, prompt_s, steps, chunks
-        )
+    # made with a base of 4.5 ms a step, the prompt terms at 0.9x but their attention at 0.7x, 3 ms more
+    # per prefill step, 1 ms more per prompt chunk and 6 ms per handoff sent beside a step: four idle
+    # lengths (a chunk a step, each handoff sent between steps; the attention grows with the square of
+    # the length) and four bursts (many chunks a step, handoffs beside the next step)
+    def run(prompt_s: float, attention_s: float, steps: int, chunks: int, sent: int = 0) -> PrefillRun:
+        seconds = 0.0045 * steps + 0.9 * prompt_s + 0.7 * attention_s
+        seconds += 0.003 * steps + 0.001 * chunks + 0.006 * sent
+        return PrefillRun(seconds, prompt_s, steps, chunks, sent, attention_s)
 
-    idle = [run(0.01, 4, 4), run(0.06, 4, 4), run(0.28, 4, 4), run(0.5, 8, 8)]
-    bursts = [run(0.02, 2, 8), run(0.08, 3, 32)]
-    scale, per_step, per_chunk = fit_prefill_terms(idle + bursts, 0.0045)
-    assert (scale, per_step, per_chunk) == (pytest.approx(0.9), pytest.approx(0.003), pytest.approx(0.001))
-    # prompts cheaper in place than the model with no extra at all: the scale alone
-    cheap = [
-        PrefillRun(0.0045 * r.steps + 0.5 * r.prompt_s, r.prompt_s, r.steps, r.chunks) for r in idle + bursts
+    idle = [run(0.01, 1e-5, 4, 4), run(0.06, 0.002, 4, 4), run(0.28, 0.04, 4, 4), run(0.5, 0.12, 8, 8)]
+    bursts = [
+        run(0.02, 1e-5, 2, 8),
+        run(0.08, 3e-5, 3, 32),
+        run(0.3, 0.006, 5, 24, 13),
+        run(0.6, 0.01, 9, 48, 38),
     ]
-    assert fit_prefill_terms(cheap, 0.0045) == (pytest.approx(0.5), 0.0, 0.0)
+    truth = {"scale": 0.9, "attention_scale": 0.7, "per_step": 0.003, "per_chunk": 0.001, "per_sent": 0.006}
+    assert fit_prefill_terms(idle + bursts, 0.0045) == {k: pytest.approx(v) for k, v in truth.items()}
+    # without the sends counted, the sends' seconds fall on the other terms
+    unsent = [replace(r, sent=0.0) for r in idle + bursts]
+    assert fit_prefill_terms(unsent, 0.0045)["per_sent"] == 0.0
+    # prompts cheaper in place than the model with no extra at all: the scales alone
+    cheap = [
+        replace(r, seconds=0.0045 * r.steps + 0.5 * r.prompt_s + 0.4 * r.attention_s) for r in idle + bursts
+    ]
+    assert fit_prefill_terms(cheap, 0.0045) == {
+        "scale": pytest.approx(0.5),
+        "attention_scale": pytest.approx(0.4),
+        "per_step": 0.0,
+        "per_chunk": 0.0,
+        "per_sent": 0.0,
+    }
+    # each run weighs by 1 / its seconds (relative errors): a short prompt at 0.9x of the model and a
+    # long one at 1.1x (no extra fits: a positive scale would need a negative one; no attention seconds:
+    # one scale for both) give a scale near their middle, where plain least squares would follow the
+    # long one (1.0999)
+    a = PrefillRun(0.0045 + 0.009, 0.01, 1, 1)
+    b = PrefillRun(0.0045 + 0.55, 0.5, 1, 1)
+    wa, wb = 1 / a.seconds**2, 1 / b.seconds**2
+    expected = (wa * 0.01 * 0.009 + wb * 0.5 * 0.55) / (wa * 0.01**2 + wb * 0.5**2)
+    assert expected == pytest.approx(1.0194, abs=1e-4)
+    fit = fit_prefill_terms([a, b], 0.0045)
+    assert (fit["scale"], fit["attention_scale"], fit["per_step"]) == (
+        pytest.approx(expected),
+        pytest.approx(expected),
+        0.0,
+    )
 
     step = LinearStepCost(0.003, 6e-5, 7e-4, 1.5e-4, 6e-7, 1e-7)
     in_place, step_scale, fitted = in_place_step(step, idle + bursts, 1.5)  # base 3 ms x 1.5 = 4.5 ms
     assert step_scale == 1.0
-    assert fitted == {
-        "scale": pytest.approx(0.9),
-        "per_step": pytest.approx(0.003),
-        "per_chunk": pytest.approx(0.001),
-    }
+    assert fitted == {k: pytest.approx(v) for k, v in truth.items()}
     assert in_place.base_s == pytest.approx(0.0045)
-    assert (in_place.prefill_token_s, in_place.decode_seq_s) == (
+    assert (in_place.prefill_token_s, in_place.decode_seq_s, in_place.attention_pair_s) == (
         pytest.approx(5.4e-5),
         pytest.approx(2.25e-4),
+        pytest.approx(0.7e-7),
     )
     assert (in_place.prefill_seq_s, in_place.prefill_step_s) == (
         pytest.approx(0.9 * 7e-4 + 0.001),
@@ -418,3 +446,61 @@ def test_the_probe_corrects_the_decode_scale_through_the_twin() -> None:
     )
     assert twin_decode_ratio(cfg, slower, runs, 2048) == 1.0
     assert twin_decode_scale(cfg, prof, [], 2048) == (prof, 1.0)
+
+
+def test_the_probe_fits_what_a_handoff_sent_beside_a_prefill_step_costs_through_the_twin() -> None:
+    from bench.plan import load_cluster_config, workload_of
+    from bench.plan_calibrate import (
+        _PREFILL_BURSTS,
+        EngineTotals,
+        PrefillRun,
+        fit_prefill_sends,
+        twin_prefill_phase,
+    )
+    from bench.serve import Record, Scenario
+
+    # prefill phases "measured" by the twin itself with the prompt terms at 0.9x (their attention at
+    # 0.7x), 1 ms more per prompt chunk and 6 ms per handoff sent beside a prefill step: idle prompts (sent between steps) and the
+    # probe's bursts (sent beside the next prompts' step). The fit finds the terms again.
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    sweep = LinearStepCost(0.003, 6e-5, 7e-4, 1.5e-4, 6e-7, 1e-7)
+    prof = CostProfile("t", "hand-made", sweep, TransferCost(0.002, 1e9), 2048)
+    true_step = replace(
+        sweep.scaled(0.9, 1.0, base=1.0), prefill_seq_s=0.9 * 7e-4 + 0.001, attention_pair_s=0.7e-7
+    )
+    truth = replace(prof, step=true_step, handoff_send_step_s=0.006)
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
+    idle = [Scenario(4, (n, n), (2, 2), max_concurrency=1) for n in (16, 256, 1024, 1792)]
+    runs, workloads = [], []
+    for seed, scenario in enumerate(idle + list(_PREFILL_BURSTS)):
+        workload = workload_of("p", scenario, 1000, 2048, seed)
+        result = Simulation(base, truth, workload).run()
+        ran = EngineTotals(result.worker_steps["prefill-0"], result.worker_busy_s["prefill-0"], 0)
+        records = [Record(r.prompt_len, 2) for r in workload.requests]
+        runs.append(PrefillRun.of(ran, sweep, records, cfg.engine_config().max_num_batched_tokens))
+        workloads.append(workload)
+    phases = [twin_prefill_phase(cfg, truth, sweep, w, 2048) for w in workloads]
+    # idle prompts: a chunk each, the handoff sent while the worker waits for the next prompt
+    assert [(chunks, sent) for _, _, chunks, sent in phases[:4]] == [(4, 0), (4, 0), (4, 0), (8, 0)]
+    assert [(p, a) for p, a, _, _ in phases[:4]] == [
+        (pytest.approx(r.prompt_s), pytest.approx(r.attention_s)) for r in runs[:4]
+    ]
+    # a burst: more chunks than prompts (a prompt may span two steps), most handoffs beside a step
+    for (_, _, chunks, sent), workload in zip(phases[4:], workloads[4:], strict=True):
+        assert chunks > len(workload) and len(workload) / 2 < sent < len(workload)
+    fitted_profile, fitted = fit_prefill_sends(cfg, prof, sweep, runs, workloads, 1.0, 2048)
+    assert fitted == {
+        "scale": pytest.approx(0.9),
+        "attention_scale": pytest.approx(0.7),
+        "per_step": 0.0,
+        "per_chunk": pytest.approx(0.001),
+        "per_sent": pytest.approx(0.006),
+    }
+    assert fitted_profile.handoff_send_step_s == fitted["per_sent"]
+    step = fitted_profile.step
+    assert (step.prefill_token_s, step.prefill_seq_s, step.attention_pair_s, step.base_s) == (
+        pytest.approx(true_step.prefill_token_s),
+        pytest.approx(true_step.prefill_seq_s),
+        pytest.approx(true_step.attention_pair_s),
+        true_step.base_s,
+    )
