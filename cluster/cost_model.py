@@ -212,6 +212,10 @@ class CostProfile:
     delivers without it. ``delivery_jitter_by_batch``: (tokens a step streams, mean delay) points that
     make the mean depend on the step's batch instead (measured: a step of 2 streams' tokens reaches its
     clients with less jitter than one of 8 or 32); linear in between, flat beyond the first and last.
+    ``delivery_jitter_contended_s``: added to that mean for the tokens of a step that ends while another
+    worker of the host is in a step too (measured: a decode stream's gaps beside another worker's prefill
+    have a much longer tail than the same steps' share of the cores accounts for: the threads that carry
+    its tokens wait for a core and the interpreter lock more often); 0.0 adds nothing.
     ``handoff_receive_step_s``: what receiving one KV handoff adds to a step its worker runs meanwhile:
     the transfer threads share the process, the interpreter lock and the cores with the step thread
     (measured on the 2-core CPU box: 1.5-2.7 ms a handoff, from the workers' own split of their steps,
@@ -219,8 +223,9 @@ class CostProfile:
     ``handoff_send_step_s``: the same for a handoff sent while the prefill worker runs a step: its
     transfer thread's work, and the receiving side's outside its own steps, on the same cores (the
     probe fits it through the twin from bursts of prompts like batch_pressure's and stress's, where each
-    prompt's handoff leaves beside the next prompts' step: 5-7 ms on the CPU box; the step split alone
-    could not see it, since a light load sends between steps). The probe fits them all.
+    prompt's handoff leaves beside the next prompts' step: 3.7-8.3 ms in the probes on the CPU box; the
+    step split alone could not see it, since a light load sends between steps). The probe fits them
+    all.
     """
 
     name: str
@@ -237,6 +242,7 @@ class CostProfile:
     prefill_weight: float = 1.0
     delivery_jitter_s: float = 0.0
     delivery_jitter_by_batch: tuple[tuple[int, float], ...] = ()
+    delivery_jitter_contended_s: float = 0.0
     handoff_receive_step_s: float = 0.0
     handoff_send_step_s: float = 0.0
 

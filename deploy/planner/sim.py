@@ -9,8 +9,8 @@ its worker received / sent beside the step before it), a KV handoff ``handoff_s`
 ``hop_s``, the front end ``frontend_s_per_request`` per new request (shared between the requests it
 holds) and ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s``
 each way, and an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at``
-gives for the number of tokens its step streams (seeded; each stream's tokens in order). No forward
-pass, no Ray, no sockets.
+gives for the number of tokens its step streams, plus ``delivery_jitter_contended_s`` while another
+worker is busy too (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
 The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
 
@@ -417,6 +417,8 @@ class Simulation:
         flights, records = self.flights, self.records
         updated = w.end_step()
         jitter = self.profile.delivery_jitter_at(len(updated))
+        if self._num_busy > 1:  # another worker is in a step too (or polling)
+            jitter += self.profile.delivery_jitter_contended_s
         if updated and cost and self.profile.host_cpus:
             decay = math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
             self._token_rate = self._token_rate * decay + len(updated) / _RATE_WINDOW_S
