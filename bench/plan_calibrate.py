@@ -41,7 +41,10 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the delivery jitter by batch: for each decode batch (the two above and a light one of 2 streams),
   the mean of an exponential delay per streamed token with which the simulation of that batch (the
   profile measured so far, the same seeded requests) gives its measured spread of gaps (90th
-  percentile over median); the simulation interpolates between the batches.
+  percentile over median); the simulation interpolates between the batches;
+* the jitter beside another worker: two streams at a time whose successors' long prompts prefill
+  beside their decodes; the delay added to the tokens of a step that ends while another worker is in a
+  step, with which the simulation gives that phase's measured spread of gaps.
 """
 
 from __future__ import annotations
@@ -381,6 +384,9 @@ _PREFILL_BURSTS = (
     Scenario(32, (64, 512), (2, 2)),
 )
 _MAX_PER_REQUEST_S = 0.02
+# two streams at a time whose successors' long prompts prefill beside them: the delivery jitter of a
+# step that runs while another worker computes (CostProfile.delivery_jitter_contended_s)
+_BESIDE_PREFILLS = Scenario(16, (1024, 1024), (48, 48), max_concurrency=2)
 
 
 def _spread(gaps: Sequence[float]) -> float:
@@ -393,12 +399,14 @@ def fit_delivery_jitter(
     profile: CostProfile,
     runs: Sequence[tuple[Workload, Sequence[Record]]],
     max_model_len: int,
+    contended: bool = False,
 ) -> float:
-    """``CostProfile.delivery_jitter_s``: the jitter with which the simulation of each run (``profile``
-    otherwise as is, seed 0) gives, averaged over the runs, the measured spread of the gaps between a
-    stream's tokens: their 90th percentile over their median (the spread, not the level: a step model a
-    little off moves both percentiles alike). The smallest such jitter, up to 32 ms (that if none
-    reaches it); 0.0 when the simulation without jitter already reaches the measured spread."""
+    """``CostProfile.delivery_jitter_s`` (``contended``: ``delivery_jitter_contended_s``): the jitter
+    with which the simulation of each run (``profile`` otherwise as is, seed 0; for the plain jitter,
+    without its points by batch) gives, averaged over the runs, the measured spread of the gaps
+    between a stream's tokens: their 90th percentile over their median (the spread, not the level: a
+    step model a little off moves both percentiles alike). The smallest such jitter, up to 32 ms (that
+    if none reaches it); 0.0 when the simulation without it already reaches the measured spread."""
     base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
     pairs = []
     for workload, records in runs:
@@ -407,9 +415,14 @@ def fit_delivery_jitter(
             pairs.append((workload, _spread(gaps)))
     if not pairs:
         return 0.0
+    if not contended:
+        profile = replace(profile, delivery_jitter_by_batch=())
 
     def excess(jitter: float) -> float:
-        p = replace(profile, delivery_jitter_s=jitter, delivery_jitter_by_batch=())
+        if contended:
+            p = replace(profile, delivery_jitter_contended_s=jitter)
+        else:
+            p = replace(profile, delivery_jitter_s=jitter)
         simulated = []
         for workload, real in pairs:
             gaps = [g for r in Simulation(base, p, workload).run().records for g in r.gaps_s]
@@ -623,7 +636,9 @@ async def probe(
     phases: list[tuple[int, Scenario, int, list[Record]]] = []  # the decode batches, to fit the jitter on
     for batch in sorted({min(b, engine.max_num_seqs) for b in (8, 32)}):
         before = EngineTotals.of(handle, decode_pool)
-        scenario, phase_seed = _decode_scenario(batch), next(seeds)
+        # NOTE: at least 32 requests (in waves): a single wave of 8 streams gave a spread of gaps (the
+        # jitter fit below) twice the usual now and then
+        scenario, phase_seed = _decode_scenario(batch, max(1, 32 // batch)), next(seeds)
         recs, _ = await run_scenario(url, f"probe-decode-{batch}", client_args(phase_seed), scenario)
         num_tokens += sum(r.output_tokens for r in recs)
         ran = EngineTotals.of(handle, decode_pool) - before
@@ -663,6 +678,8 @@ async def probe(
         splits.open()
         await run_scenario(url, "probe-handoffs", client_args(next(seeds)), _handoff_scenario(light))
         splits.close()
+    beside_seed = next(seeds)
+    beside, _ = await run_scenario(url, "probe-beside-prefills", client_args(beside_seed), _BESIDE_PREFILLS)
     decode_scale = math.exp(statistics.fmean(math.log(r) for r in per_step))
     host_cpus = profile.host_cpus
     prefill_slowdown, host_slowdown, prefill_weight = 1.0, 1.0, 1.0
@@ -760,8 +777,18 @@ async def probe(
     # them): corrected by their measured over simulated decode seconds
     runs_s = [(w, s) for (_, w, _), s in zip(workloads[: len(decode_seconds)], decode_seconds, strict=True)]
     measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, info.max_model_len)
-    jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
-    measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
+    # the jitter by batch, then that of a step beside another worker's on top of it, then the jitter by
+    # batch again with it (the decode phases' own prefills run beside their first decodes)
+    beside_run = [(load(_BESIDE_PREFILLS, beside_seed), beside)]
+    for _ in range(2):
+        jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
+        measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
+        if measured.delivery_jitter_contended_s:
+            break
+        beside_jitter = fit_delivery_jitter(cfg, measured, beside_run, max_len, contended=True)
+        if not beside_jitter:
+            break
+        measured = replace(measured, delivery_jitter_contended_s=beside_jitter)
     report: dict[str, Any] = {
         "hop_ms": hop * 1e3,
         "http_ms": measured.http_s * 1e3,
@@ -780,6 +807,7 @@ async def probe(
         "prefill_slowdown": prefill_slowdown,
         "prefill_weight": prefill_weight,
         "delivery_jitter_ms_by_batch": {str(b): j * 1e3 for b, j in jitter},
+        "delivery_jitter_contended_ms": measured.delivery_jitter_contended_s * 1e3,
         "handoff_receive_step_ms": measured.handoff_receive_step_s * 1e3,
     }
     if not colocated:  # each prefill phase (seconds, steps) and how close the twin's prefill worker comes

@@ -245,6 +245,30 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
     assert fit_delivery_jitter(cfg, tabled, runs(0.0), 2048) == 0.0
 
 
+def test_the_probe_fits_the_jitter_beside_another_workers_step() -> None:
+    from bench.plan import load_cluster_config, workload_of
+    from bench.plan_calibrate import _BESIDE_PREFILLS, fit_delivery_jitter
+    from bench.serve import Record
+
+    # the probe's streams beside long prefills, "measured" by the simulation itself (another seed) with
+    # 1 ms of jitter by batch and 2 ms more beside another worker's step: the fit, with the 1 ms in the
+    # profile, finds the 2 ms again; none where the run had none (made with the fit's own seed: the same
+    # delays by batch)
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    step = LinearStepCost(0.004, 5e-5, 0.0, 2e-4, 0.0, 0.0)
+    prof = CostProfile("t", "hand-made", step, TransferCost(0.002, 1e9), 2048, delivery_jitter_s=0.001)
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
+    workload = workload_of("p", _BESIDE_PREFILLS, 1000, 2048, 3)
+
+    def measured(jitter: float, seed: int = 7) -> list[tuple[Workload, list[Record]]]:
+        made = Simulation(base, replace(prof, delivery_jitter_contended_s=jitter), workload, seed=seed).run()
+        return [(workload, [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records])]
+
+    fitted = fit_delivery_jitter(cfg, prof, measured(0.002), 2048, contended=True)
+    assert fitted == pytest.approx(0.002, rel=0.15)
+    assert fit_delivery_jitter(cfg, prof, measured(0.0, seed=0), 2048, contended=True) == 0.0
+
+
 def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     from bench.plan import load_cluster_config, workload_of
     from bench.plan_calibrate import _decode_scenario, fit_delivery_jitter_by_batch

@@ -284,6 +284,26 @@ def test_delivery_jitter_by_batch_follows_the_tokens_a_step_streams() -> None:
     assert len(delays) == 4 and delays[0] == 0.0 and min(delays[1:]) > 0.0
 
 
+def test_the_contended_jitter_delays_only_tokens_of_steps_that_end_beside_another_workers_step() -> None:
+    # 10 ms steps, hop/HTTP 0. A: prefill 0-10 ms (the decode worker idle), KV lands at 19 ms, decodes
+    # 19-29 (ends while B prefills 20-30: delayed), 29-39, 39-49, 49-59 (the prefill worker idle). B's
+    # only token leaves its prefill at 30 ms, while A's decode step 29-39 runs: delayed.
+    cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    wl = workload((0.0, 4, 5), (0.020, 4, 1))
+    plain, plain_steps = run(cfg, profile(), wl)
+    assert [us(r) for r in plain.records] == [
+        (10000, [19000, 10000, 10000, 10000], 59000),
+        (10000, [], 10000),
+    ]
+    result, steps = run(cfg, replace(profile(), delivery_jitter_contended_s=0.0005), wl)
+    assert steps == plain_steps
+    (a_ttft, a_gaps, a_e2e), (b_ttft, b_gaps, _) = (us(r) for r in result.records)
+    delay = a_gaps[0] - 19000
+    assert (a_ttft, a_e2e, b_gaps) == (10000, 59000, [])
+    assert delay > 0 and a_gaps == [19000 + delay, 10000 - delay, 10000, 10000]
+    assert b_ttft is not None and b_ttft > 10000
+
+
 def test_a_prefill_step_beside_a_busy_decode_worker_stretches_by_the_prefill_weight() -> None:
     # one core, 10 ms steps, hop/HTTP 0. A: prefill 0-10 ms alone, KV (4 tokens x 1000 B at 1 MB/s + 5 ms)
     # lands at 19 ms, its decodes run from 19 ms. B arrives at 20 ms: its prefill starts beside A's
