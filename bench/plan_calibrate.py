@@ -14,12 +14,12 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
   run beside their decodes, which the twin models on its own); the prefill workers' own time in idle
   prefills (four prompt lengths, each prompt alone), in the bursts below (many short prompts in one
   step) and in bursts of prompts like batch_pressure's and stress's (steps full of prompts) fits, by
-  least squares of relative errors, a scale of its prompt terms, what a prefill step and each prompt
-  chunk in it cost in place beyond the model, and what a handoff sent beside a prefill step costs it
-  (in place, a worker shares the host with the router, HTTP edge and the other workers, which the sweep
-  alone does not; a prefill worker's transfer thread sends each prompt's KV while the next prompts
-  compute, and the receiving side works meanwhile): each phase's chunks and sends are the twin's
-  schedule of its prompts (``fit_prefill_sends``);
+  least squares of relative errors, scales of its prompt terms and of their attention, what a prefill
+  step and each prompt chunk in it cost in place beyond the model, and what a handoff sent beside a
+  prefill step costs it (in place, a worker shares the host with the router, HTTP edge and the other
+  workers, which the sweep alone does not; a prefill worker's transfer thread sends each prompt's KV
+  while the next prompts compute, and the receiving side works meanwhile): each phase's chunks and
+  sends are the twin's schedule of its prompts (``fit_prefill_sends``);
 * the front end's CPU per streamed token (router, HTTP edge and client all run in this process): the
   simulation serves tokens through it one at a time and counts it in the host's CPU demand;
 * the front end's work per new request (HTTP, validation, the route decision), from the edge times
