@@ -215,7 +215,8 @@ class CostProfile:
     ``delivery_jitter_contended_s``: added to that mean for the tokens of a step that ends while another
     worker of the host is in a step too (measured: a decode stream's gaps beside another worker's prefill
     have a much longer tail than the same steps' share of the cores accounts for: the threads that carry
-    its tokens wait for a core and the interpreter lock more often); 0.0 adds nothing.
+    its tokens wait for a core and the interpreter lock more often: 1.6-2.2 ms in the probes on the CPU
+    box); 0.0 adds nothing.
     ``handoff_receive_step_s``: what receiving one KV handoff adds to a step its worker runs meanwhile:
     the transfer threads share the process, the interpreter lock and the cores with the step thread
     (measured on the 2-core CPU box: 1.5-2.7 ms a handoff, from the workers' own split of their steps,
@@ -223,9 +224,9 @@ class CostProfile:
     ``handoff_send_step_s``: the same for a handoff sent while the prefill worker runs a step: its
     transfer thread's work, and the receiving side's outside its own steps, on the same cores (the
     probe fits it through the twin from bursts of prompts like batch_pressure's and stress's, where each
-    prompt's handoff leaves beside the next prompts' step: 3.7-8.3 ms in the probes on the CPU box; the
-    step split alone could not see it, since a light load sends between steps). The probe fits them
-    all.
+    prompt's handoff leaves beside the next prompts' step: 3.3-8.3 ms in five of six probes on the CPU
+    box, 1.0 ms in one that put 2.2 ms on every prefill step instead; the step split alone could not see
+    it, since a light load sends between steps). The probe fits them all.
     """
 
     name: str
