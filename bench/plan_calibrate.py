@@ -197,6 +197,11 @@ def _prefill_chunks(n: int, budget: int) -> list[StepShape]:
 _MIN_EXTRA_S = 1e-6  # a fitted extra below this is noise
 
 
+def twin_config(cfg: ClusterConfig, profile: CostProfile, max_model_len: int) -> SimConfig:
+    """The twin of ``cfg``'s cluster, with the KV blocks a CPU worker of ``profile`` gets."""
+    return SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+
+
 @dataclass(frozen=True)
 class PrefillRun:
     """What a prefill pool ran in one probe phase: its engines' seconds, the model's seconds of the
@@ -312,7 +317,7 @@ def twin_prefill_phase(
     prompt chunks they compute; the handoffs they send beside a step, each charged to the step after
     it). The twin runs the real Scheduler, so its chunks are the ones a real burst is cut into (a prompt
     may span two steps)."""
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    base = twin_config(cfg, profile, max_model_len)
     shapes: list[StepShape] = []
 
     def on_step(w: Any, t: float, shape: StepShape, step_s: float) -> None:
@@ -354,7 +359,7 @@ def fit_prefill_sends(
 
 def twin_prefill_s(cfg: ClusterConfig, profile: CostProfile, workload: Workload, max_model_len: int) -> float:
     """The twin's prefill workers' busy seconds in ``workload`` (``profile``)."""
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    base = twin_config(cfg, profile, max_model_len)
     busy = Simulation(base, profile, workload).run().worker_busy_s
     return sum(v for w, v in busy.items() if w.startswith("prefill"))
 
@@ -407,7 +412,7 @@ def fit_delivery_jitter(
     between a stream's tokens: their 90th percentile over their median (the spread, not the level: a
     step model a little off moves both percentiles alike). The smallest such jitter, up to 32 ms (that
     if none reaches it); 0.0 when the simulation without it already reaches the measured spread."""
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    base = twin_config(cfg, profile, max_model_len)
     pairs = []
     for workload, records in runs:
         gaps = [g for r in records if r.error is None for g in r.tbt_s]
@@ -536,7 +541,7 @@ def twin_decode_ratio(
 ) -> float:
     """The decode workers' measured seconds over the twin's (``profile``, the same seeded requests) in
     each run, geometric mean; 1.0 without a run the twin gives time to."""
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len)
+    base = twin_config(cfg, profile, max_model_len)
     logs = []
     for workload, seconds in runs:
         busy = Simulation(base, profile, workload).run().worker_busy_s
@@ -776,19 +781,17 @@ async def probe(
     # own in those phases (their prompts' prefill steps beside the decodes, the handoffs received beside
     # them): corrected by their measured over simulated decode seconds
     runs_s = [(w, s) for (_, w, _), s in zip(workloads[: len(decode_seconds)], decode_seconds, strict=True)]
-    measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, info.max_model_len)
+    measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, max_len)
     # the jitter by batch, then that of a step beside another worker's on top of it, then the jitter by
     # batch again with it (the decode phases' own prefills run beside their first decodes)
+    jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, max_len)
+    measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
     beside_run = [(load(_BESIDE_PREFILLS, beside_seed), beside)]
-    for _ in range(2):
-        jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, info.max_model_len)
-        measured = replace(measured, delivery_jitter_s=0.0, delivery_jitter_by_batch=jitter)
-        if measured.delivery_jitter_contended_s:
-            break
-        beside_jitter = fit_delivery_jitter(cfg, measured, beside_run, max_len, contended=True)
-        if not beside_jitter:
-            break
+    beside_jitter = fit_delivery_jitter(cfg, measured, beside_run, max_len, contended=True)
+    if beside_jitter:
         measured = replace(measured, delivery_jitter_contended_s=beside_jitter)
+        jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, max_len)
+        measured = replace(measured, delivery_jitter_by_batch=jitter)
     report: dict[str, Any] = {
         "hop_ms": hop * 1e3,
         "http_ms": measured.http_s * 1e3,
