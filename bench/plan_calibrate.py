@@ -824,9 +824,16 @@ async def probe(
 
 def calibrate_and_probe(url: str, handle: ClusterHandle, *, reps: int, seed: int) -> CostProfile:
     """On a running cluster: the sweep in a Ray worker, then the probe."""
-    profile = calibrate_profile(handle.config, reps=reps, seed=seed, in_ray=True)
-    profile, report = asyncio.run(probe(url, handle, profile, seed))
-    print("cluster probe: " + json.dumps({k: _round(v) for k, v in report.items()}), flush=True)
+    sweep = calibrate_profile(handle.config, reps=reps, seed=seed, in_ray=True)
+    return probe_and_report(url, handle, sweep, seed)
+
+
+def probe_and_report(
+    url: str, handle: ClusterHandle, sweep: CostProfile, seed: int, label: str = ""
+) -> CostProfile:
+    """The probe over the sweep's profile `sweep`; prints its figures (``cluster probe<label>: {...}``)."""
+    profile, report = asyncio.run(probe(url, handle, sweep, seed))
+    print(f"cluster probe{label}: " + json.dumps({k: _round(v) for k, v in report.items()}), flush=True)
     return profile
 
 

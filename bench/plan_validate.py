@@ -9,8 +9,14 @@ rates, seeded), shuts it down, simulates each workload with the profile, and pri
 line is ``sim vs real: max TTFT p90 error X%, max TBT p90 error Y%, max SLO attainment error Z points``.
 With ``--runs N`` each workload runs N times (other seeds, so other prompts) on both sides and the
 percentiles are of the pooled requests; each real run's TTFT p90 is printed too (the cluster's own
-run-to-run spread, the floor under any sim-vs-real figure). Writes ``<out>/validate.json`` (with every
-request's TTFT and mean TBT on both sides) and ``<out>/profile.json``.
+run-to-run spread, the floor under any sim-vs-real figure).
+
+With ``--probes 2`` (the default) the probe runs again after the real runs, and the sim runs every
+workload with both probes' profiles and pools their requests: the real runs take ~10 minutes, and this
+shared box's speed drifts over that time (the same workload's real decode steps moved 10-20% between
+validations), so one probe before them samples one moment of it; two bracket it. Each profile's own
+figures are printed above the table. Writes ``<out>/validate.json`` (with every request's TTFT and mean
+TBT on both sides) and ``<out>/profile.json`` (``profile-after.json`` for the second probe).
 """
 
 from __future__ import annotations
@@ -21,14 +27,21 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.plan import DEFAULT_CONFIG, cpu_kv_blocks, load_cluster_config, scenario_workload, workload_of
-from bench.plan_calibrate import EngineTotals, calibrate_and_probe, client_args, running_cluster
+from bench.plan_calibrate import (
+    EngineTotals,
+    calibrate_profile,
+    client_args,
+    probe_and_report,
+    running_cluster,
+)
 from bench.serve import SCENARIOS, Record, Scenario
 from bench.serve import run as run_scenario
+from cluster.config import ClusterConfig
 from cluster.cost_model import CostProfile
 from deploy.planner.report import Slo, Summary, summarize
 from deploy.planner.search import simulate
@@ -86,6 +99,67 @@ def validation_workload(name: str, vocab_size: int, max_model_len: int, seed: in
     return workload_of(name, POISSON[name], vocab_size, max_model_len, seed)
 
 
+def validation_workloads(
+    name: str, run_seeds: Sequence[int], vocab_size: int, max_model_len: int
+) -> list[Workload]:
+    return [validation_workload(name, vocab_size, max_model_len, seed) for seed in run_seeds]
+
+
+@dataclass
+class TwinSide:
+    """The twin's side of one workload's row: its runs simulated with each profile, pooled (`pooled`,
+    `records`) and per profile (`per_profile`), and the diagnostics (the pool's mean step and batch over
+    all of them; the prefill workers' busy seconds per profile, as the real runs' sum)."""
+
+    pooled: Summary
+    per_profile: list[Summary]
+    records: list[RequestRecord]
+    diagnostics: dict[str, float]
+
+
+def twin_side(
+    cfg: ClusterConfig,
+    profiles: Sequence[CostProfile],
+    runs: Sequence[Workload],
+    max_model_len: int,
+    slo: Slo,
+    pool: str,
+) -> TwinSide:
+    """Simulate every run of one workload (`runs`, one name) with every profile, the twin's context as
+    long as the real cluster's `max_model_len`; `pool`: the workers the step figures are of."""
+    name = runs[0].name
+    per_profile: list[Summary] = []
+    results = []
+    for profile in profiles:
+        base = SimConfig.from_cluster(
+            cfg, num_kv_blocks=cpu_kv_blocks(cfg, profile), max_model_len=max_model_len
+        )
+        mine = [simulate(base, profile, workload, slo).result for workload in runs]
+        records = [r for res in mine for r in res.records]
+        per_profile.append(summarize(name, records, sum(res.duration_s for res in mine), slo))
+        results += mine
+    busy: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for result in results:
+        for w, v in result.worker_busy_s.items():
+            busy[w] = busy.get(w, 0.0) + v
+            steps[w] = steps.get(w, 0) + result.worker_steps[w]
+            tokens[w] = tokens.get(w, 0) + result.worker_tokens[w]
+    ids = [w for w in steps if w.startswith(pool)]
+    num_steps = max(1, sum(steps[w] for w in ids))
+    diagnostics = {
+        "sim_step_ms": sum(busy[w] for w in ids) / num_steps * 1e3,
+        "sim_batch": sum(tokens[w] for w in ids) / num_steps,
+    }
+    if pool == "decode":
+        prefill_s = sum(v for w, v in busy.items() if w.startswith("prefill"))
+        diagnostics["sim_prefill_s"] = prefill_s / max(1, len(profiles))
+    records = [r for res in results for r in res.records]
+    pooled = summarize(name, records, sum(res.duration_s for res in results), slo)
+    return TwinSide(pooled, per_profile, records, diagnostics)
+
+
 def comparison(rows: list[tuple[str, Summary, Summary]], slo: Slo) -> str:
     head = (
         f"{'workload':<15} {'TTFT p90 real':>13} {'sim':>9} {'err':>7} {'TBT p90 real':>12} {'sim':>7} {'err':>7} "
@@ -138,6 +212,13 @@ def validate_command(argv: Sequence[str] | None) -> int:
     p.add_argument(
         "--runs", type=int, default=1, help="run each workload this many times (other seeds); pool them"
     )
+    p.add_argument(
+        "--probes",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="probe before the real runs only (1), or before and after them (2; the sim pools both)",
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
@@ -159,11 +240,14 @@ def validate_command(argv: Sequence[str] | None) -> int:
     diagnostics: dict[str, dict[str, float]] = {}
     spread: dict[str, list[float]] = {}  # each run's real TTFT p90 (ms)
     pool = "colocated" if cfg.router.mode == "colocated" else "decode"
+    sweep: CostProfile | None = None
     with running_cluster(cfg) as (url, handle):
         if args.profile:
-            profile = CostProfile.load(args.profile)
+            profiles = [CostProfile.load(args.profile)]
         else:
-            profile = calibrate_and_probe(url, handle, reps=args.reps, seed=args.seed)
+            sweep = calibrate_profile(handle.config, reps=args.reps, seed=args.seed, in_ray=True)
+            label = " (before the runs)" if args.probes == 2 else ""
+            profiles = [probe_and_report(url, handle, sweep, args.seed, label)]
         card_vocab, card_len = _card(url)
         for name in args.workloads:
             before, cpu0 = EngineTotals.of(handle, pool), time.process_time()
@@ -191,45 +275,38 @@ def validate_command(argv: Sequence[str] | None) -> int:
                 diagnostics[name]["real_prefill_s"] = (
                     EngineTotals.of(handle, "prefill") - before_prefill
                 ).seconds
+        if sweep is not None and args.probes == 2:
+            # NOTE: another seed: the first probe's prompts are in the prefix cache
+            profiles.append(probe_and_report(url, handle, sweep, args.seed + 1, " (after the runs)"))
     args.out.mkdir(parents=True, exist_ok=True)
-    profile.save(args.out / "profile.json")
-    num_blocks = cpu_kv_blocks(cfg, profile)
-    base = SimConfig.from_cluster(cfg, num_kv_blocks=num_blocks, max_model_len=card_len)
+    for profile, file in zip(profiles, ("profile.json", "profile-after.json"), strict=False):
+        profile.save(args.out / file)
+    by_profile: list[list[tuple[str, Summary, Summary]]] = [[] for _ in profiles]
     rows = []
     for name in args.workloads:
-        results = [
-            simulate(base, profile, validation_workload(name, card_vocab, card_len, run_seed), slo).result
-            for run_seed in seeds[name]
-        ]
-        busy: dict[str, float] = {}
-        steps: dict[str, int] = {}
-        tokens: dict[str, int] = {}
-        for result in results:
-            for w, v in result.worker_busy_s.items():
-                busy[w] = busy.get(w, 0.0) + v
-                steps[w] = steps.get(w, 0) + result.worker_steps[w]
-                tokens[w] = tokens.get(w, 0) + result.worker_tokens[w]
-        ids = [w for w in steps if w.startswith(pool)]
-        num_steps = max(1, sum(steps[w] for w in ids))
-        diagnostics[name]["sim_step_ms"] = sum(busy[w] for w in ids) / num_steps * 1e3
-        diagnostics[name]["sim_batch"] = sum(tokens[w] for w in ids) / num_steps
-        if "real_prefill_s" in diagnostics[name]:
-            diagnostics[name]["sim_prefill_s"] = sum(v for w, v in busy.items() if w.startswith("prefill"))
-        sim_records = [r for res in results for r in res.records]
-        per_request[name]["sim"] = request_rows(sim_records)
-        sim = summarize(name, sim_records, sum(res.duration_s for res in results), slo)
-        rows.append((name, real[name], sim))
-    print(diagnostics_table(diagnostics, pool, profile))
+        runs = validation_workloads(name, seeds[name], card_vocab, card_len)
+        twin = twin_side(cfg, profiles, runs, card_len, slo, pool)
+        diagnostics[name].update(twin.diagnostics)
+        per_request[name]["sim"] = request_rows(twin.records)
+        rows.append((name, real[name], twin.pooled))
+        for k, summary in enumerate(twin.per_profile):
+            by_profile[k].append((name, real[name], summary))
+    print(diagnostics_table(diagnostics, pool, profiles[0]))
     if args.runs > 1:
         print(
             f"real TTFT p90 of each of the {args.runs} runs (ms): "
             + "; ".join(f"{n} " + " ".join(f"{v:.1f}" for v in spread[n]) for n in args.workloads)
         )
+    if len(profiles) > 1:
+        for which, profile_rows in zip(("before", "after"), by_profile, strict=True):
+            print(f"the sim with the probe {which} the runs alone: {_last_line(profile_rows)}")
     print(comparison(rows, slo))
     (args.out / "validate.json").write_text(
         json.dumps(
             {
-                "profile": profile.to_dict(),
+                "profile": profiles[0].to_dict(),
+                "profiles": [profile.to_dict() for profile in profiles],
+                "rows_by_profile": [[[n, asdict(s)] for n, _, s in r] for r in by_profile],
                 "rows": [[n, asdict(r), asdict(s)] for n, r, s in rows],
                 "diagnostics": diagnostics,
                 "real_ttft_p90_ms_per_run": spread,
@@ -238,13 +315,15 @@ def validate_command(argv: Sequence[str] | None) -> int:
             indent=1,
         )
     )
+    print(f"sim vs real: {_last_line(rows)}")
+    return 0
+
+
+def _last_line(rows: list[tuple[str, Summary, Summary]]) -> str:
     x = max(_err(s.ttft_ms.p90, r.ttft_ms.p90) for _, r, s in rows)
     y = max(_err(s.tbt_ms.p90, r.tbt_ms.p90) for _, r, s in rows)
     z = max(abs(s.slo_attainment - r.slo_attainment) * 100 for _, r, s in rows)
-    print(
-        f"sim vs real: max TTFT p90 error {x:.1f}%, max TBT p90 error {y:.1f}%, max SLO attainment error {z:.1f} points"
-    )
-    return 0
+    return f"max TTFT p90 error {x:.1f}%, max TBT p90 error {y:.1f}%, max SLO attainment error {z:.1f} points"
 
 
 def _card(url: str) -> tuple[int, int]:

@@ -226,3 +226,31 @@ def test_validate_writes_each_request_as_a_row() -> None:
         [10, 5, 12.5, 3.0, 3, [2.0, 4.0]],
         [7, 2, None, 0.0, 0, []],
     ]
+
+
+def test_validate_pools_the_twin_over_both_probes_profiles() -> None:
+    """`plan validate --probes 2`: each workload's runs are simulated with the probe's profile before the
+    real runs and the one after; the table's sim column pools both, and each profile's own figures are
+    exactly what it gives alone."""
+    from dataclasses import replace
+
+    from bench.plan import load_cluster_config
+    from bench.plan_validate import twin_side, validation_workloads
+
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    slower = replace(PROFILE, step=LinearStepCost(0.004, 1e-4, 0.0, 2e-4, 2e-7, 0.0))
+    runs = validation_workloads("smoke", [11, 12], 1000, 512)
+    slo = Slo(1000.0, 100.0)
+    both = twin_side(cfg, [PROFILE, slower], runs, 512, slo, "decode")
+    alone = [twin_side(cfg, [p], runs, 512, slo, "decode") for p in (PROFILE, slower)]
+    assert both.per_profile == [a.pooled for a in alone]
+    assert both.records == alone[0].records + alone[1].records
+    assert len(both.records) == 2 * sum(len(w) for w in runs)
+    # the prefill workers' busy seconds per profile (as the real runs' sum), the steps' mean over both
+    prefill = [a.diagnostics["sim_prefill_s"] for a in alone]
+    assert both.diagnostics["sim_prefill_s"] == pytest.approx(sum(prefill) / 2)
+    assert prefill[1] > prefill[0] > 0.0
+    fast, slow = (a.diagnostics["sim_step_ms"] for a in alone)
+    assert fast < both.diagnostics["sim_step_ms"] < slow
+    # the pooled TTFT p90 lies between the two profiles' own
+    assert alone[0].pooled.ttft_ms.p90 <= both.pooled.ttft_ms.p90 <= alone[1].pooled.ttft_ms.p90
