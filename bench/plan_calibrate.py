@@ -9,9 +9,11 @@ like the driver) and the cluster of ``--config`` is started to measure what surr
 * the KV handoff: latency + bytes / bandwidth, fitted to the decode side's transfer times;
 * the step scales: the engines' own step time (from their stats) in steady decode batches over what the
   sweep predicts for the same shapes scales the fitted model's decode terms and its base, and at the end
-  the twin replays those batches with everything else measured and corrects that scale by their
-  measured over simulated decode seconds (``twin_decode_scale``: the batches' own prefills and handoffs
-  run beside their decodes, which the twin models on its own); the prefill workers' own time in idle
+  the twin replays those batches and the light one below with everything else measured and corrects
+  the base and the decode terms apart by their measured over simulated decode seconds
+  (``twin_decode_terms``: the batches' own prefills and handoffs run beside their decodes, which the
+  twin models on its own; a batch of 2 weighs the base, one of 32 the per-sequence terms); the prefill
+  workers' own time in idle
   prefills (four prompt lengths, each prompt alone), in the bursts below (many short prompts in one
   step) and in bursts of prompts like batch_pressure's and stress's (steps full of prompts) fits, by
   least squares of relative errors, scales of its prompt terms and of their attention, what a prefill
@@ -572,6 +574,70 @@ def twin_decode_scale(
     return profile, scale
 
 
+def _twin_decode_seconds(
+    cfg: ClusterConfig, profile: CostProfile, runs: Sequence[tuple[Workload, float]], max_model_len: int
+) -> list[float]:
+    base = twin_config(cfg, profile, max_model_len)
+    seconds = []
+    for workload, _ in runs:
+        busy = Simulation(base, profile, workload).run().worker_busy_s
+        seconds.append(sum(v for w, v in busy.items() if not w.startswith("prefill")))
+    return seconds
+
+
+_TERMS_STEP = math.log(1.1)  # the twin's finite difference in each scale (log)
+_MAX_TERMS_MOVE = math.log(4.0)  # how far the two-term fit may move either scale (log)
+
+
+def twin_decode_terms(
+    cfg: ClusterConfig,
+    profile: CostProfile,
+    runs: Sequence[tuple[Workload, float]],
+    max_model_len: int,
+    rounds: int = 3,
+) -> tuple[CostProfile, float, float]:
+    """``profile`` with its linear step's base and decode terms scaled apart, so that the twin's decode
+    seconds of ``runs`` (a workload and its measured decode seconds; batches of different sizes: a light
+    one weighs the base, a heavy one the per-sequence terms) come closest to the measured ones (least
+    squares of the log ratios). Each round linearizes through the twin: every run at the current scales
+    and with each scale 10% up (the schedule moves with the scales). The base's change is moved into
+    ``prefill_step_s`` (not below 0), so a step that computes prompt tokens costs what the prefill fit
+    made it. Returns (profile, base factor, decode factor). With fewer than two runs the twin gives time
+    to, or two that cannot tell the scales apart, one factor for both (``twin_decode_scale``); a roofline
+    profile as it is."""
+    step = profile.step
+    if not isinstance(step, LinearStepCost):
+        return profile, 1.0, 1.0
+
+    def at(log_base: float, log_decode: float) -> tuple[CostProfile, list[float]]:
+        scaled = step.scaled(1.0, math.exp(log_decode), base=math.exp(log_base))
+        moved = step.base_s - scaled.base_s
+        scaled = replace(scaled, prefill_step_s=max(0.0, step.prefill_step_s + moved))
+        candidate = replace(profile, step=scaled)
+        return candidate, _twin_decode_seconds(cfg, candidate, runs, max_model_len)
+
+    measured = [s for _, s in runs]
+    x = y = 0.0
+    for _ in range(rounds):
+        _, now = at(x, y)
+        _, up_base = at(x + _TERMS_STEP, y)
+        _, up_decode = at(x, y + _TERMS_STEP)
+        rows, targets = [], []
+        for m, s, sb, sd in zip(measured, now, up_base, up_decode, strict=True):
+            if m > 0.0 and s > 0.0 and sb > 0.0 and sd > 0.0:
+                rows.append((math.log(sb / s) / _TERMS_STEP, math.log(sd / s) / _TERMS_STEP))
+                targets.append(math.log(m / s))
+        a = np.array(rows, dtype=np.float64).reshape(-1, 2)
+        if len(rows) < 2 or np.linalg.cond(a) > 1e3:
+            scaled_profile, scale = twin_decode_scale(cfg, profile, runs, max_model_len)
+            return scaled_profile, scale, scale
+        dx, dy = np.linalg.lstsq(a, np.array(targets), rcond=None)[0]
+        x = min(_MAX_TERMS_MOVE, max(-_MAX_TERMS_MOVE, x + float(dx)))
+        y = min(_MAX_TERMS_MOVE, max(-_MAX_TERMS_MOVE, y + float(dy)))
+    fitted, _ = at(x, y)
+    return fitted, math.exp(x), math.exp(y)
+
+
 class _SplitWindows:
     """Pools' step splits over chosen phases of the probe, one window per phase."""
 
@@ -675,9 +741,11 @@ async def probe(
     splits = _SplitWindows(handle, (decode_pool,))
     if light not in (b for b, *_ in phases):
         scenario, phase_seed = _decode_scenario(light, _LIGHT_WAVES), next(seeds)
+        before = EngineTotals.of(handle, decode_pool)
         splits.open()
         recs, _ = await run_scenario(url, f"probe-decode-{light}", client_args(phase_seed), scenario)
         splits.close()
+        decode_seconds.append((EngineTotals.of(handle, decode_pool) - before).seconds)
         phases.append((light, scenario, phase_seed, recs))
     if not colocated:
         splits.open()
@@ -779,9 +847,10 @@ async def probe(
     ]
     # NOTE: the decode scale took up, besides the steps' own in-place cost, what the twin models on its
     # own in those phases (their prompts' prefill steps beside the decodes, the handoffs received beside
-    # them): corrected by their measured over simulated decode seconds
+    # them): corrected by their measured over simulated decode seconds, the base apart from the decode
+    # terms (one scale for both made the twin's steps at a batch of 1-2 up to 40% slower than real)
     runs_s = [(w, s) for (_, w, _), s in zip(workloads[: len(decode_seconds)], decode_seconds, strict=True)]
-    measured, twin_scale = twin_decode_scale(cfg, measured, runs_s, max_len)
+    measured, base_scale, twin_scale = twin_decode_terms(cfg, measured, runs_s, max_len)
     # the jitter by batch, then that of a step beside another worker's on top of it, then the jitter by
     # batch again with it (the decode phases' own prefills run beside their first decodes)
     jitter = fit_delivery_jitter_by_batch(cfg, measured, workloads, max_len)
@@ -803,6 +872,7 @@ async def probe(
         "prefill_extra_per_chunk_ms": fitted["per_chunk"] * 1e3,
         "handoff_send_step_ms": measured.handoff_send_step_s * 1e3,
         "decode_scale": decode_scale * twin_scale,
+        "decode_base_scale": decode_scale * base_scale,
         "frontend_cpu_per_token_us": frontend * 1e6,
         "frontend_per_request_ms": per_request * 1e3,
         "host_cpus": host_cpus,

@@ -472,6 +472,35 @@ def test_the_probe_corrects_the_decode_scale_through_the_twin() -> None:
     assert twin_decode_scale(cfg, prof, [], 2048) == (prof, 1.0)
 
 
+def test_the_probe_scales_the_decode_base_and_terms_apart_through_the_twin() -> None:
+    from bench.plan import load_cluster_config, workload_of
+    from bench.plan_calibrate import _decode_scenario, twin_decode_terms
+
+    # decode phases of 2, 8 and 32 streams "measured" by the twin itself with the base 0.8x and the
+    # decode terms 1.3x: the fit finds both (one scale for both cannot: it would put the light batch's
+    # steps ~20% too slow); the base's change moves into the prefill step's extra, so a prefill step
+    # costs what it did; with one run, one scale for both
+    cfg = load_cluster_config("deploy/cpu-disagg.yaml")
+    step = LinearStepCost(0.003, 6e-5, 7e-4, 1.5e-4, 6e-7, 1e-7, prefill_step_s=0.001)
+    prof = CostProfile("t", "hand-made", step, TransferCost(0.002, 1e9), 2048)
+    truth = step.scaled(1.0, 1.3, base=0.8)
+    truth = replace(truth, prefill_step_s=0.001 + 0.003 - truth.base_s)
+    base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
+    runs = []
+    for batch, waves, seed in ((2, 8, 3), (8, 4, 1), (32, 1, 2)):
+        workload = workload_of("p", _decode_scenario(batch, waves), 1000, 2048, seed)
+        busy = Simulation(base, replace(prof, step=truth), workload).run().worker_busy_s
+        runs.append((workload, sum(v for w, v in busy.items() if w.startswith("decode"))))
+    fitted, base_scale, decode_scale = twin_decode_terms(cfg, prof, runs, 2048)
+    assert (base_scale, decode_scale) == (pytest.approx(0.8, rel=0.02), pytest.approx(1.3, rel=0.02))
+    assert fitted.step.base_s == pytest.approx(0.003 * base_scale)
+    assert fitted.step.decode_seq_s == pytest.approx(1.5e-4 * decode_scale)
+    assert fitted.step.prefill_step_s == pytest.approx(0.001 + 0.003 - fitted.step.base_s)
+    assert fitted.step.prefill_token_s == 6e-5
+    one, b1, d1 = twin_decode_terms(cfg, prof, runs[1:2], 2048)
+    assert b1 == d1 and one.step.base_s == pytest.approx(0.003 * d1)
+
+
 def test_the_probe_fits_what_a_handoff_sent_beside_a_prefill_step_costs_through_the_twin() -> None:
     from bench.plan import load_cluster_config, workload_of
     from bench.plan_calibrate import (
