@@ -883,6 +883,9 @@ async def probe(
         "delivery_jitter_contended_ms": measured.delivery_jitter_contended_s * 1e3,
         "handoff_receive_step_ms": measured.handoff_receive_step_s * 1e3,
     }
+    # each decode phase (batch, measured decode seconds) and the twin's after the fit
+    twin_s = _twin_decode_seconds(cfg, measured, runs_s, max_len)
+    report["decode_phases"] = [[b, s, t] for (b, *_), (_, s), t in zip(phases, runs_s, twin_s, strict=False)]
     if not colocated:  # each prefill phase (seconds, steps) and how close the twin's prefill worker comes
         report["prefill_phases"] = [[r.seconds, r.steps] for r in prefill_runs]
         report["prefill_twin_over_real"] = [
