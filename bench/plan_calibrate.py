@@ -366,16 +366,25 @@ def twin_prefill_s(cfg: ClusterConfig, profile: CostProfile, workload: Workload,
     return sum(v for w, v in busy.items() if w.startswith("prefill"))
 
 
-_MAX_PREFILL_WEIGHT = 4.0
+_MIN_PREFILL_WEIGHT, _MAX_PREFILL_WEIGHT = 0.25, 4.0
+_MIN_OVERLAP = 0.25
 
 
 def fit_prefill_weight(prefill_slowdown: float, demand: float, host_cpus: float) -> float:
     """``CostProfile.prefill_weight`` W with (1 + W (demand - 1)) / host_cpus == prefill_slowdown, within
-    [1, 4]; 1.0 where the rest of the demand was too small to fit it on."""
+    [0.25, 4] (below 1: a prefill step suffers less from the rest of the host than a decode step does);
+    1.0 where the rest of the demand was too small to fit it on."""
     if demand < 1.05:
         return 1.0
     weight = (prefill_slowdown * host_cpus - 1.0) / (demand - 1.0)
-    return min(_MAX_PREFILL_WEIGHT, max(1.0, weight))
+    return min(_MAX_PREFILL_WEIGHT, max(_MIN_PREFILL_WEIGHT, weight))
+
+
+def overlapped_slowdown(slowdown: float, overlap: float) -> float:
+    """The slowdown of a step while the other worker is busy, from `slowdown` measured over every step of
+    a phase in which the other worker was busy a fraction `overlap` of the time (the steps beside an
+    idle one run at 1x): 1 + (slowdown - 1) / overlap, the overlap taken as at least 0.25."""
+    return 1.0 + (slowdown - 1.0) / min(1.0, max(_MIN_OVERLAP, overlap))
 
 
 _MIN_JITTER_S, _MAX_JITTER_S = 0.00025, 0.032
@@ -757,6 +766,7 @@ async def probe(
     host_cpus = profile.host_cpus
     prefill_slowdown, host_slowdown, prefill_weight = 1.0, 1.0, 1.0
     contended: tuple[float, float, list[tuple[Scenario, int]]] | None = None  # prefill s, demand, loads
+    report_overlap = (1.0, 1.0)  # the prefill worker's busy share of the contended decodes, and vice versa
     if not colocated and host_cpus:
         # the first decode batch again (in waves, to last as long as the prefills), while the prefill
         # worker computes prompts like the scenarios' (256 tokens, two at a time): how much two busy
@@ -775,7 +785,13 @@ async def probe(
         decoded = EngineTotals.of(handle, decode_pool) - before
         prefilled = EngineTotals.of(handle, prefill_pool) - before_prefill
         rate = sum(r.output_tokens for recs, _ in runs for r in recs) / (time.perf_counter() - t0)
-        slowdown = _step_ratio(profile, decoded) / per_step[0]
+        # NOTE: the two loads overlap for the shorter one's duration, each worker busy only part of it:
+        # the slowdowns measured over all their steps are diluted by the steps beside an idle worker
+        (_, decode_d), (_, prefill_d) = runs
+        both = max(1e-9, min(decode_d, prefill_d))
+        overlap = (prefilled.seconds * both / max(1e-9, prefill_d) / max(1e-9, decode_d),
+                   decoded.seconds * both / max(1e-9, decode_d) / max(1e-9, prefill_d))  # fmt: skip
+        slowdown = overlapped_slowdown(_step_ratio(profile, decoded) / per_step[0], overlap[0])
         if slowdown > 1.0:
             host_cpus = min(host_cpus, (2.0 + min(1.0, rate * frontend)) / slowdown)
             # NOTE: the simulation stretches steps by demand / host_cpus itself; the decode scale was
@@ -784,6 +800,7 @@ async def probe(
         demand = 2.0 + min(1.0, rate * frontend)
         host_slowdown = max(1.0, demand / host_cpus)
         contended = (prefilled.seconds, demand, loads)  # the prefill weight is fitted on it below
+        report_overlap = overlap
 
     server = [r.server or {} for r in idle]
     hop = statistics.median(t["queue_s"] for t in server)
@@ -832,7 +849,7 @@ async def probe(
         prefill_s, demand, clients = contended
         alone = replace(measured, host_cpus=None)
         expected = sum(twin_prefill_s(cfg, alone, load(sc, sd), max_len) for sc, sd in clients)
-        prefill_slowdown = prefill_s / expected
+        prefill_slowdown = overlapped_slowdown(prefill_s / expected, report_overlap[1])
         prefill_weight = fit_prefill_weight(prefill_slowdown, demand, host_cpus)
         measured = replace(measured, prefill_weight=prefill_weight)
     if not colocated:
@@ -879,6 +896,7 @@ async def probe(
         "host_slowdown": host_slowdown,
         "prefill_slowdown": prefill_slowdown,
         "prefill_weight": prefill_weight,
+        "contended_overlap": list(report_overlap),
         "delivery_jitter_ms_by_batch": {str(b): j * 1e3 for b, j in jitter},
         "delivery_jitter_contended_ms": measured.delivery_jitter_contended_s * 1e3,
         "handoff_receive_step_ms": measured.handoff_receive_step_s * 1e3,

@@ -204,9 +204,10 @@ class CostProfile:
     sent at once is routed together after about n times this, while the front end counts as one busy
     core in the host's demand. ``prefill_weight``: how
     much the rest of that demand counts against a prefill step: it stretches by
-    (1 + prefill_weight x (demand - 1)) / cores where other steps stretch by demand / cores (measured:
-    prefill steps beside a decode worker and the front end get less than an even share of the cores);
-    1.0 treats every step alike. ``delivery_jitter_s``: the mean of an exponential delay the simulation
+    (1 + prefill_weight x (demand - 1)) / cores where other steps stretch by demand / cores (the probe
+    fits it in [0.25, 4]: above 1 a prefill step beside a decode worker and the front end gets less than
+    an even share of the cores, below 1 it suffers less from them than a decode step does); 1.0 treats
+    every step alike. ``delivery_jitter_s``: the mean of an exponential delay the simulation
     adds to each streamed token on its way to the client (what the deterministic step and front-end
     model leaves out: the OS's time slices, event-loop turns), each stream's tokens kept in order; 0.0
     delivers without it. ``delivery_jitter_by_batch``: (tokens a step streams, mean delay) points that

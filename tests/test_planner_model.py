@@ -305,9 +305,22 @@ def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
 
     # demand 2.5 on 2 cores: a prefill step 2x slower means the rest counts twice: (1 + 2 x 1.5) / 2 = 2
     assert fit_prefill_weight(2.0, 2.5, 2.0) == pytest.approx(2.0)
-    assert fit_prefill_weight(1.1, 2.5, 2.0) == 1.0  # no more than demand / cores: every step alike
+    # 1.1x: the rest counts 0.8x against a prefill step (less than against a decode step)
+    assert fit_prefill_weight(1.1, 2.5, 2.0) == pytest.approx(0.8)
+    assert fit_prefill_weight(0.5, 2.5, 2.0) == 0.25  # floored
     assert fit_prefill_weight(9.0, 2.5, 2.0) == 4.0  # capped
     assert fit_prefill_weight(3.0, 1.0, 2.0) == 1.0  # nothing else ran: nothing to fit on
+
+
+def test_the_probe_undoes_the_dilution_of_a_slowdown_by_steps_beside_an_idle_worker() -> None:
+    from bench.plan_calibrate import overlapped_slowdown
+
+    # half the steps beside a busy worker at 1.4x, half beside an idle one at 1x: 1.2x measured
+    assert overlapped_slowdown(1.2, 0.5) == pytest.approx(1.4)
+    assert overlapped_slowdown(1.2, 1.0) == pytest.approx(1.2)
+    assert overlapped_slowdown(1.2, 1.7) == pytest.approx(1.2)  # an overlap is at most 1
+    assert overlapped_slowdown(1.2, 0.05) == pytest.approx(1.8)  # ... and taken as at least 0.25
+    assert overlapped_slowdown(0.9, 0.5) == pytest.approx(0.8)  # faster stays faster (not fitted on)
 
 
 def test_the_probe_fits_the_front_ends_work_per_request() -> None:
