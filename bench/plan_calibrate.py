@@ -618,19 +618,18 @@ def twin_decode_terms(
     if not isinstance(step, LinearStepCost):
         return profile, 1.0, 1.0
 
-    def at(log_base: float, log_decode: float) -> tuple[CostProfile, list[float]]:
-        scaled = step.scaled(1.0, math.exp(log_decode), base=math.exp(log_base))
-        moved = step.base_s - scaled.base_s
-        scaled = replace(scaled, prefill_step_s=max(0.0, step.prefill_step_s + moved))
-        candidate = replace(profile, step=scaled)
-        return candidate, _twin_decode_seconds(cfg, candidate, runs, max_model_len)
+    def scaled(log_base: float, log_decode: float) -> CostProfile:
+        new = step.scaled(1.0, math.exp(log_decode), base=math.exp(log_base))
+        moved = step.base_s - new.base_s
+        return replace(profile, step=replace(new, prefill_step_s=max(0.0, step.prefill_step_s + moved)))
+
+    def at(log_base: float, log_decode: float) -> list[float]:
+        return _twin_decode_seconds(cfg, scaled(log_base, log_decode), runs, max_model_len)
 
     measured = [s for _, s in runs]
     x = y = 0.0
     for _ in range(rounds):
-        _, now = at(x, y)
-        _, up_base = at(x + _TERMS_STEP, y)
-        _, up_decode = at(x, y + _TERMS_STEP)
+        now, up_base, up_decode = at(x, y), at(x + _TERMS_STEP, y), at(x, y + _TERMS_STEP)
         rows, targets = [], []
         for m, s, sb, sd in zip(measured, now, up_base, up_decode, strict=True):
             if m > 0.0 and s > 0.0 and sb > 0.0 and sd > 0.0:
@@ -643,8 +642,7 @@ def twin_decode_terms(
         dx, dy = np.linalg.lstsq(a, np.array(targets), rcond=None)[0]
         x = min(_MAX_TERMS_MOVE, max(-_MAX_TERMS_MOVE, x + float(dx)))
         y = min(_MAX_TERMS_MOVE, max(-_MAX_TERMS_MOVE, y + float(dy)))
-    fitted, _ = at(x, y)
-    return fitted, math.exp(x), math.exp(y)
+    return scaled(x, y), math.exp(x), math.exp(y)
 
 
 class _SplitWindows:
