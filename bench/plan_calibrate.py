@@ -547,18 +547,25 @@ def fit_handoff_step(splits: Sequence[StepSplit], model_s: Callable[[float, floa
     return min(_MAX_HANDOFF_STEP_S, max(0.0, extra / transfers))
 
 
+def _twin_decode_seconds(
+    cfg: ClusterConfig, profile: CostProfile, runs: Sequence[tuple[Workload, float]], max_model_len: int
+) -> list[float]:
+    """The twin's decode workers' busy seconds (every pool but prefill) in each run's workload."""
+    base = twin_config(cfg, profile, max_model_len)
+    seconds = []
+    for workload, _ in runs:
+        busy = Simulation(base, profile, workload).run().worker_busy_s
+        seconds.append(sum(v for w, v in busy.items() if not w.startswith("prefill")))
+    return seconds
+
+
 def twin_decode_ratio(
     cfg: ClusterConfig, profile: CostProfile, runs: Sequence[tuple[Workload, float]], max_model_len: int
 ) -> float:
     """The decode workers' measured seconds over the twin's (``profile``, the same seeded requests) in
     each run, geometric mean; 1.0 without a run the twin gives time to."""
-    base = twin_config(cfg, profile, max_model_len)
-    logs = []
-    for workload, seconds in runs:
-        busy = Simulation(base, profile, workload).run().worker_busy_s
-        simulated = sum(v for w, v in busy.items() if not w.startswith("prefill"))
-        if simulated > 0.0 and seconds > 0.0:
-            logs.append(math.log(seconds / simulated))
+    simulated = _twin_decode_seconds(cfg, profile, runs, max_model_len)
+    logs = [math.log(m / s) for (_, m), s in zip(runs, simulated, strict=True) if s > 0.0 and m > 0.0]
     return math.exp(statistics.fmean(logs)) if logs else 1.0
 
 
@@ -581,17 +588,6 @@ def twin_decode_scale(
         profile = replace(profile, step=step)
         scale *= ratio
     return profile, scale
-
-
-def _twin_decode_seconds(
-    cfg: ClusterConfig, profile: CostProfile, runs: Sequence[tuple[Workload, float]], max_model_len: int
-) -> list[float]:
-    base = twin_config(cfg, profile, max_model_len)
-    seconds = []
-    for workload, _ in runs:
-        busy = Simulation(base, profile, workload).run().worker_busy_s
-        seconds.append(sum(v for w, v in busy.items() if not w.startswith("prefill")))
-    return seconds
 
 
 _TERMS_STEP = math.log(1.1)  # the twin's finite difference in each scale (log)
