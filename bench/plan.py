@@ -8,6 +8,7 @@ policy under a step-cost profile (deploy/planner/).
     pdserve plan --workload trace:requests.jsonl --profile my-profile.json --workers 16
     pdserve plan calibrate [--config deploy/cpu-disagg.yaml] [--probe]
     pdserve plan validate --config deploy/cpu-disagg.yaml            # simulation vs the real cluster
+    pdserve plan spread A/validate.json B/validate.json              # the real cluster vs itself
 
 Workloads: ``scenario:NAME`` (``pdserve bench serve``'s seeded scenarios, the very same prompts),
 ``poisson:RATE`` (``--num-requests``, uniform ``--prompt-len`` / ``--output-len``, optional prefix
@@ -222,4 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.plan_validate import validate_command
 
         return validate_command(argv[1:])
+    if argv and argv[0] == "spread":
+        from bench.plan_spread import spread_command
+
+        return spread_command(argv[1:])
     return plan_main(argv)
