@@ -10,8 +10,8 @@ line is ``sim vs real: max TTFT p90 error X%, max TBT p90 error Y%, max SLO atta
 With ``--runs N`` (3 unless told) each workload runs N times (other seeds, so other prompts) on both
 sides and the percentiles are of the pooled requests; each real run's TTFT p90 is printed too. NOTE: 3
 because the real side of one run alone moves more than the goal from one validation to the next: over
-eleven validations of this 2-core box, one run's real sides differed by a median of 33% on TBT p90,
-three runs' by 21% (``pdserve plan spread``).
+twelve validations of this 2-core box, one run's real sides differed by a median of 33% on TBT p90,
+three runs' by 23% (``pdserve plan spread``).
 
 With ``--probes 2`` (the default) the probe runs again after the real runs, and the sim runs every
 workload with both probes' profiles and pools their requests: the real runs take ~10 minutes, and this
