@@ -148,11 +148,14 @@ def host_overhead(
     * ``host`` / ``host_cpu``: the wall / thread CPU time of ``Engine.step()`` minus that of the
       runner's forward, logits and sampling (``forward_time_total_s`` / ``forward_cpu_total_s``). What
       is left: scheduling, input preparation (numpy arrays, tensors, attention metadata), turning the
-      sampled tokens into request updates, stop checks and ``TokenDelta`` objects, the engine's
-      bookkeeping, and detokenization where it runs on the step thread. Medians, and the CPU minimum;
+      sampled tokens into request updates, stop checks and each request's output (``TokenDelta``
+      objects where detokenization runs on the step thread; with a stage, ``Engine.step_output()``, as
+      a worker's step thread runs it: the stage builds the deltas), the engine's bookkeeping, and
+      detokenization where it runs on the step thread. Medians, and the CPU minimum;
     * ``schedule+update``, ``prepare``, ``detokenize``: the engine's own split (EngineStats);
-    * ``stage``: with detokenization off the step thread, a ``DetokenizerStage`` thread is fed the
-      deltas as the offline LLM does: its CPU time per step (on its own thread, not in ``host``).
+    * ``stage``: with detokenization off the step thread, a ``DetokenizerStage`` thread is fed each
+      step's output as a worker and the offline LLM do: its CPU time per step, building the deltas and
+      their text (on its own thread, not in ``host``).
     """
     opts = {**options, "max_num_seqs": num_running, "max_num_batched_tokens": max(2048, num_running * 16)}
     llm = LLM(model, **opts)
@@ -187,10 +190,13 @@ def host_overhead(
             getattr(runner, "forward_cpu_total_s", 0.0),
         )
         t0, c0 = time.perf_counter(), time.thread_time()
-        deltas = engine.step()
+        if stage is not None:  # NOTE: as a worker's step thread: the stage builds the deltas
+            output = engine.step_output()
+        else:
+            engine.step()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if stage is not None:
-            stage.submit(deltas)
+            stage.submit(output)
         after = engine.stats()
         if hasattr(runner, "forward_time_total_s"):
             split["host"].append(wall - (runner.forward_time_total_s - fwd))

@@ -21,6 +21,7 @@ from typing import Any
 
 from cluster.protocol import SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
+from workers.step_output import StepOutput
 
 # NOTE: the first output tokens are decoded with a few prompt tokens in front of them so a leading
 # space or a character split across the prompt/output boundary renders as it does in the full text.
@@ -198,7 +199,8 @@ class DetokenizerStage:
         if not detokenizes_on_step_thread(params, hold_after_prefill):
             self._queue.put(("add", request_id, prompt_token_ids, params, output_token_ids))
 
-    def submit(self, deltas: list[TokenDelta]) -> None:
+    def submit(self, deltas: list[TokenDelta] | StepOutput) -> None:
+        """Deltas, or a step's output whose deltas the stage builds (``StepOutput.deltas()``)."""
         if deltas:
             self._queue.put(("deltas", deltas))
 
@@ -249,9 +251,10 @@ class DetokenizerStage:
         kind = item[0]
         if kind == "deltas":
             t0 = time.thread_time()
-            self._detokenize(item[1])
+            deltas = item[1] if isinstance(item[1], list) else item[1].deltas()
+            self._detokenize(deltas)
             self.busy_time_s += time.thread_time() - t0
-            self._emit(item[1])
+            self._emit(deltas)
         elif kind == "add":
             _, request_id, prompt_token_ids, params, output_token_ids = item
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)

@@ -23,6 +23,7 @@ from workers.detokenizer import (
 from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
+from workers.step_output import StepItem, StepOutput
 from workers.structured import StructuredRequests
 
 logger = logging.getLogger(__name__)
@@ -212,25 +213,30 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         """Schedule, run one forward, sample; returns one delta per request that got a token."""
+        return self.step_output().deltas()
+
+    def step_output(self) -> StepOutput:
+        """``step()`` with its deltas left to build (``StepOutput.deltas()``, on any thread, any time
+        later): what a worker's step thread calls."""
         if isinstance(self.scheduler, AsyncScheduler):
             return self._step_async(self.scheduler)
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         if out.is_empty:
-            return []
+            return StepOutput()
         sampled = self.runner.execute(out, self.structured.step_mask)
         t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(out, sampled)
         t3 = time.perf_counter()
-        deltas = self._deltas([(r, len(r.output_token_ids) - 1) for r in updated])
+        output = self._output([(r, len(r.output_token_ids) - 1) for r in updated])
         t4 = time.perf_counter()
         self._count_launch(out)
         self._stats.num_generation_tokens += len(sampled)
         self._count_times((t1 - t0) + (t3 - t2), t2 - t1 - self.runner.prepare_time_s, t4 - t3)
-        return deltas
+        return output
 
-    def _step_async(self, scheduler: AsyncScheduler) -> list[TokenDelta]:
+    def _step_async(self, scheduler: AsyncScheduler) -> StepOutput:
         """Launch the next step, then wait for and apply the previous one (see the class docstring)."""
         t0 = time.perf_counter()
         out = scheduler.schedule()
@@ -247,12 +253,12 @@ class Engine:
         launch_s = t2 - t1 - (self.runner.prepare_time_s if not out.is_empty else 0.0)
         if previous is None:
             self._count_times(t1 - t0, launch_s, 0.0)
-            return []
+            return StepOutput()
         sampled = previous[1].result()
         t3 = time.perf_counter()
         resolved = scheduler.resolve(previous[0], sampled)
         t4 = time.perf_counter()
-        deltas = self._deltas(resolved)
+        output = self._output(resolved)
         if deferred is not None:
             # NOTE: the matchers now stand after `previous`'s tokens, so the mask is the right one.
             mask = self.structured.step_mask(deferred.sample_ids)
@@ -265,7 +271,7 @@ class Engine:
         t5 = time.perf_counter()
         self._stats.num_generation_tokens += len(resolved)
         self._count_times(t1 - t0 + t4 - t3, launch_s + t3 - t2, t5 - t4)
-        return deltas
+        return output
 
     def _needs_resolved_grammar(self, out: SchedulerOutput) -> bool:
         """A constrained request samples in ``out`` while its previous token is still unresolved (its
@@ -290,38 +296,32 @@ class Engine:
         st.forward_time_s += forward_s
         st.detokenize_time_s += detokenize_s
 
-    def _deltas(self, items: list[tuple[Request, int]]) -> list[TokenDelta]:
-        """The delta of each (request, index of its newest resolved output token) of one step.
+    def _output(self, items: list[tuple[Request, int]]) -> StepOutput:
+        """The output of each (request, index of its newest resolved output token) of one step.
 
-        Grammars, then text (one batched decode for every request this engine detokenizes), then the
-        deltas: each request's end is decided before its delta is built (requests are independent)."""
+        Grammars, then text (one batched decode for every request this engine detokenizes), then each
+        request's item: its end is decided before its item is taken (requests are independent)."""
         if len(self.structured):
             for request, index in items:
                 self._advance_grammar(request, request.output_token_ids[index])
         texts = self._texts(items) if self.detokenizers else None
-        deltas: list[TokenDelta] = []
-        append = deltas.append
+        taken: list[StepItem] = []
+        append = taken.append
         for request, index in items:
-            rid = request.request_id
             finish_reason = request.status.finish_reason
             logprobs = request.logprobs
-            # NOTE: positional, in TokenDelta's field order: half the cost of keywords (~0.27 us a delta)
             append(
-                TokenDelta(
-                    rid,
-                    [request.output_token_ids[index]],
-                    "" if texts is None else texts.get(rid, ""),
-                    [logprobs[-1]] if logprobs and request.params.logprobs is not None else None,
+                (
+                    request,
+                    index,
+                    request.output_token_ids[index],
                     finish_reason,
-                    request.num_cached_tokens,
-                    request.error,
-                    None,
-                    request.first_scheduled_time if index == 0 else None,
+                    logprobs[-1] if logprobs and request.params.logprobs is not None else None,
                 )
             )
             if finish_reason is not None:
-                self._drop(rid)
-        return deltas
+                self._drop(request.request_id)
+        return StepOutput(taken, texts)
 
     def _advance_grammar(self, request: Request, token_id: int) -> None:
         end = self.structured.advance(request.request_id, token_id)

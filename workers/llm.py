@@ -79,11 +79,10 @@ class LLM:
                 if stage is not None:
                     stage.add_request(request_id, tokens, p)
             while self.engine.has_unfinished():
-                deltas = self.engine.step()
                 if stage is None:
-                    apply(deltas)
+                    apply(self.engine.step())
                 else:
-                    stage.submit(deltas)
+                    stage.submit(self.engine.step_output())  # NOTE: the stage builds the deltas
                     if stage.error is not None:
                         stage.flush(_DRAIN_TIMEOUT_S)  # raises the stage's error
             if stage is not None:

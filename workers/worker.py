@@ -72,6 +72,7 @@ from workers.prefill_role import PrefillRole
 from workers.request import RequestStatus
 from workers.role import Role, WorkerContext
 from workers.stats_log import StatsLine
+from workers.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -346,14 +347,14 @@ class EngineWorker:
             if self.engine.has_unfinished():
                 finished, prompt = self._finished_transfers(), self.engine.num_prompt_tokens
                 t0 = time.perf_counter()
-                deltas = self.engine.step()
+                output = self.engine.step_output()
                 self._steps.count(
                     time.perf_counter() - t0,
-                    len(deltas),
+                    len(output),
                     self.engine.num_prompt_tokens - prompt,
                     self._finished_transfers() - finished,
                 )
-                self._on_deltas(deltas)
+                self._on_output(output)
             problem = self._stage_problem()
             if problem is not None:
                 self._fatal(problem)  # NOTE: its tokens would never leave; the worker says so, then stops
@@ -460,22 +461,20 @@ class EngineWorker:
         except ValueError as e:
             self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
 
-    def _on_deltas(self, deltas: list[TokenDelta]) -> None:
-        """A step's deltas to the router through the detokenizer stage, which sends them once their text
-        is in (a held request's first token goes with its handoff instead)."""
-        plain = deltas
+    def _on_output(self, output: StepOutput) -> None:
+        """A step's output to the router through the detokenizer stage, which builds its deltas and sends
+        them once their text is in (a held request's first token goes with its handoff instead)."""
         if self.role is not None:
-            status = self.engine.request_status
-            plain = []
-            for delta in deltas:
-                if status(delta.request_id) == RequestStatus.SENDING_KV:
+            sending = RequestStatus.SENDING_KV
+            held = [item[0].status is sending for item in output.items]
+            if any(held):
+                first_tokens, output = output.split(held)
+                for delta in first_tokens.deltas():
                     self.role.on_first_token(delta)
-                else:
-                    plain.append(delta)
         if self._stage is not None:
-            self._stage.submit(plain)
+            self._stage.submit(output)
         else:
-            self._send_deltas(plain)
+            self._send_deltas(output.deltas())
 
     def _send_deltas(self, deltas: list[TokenDelta]) -> None:
         """Deltas to the router in ``Deltas`` frames of at most _DELTAS_PER_FRAME (the stage's thread)."""
