@@ -416,7 +416,7 @@ def phase_spread(gaps_by_request: Sequence[Sequence[float]], wave: int) -> float
     spread of all of them (0.0 without gaps).
 
     NOTE: one probe's decode phase of 8 streams now and then measured twice the usual spread (the jitter
-    it fitted for a batch of 8 ran 0.7-2.7 ms over the probes of stops 24-26, while long_decode's real TBT
+    it fitted for a batch of 8 ran 0-2.7 ms over the 21 probes of stops 24-26, while long_decode's real TBT
     p90 stayed within 6.2-7.4 ms): a pause of the host in one wave lifts the pooled percentile, and one
     wave of four cannot move the median of the waves."""
     waves = [

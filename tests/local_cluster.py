@@ -6,7 +6,7 @@ frames, handshakes and gloo pairs as a Ray cluster, minus Ray's start-up (second
 tests read a worker's engine and role directly. Workers share the process's CPU; fine for tiny models.
 
 NOTE: the model's forward context (workers/forward_context.py) is one per process, so two engines must
-not run a forward at the same time here: every engine's ``step`` holds one lock (``_serial_engine``).
+not run a forward at the same time here: every engine's ``step_output`` holds one lock (``_serial_engine``).
 In a real cluster each worker is its own process.
 """
 
@@ -26,6 +26,7 @@ from cluster.router import Router
 from cluster.wire import WorkerControl
 from deploy.launch import KVStore, RouterLoop
 from workers.engine import Engine
+from workers.step_output import StepOutput
 from workers.worker import EngineWorker
 
 ADMIT_TIMEOUT_S = 60.0
@@ -33,15 +34,16 @@ _STEP_LOCK = threading.Lock()
 
 
 def _serial_engine(config: EngineConfig) -> Engine:
-    """An Engine whose ``step`` never overlaps another engine's in this process (see the NOTE above)."""
+    """An Engine whose steps never overlap another engine's in this process (see the NOTE above):
+    ``step_output`` (a worker's step, and inside ``step``) holds the lock."""
     engine = Engine(config)
-    step = engine.step
+    step_output = engine.step_output
 
-    def locked_step() -> list[TokenDelta]:
+    def locked_step_output() -> StepOutput:
         with _STEP_LOCK:
-            return step()
+            return step_output()
 
-    engine.step = locked_step  # type: ignore[method-assign]
+    engine.step_output = locked_step_output  # type: ignore[method-assign]
     return engine
 
 
