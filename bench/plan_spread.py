@@ -239,7 +239,7 @@ def spread_command(argv: Sequence[str] | None) -> int:
                 Validation(str(f), *_fields(v)) for f, v in zip(args.files, validations, strict=True)
             ]
         result = spread(validations, args.runs)
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, TypeError, ValueError) as e:  # NOTE: a file that is not validate.json
         p.error(str(e))
     print(report(result, Figures(*args.goal), args.runs))
     return 0
