@@ -11,9 +11,11 @@ EOS ignored (every request produces exactly its output length). Printed, all mea
 * pdserve: each ``--variant`` (LLM options; default: one variant with the defaults) ``--repeats`` times,
   variants interleaved round-robin so load drifts hit them alike; a fresh LLM per run (no prefix-cache
   hits from an earlier run), warmed up with a few other requests; median output tok/s and % of roofline;
+  each run's minor page faults (the process's; see workers/host_memory.py);
 * transformers (``bench/hf_peer.py``): static ``generate`` batches of every ``--hf-batch-sizes``, in
   arrival order and sorted by output length, then the best of them ``--repeats`` times in all (median);
-  its continuous-batching manager when the installed version has one;
+  its continuous-batching manager when the installed version has one. It runs in this process after
+  pdserve's runs, so it has the allocator policy a CPU engine sets (freed memory kept for reuse) too;
 * host overhead per decode step with 64 and 256 requests running (see ``host_overhead``), with the
   model's forward in place and, with ``--overhead-forward null``, with it replaced by ``NullModel``.
 """
@@ -27,6 +29,7 @@ import itertools
 import json
 import os
 import random
+import resource
 import statistics
 import time
 from collections.abc import Sequence
@@ -74,6 +77,7 @@ class Variant:
     options: dict[str, Any]
     seconds: list[float] = field(default_factory=list)  # wall
     cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU time, every thread
+    minor_faults: list[int] = field(default_factory=list)  # this process's page faults, every thread
     steps: int = 0
 
 
@@ -90,16 +94,18 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, options)
 
 
-def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> tuple[float, float, int]:
-    """(wall seconds, CPU seconds, engine steps) of one generate() over the workload on a fresh,
-    warmed-up LLM."""
+def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> tuple[float, float, int, int]:
+    """(wall seconds, CPU seconds, engine steps, minor page faults) of one generate() over the
+    workload on a fresh, warmed-up LLM."""
     llm = LLM(model, **options)
     warm = make_workload(4, (8, 16), (4, 8), llm.engine.vocab_size, seed + 1000)
     llm.generate(warm.prompts, warm.params())
     steps_before = llm.stats().num_steps
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(w.prompts, w.params())
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     produced = sum(len(o.token_ids) for o in outs)
     if produced != w.num_output_tokens:
         raise RuntimeError(f"pdserve made {produced} tokens, {w.num_output_tokens} asked")
@@ -110,7 +116,7 @@ def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> 
         close()
     del llm
     gc.collect()
-    return elapsed, cpu, steps
+    return elapsed, cpu, steps, faults
 
 
 class NullModel(torch.nn.Module):
@@ -281,11 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_out = w.num_output_tokens
     for _ in range(args.repeats):
         for v in variants:
-            seconds, cpu, v.steps = run_pdserve(args.model, v.options, w, args.seed)
+            seconds, cpu, v.steps, faults = run_pdserve(args.model, v.options, w, args.seed)
             v.seconds.append(seconds)
             v.cpu_seconds.append(cpu)
+            v.minor_faults.append(faults)
             print(
-                f"  run {v.name:16s}: {n_out / seconds:9.1f} output tok/s ({seconds:.2f} s, CPU {cpu:.2f} s)",
+                f"  run {v.name:16s}: {n_out / seconds:9.1f} output tok/s ({seconds:.2f} s, CPU {cpu:.2f} s, "
+                f"{faults} minor page faults)",
                 flush=True,
             )
     results: dict[str, Any] = {"roofline_gflops": roof, "variants": {}}
@@ -299,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "options": v.options,
             "tok_s": runs,
             "cpu_tok_s": [n_out / s for s in v.cpu_seconds],
+            "minor_faults": v.minor_faults,
         }
         print(
             f"pdserve {v.name:20s}: {statistics.median(runs):8.1f} [{' '.join(f'{r:.0f}' for r in runs)}]  "

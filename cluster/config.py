@@ -79,6 +79,9 @@ class EngineConfig:
     load_format: str = "auto"
     # Schedule and prepare step N+1 while step N runs on the device (outputs are the same either way).
     async_scheduling: bool = False
+    # CPU device: glibc keeps freed memory for the next step's activations instead of returning it to
+    # the kernel and faulting it back in (workers/host_memory.py; process-wide, set when the engine starts).
+    retain_host_memory: bool = True
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")

@@ -32,6 +32,7 @@ from workers.cuda_graphs import (
     pick_graph_batch_size,
 )
 from workers.forward_context import ForwardContext, forward_context
+from workers.host_memory import retain_freed_memory
 from workers.kv_sizing import size_kv_cache_cuda
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
@@ -103,6 +104,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.retain_host_memory:
+            retain_freed_memory()
         self.arch = ArchConfig.from_pretrained(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch, self.device)
         # NOTE: before the model: building it imports torch._dynamo, which imports triton, and on CPU the
