@@ -4,9 +4,9 @@ A CPU forward allocates and frees activations of several MiB every step (at 2,04
 model's gate/up output alone is 11 MiB). glibc's defaults give such memory back to the kernel: a chunk
 above the mmap threshold is unmapped at ``free``, and the heap's top is trimmed once it exceeds the trim
 threshold. The next step allocates the same sizes again and page-faults every page back in, zeroed by
-the kernel: `bench.offline`'s 128 requests took 9,000-93,000 minor faults per run before, and 4-1,500
-after (see ``retain_freed_memory``). vLLM's and IPEX's CPU guides preload tcmalloc or jemalloc for the
-same reason; this asks glibc itself, at run time, with ``mallopt``.
+the kernel: `bench.offline`'s 128 requests, one engine in a fresh process, took 7-79,000 minor faults
+per run before and 2-2,051 after (12 runs each), 1.45 -> 1.39 s (medians). vLLM's and IPEX's CPU guides
+preload tcmalloc or jemalloc for the same reason; this asks glibc itself, at run time, with ``mallopt``.
 """
 
 from __future__ import annotations
