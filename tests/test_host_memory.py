@@ -60,6 +60,22 @@ def _run(body: str) -> dict[str, object]:
     return result
 
 
+def _rounds(result: dict[str, object], key: str) -> list[int]:
+    rounds = result[key]
+    assert isinstance(rounds, list), result
+    return rounds
+
+
+def _assert_refaults(rounds: list[int]) -> None:
+    """Every round after the first faults (nearly) all of its pages again: glibc's defaults."""
+    assert min(rounds[1:]) >= _PAGES * 0.9, rounds
+
+
+def _assert_retained(rounds: list[int]) -> None:
+    """No round faults more than a few of its pages: freed memory is reused."""
+    assert max(rounds) < _PAGES * 0.02, rounds
+
+
 def test_retain_freed_memory_stops_the_refaults() -> None:
     result = _run(
         "from workers.host_memory import retain_freed_memory\n"
@@ -67,13 +83,12 @@ def test_retain_freed_memory_stops_the_refaults() -> None:
         "applied = retain_freed_memory()\n"
         "print(json.dumps({'before': before, 'applied': applied, 'after': rounds()}))\n"
     )
-    before, after = result["before"], result["after"]
-    assert isinstance(before, list) and isinstance(after, list)
+    after = _rounds(result, "after")
     # NOTE: the control: without the setting every round faults (nearly) all of its pages again.
-    assert min(before[1:]) >= _PAGES * 0.9, before
+    _assert_refaults(_rounds(result, "before"))
     assert result["applied"] is True
     assert after[0] <= _PAGES * 1.1, after
-    assert max(after[1:]) < _PAGES * 0.02, after
+    _assert_retained(after[1:])
 
 
 def test_cpu_engine_sets_it_unless_told_not_to() -> None:
@@ -86,7 +101,5 @@ def test_cpu_engine_sets_it_unless_told_not_to() -> None:
         "rounds()\n"
         "print(json.dumps({'off': left, 'on': rounds()}))\n"
     )
-    off, on = result["off"], result["on"]
-    assert isinstance(off, list) and isinstance(on, list)
-    assert min(off[1:]) >= _PAGES * 0.9, off
-    assert max(on) < _PAGES * 0.02, on
+    _assert_refaults(_rounds(result, "off"))
+    _assert_retained(_rounds(result, "on"))

@@ -12,7 +12,6 @@ preload tcmalloc or jemalloc for the same reason; this asks glibc itself, at run
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
 
 # mallopt parameters (glibc's malloc.h).
@@ -35,11 +34,7 @@ def retain_freed_memory() -> bool:
     allocations (up to 1 GiB of free heap is kept); that is what lets the next step reuse it."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    mallopt = libc.mallopt
+    mallopt = ctypes.CDLL(None).mallopt  # NOTE: the process's own symbols: glibc is already loaded
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # NOTE: setting either threshold by hand also turns off glibc's dynamic adjustment of both.
