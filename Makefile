@@ -49,9 +49,9 @@ test: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/pytest -q --durations=15
 
 # Deliberate small bugs in the engine core, one at a time, in a throwaway copy of the tree; prints the
-# mutation score and every survivor (tests/mutation.py lists the modules and their tests).
+# mutation score and every survivor (tests/support/mutation.py lists the modules and their tests).
 mutation: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m tests.mutation
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m tests.support.mutation
 
 lint: setup
 	$(VENV)/bin/ruff check cluster workers transfer deploy bench tests

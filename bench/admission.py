@@ -30,13 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.plan import DEFAULT_CONFIG, load_cluster_config
-from bench.plan_calibrate import calibrate_and_probe, client_args, running_cluster
 from bench.serve import Record, Scenario, summarize
 from bench.serve import run as run_scenario
-from cluster.admission import SloAdmission
 from cluster.cost_model import CostProfile
-from cluster.predict import Predictor
+from cluster.router.admission import SloAdmission
+from cluster.router.predict import Predictor
+from deploy.plan.common import DEFAULT_CONFIG, load_cluster_config
+from deploy.plan.probe import calibrate_and_probe, client_args, running_cluster
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle

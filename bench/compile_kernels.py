@@ -8,7 +8,7 @@ appear, a 512-token vocabulary) with ``TRITON_INTERPRET=0``; its warm-up runs wi
 intercepted and not executed (``kernel_probe.probe_launches(launch=False)``), and each distinct variant
 is compiled with Triton's bundled ptxas. Prints per variant: compile time, registers, and local memory
 (spills) from ``cuobjdump --dump-resource-usage``. The warm-up's variants are all a run can use (see
-``tests/test_triton_specialization.py``), so this is the compile work of a first GPU contact.
+``tests/workers/test_triton_specialization.py``), so this is the compile work of a first GPU contact.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import asyncio
 import statistics
 import time
 
-from bench.plan import DEFAULT_CONFIG, load_cluster_config
-from bench.plan_calibrate import client_args, running_cluster
 from bench.serve import Scenario
 from bench.serve import run as run_scenario
+from deploy.plan.common import DEFAULT_CONFIG, load_cluster_config
+from deploy.plan.probe import client_args, running_cluster
 
 
 async def _rounds(url: str, args: argparse.Namespace) -> list[float]:

@@ -17,7 +17,7 @@ before the timed run: device kernels and host launch calls on CUDA; the CPU prox
 run (the runner's warm-up should leave none to compile).
 
 ``--tiny``: Gemma-2 architecture at toy sizes, a dozen short requests: the whole script in seconds on a
-CPU (``tests/test_bench_smoke.py`` runs it), so it cannot rot before the first GPU run.
+CPU (``tests/deploy/test_bench_smoke.py`` runs it), so it cannot rot before the first GPU run.
 
 Both ceilings are measured in the same run: bf16 matmul TFLOP/s (a large ``torch.matmul``) and device copy
 bandwidth (a large tensor copy; read + write bytes). The floor of a step is

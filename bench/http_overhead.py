@@ -44,8 +44,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cluster.http.app import create_app, create_server
 from cluster.protocol import FinishReason, GenerateRequest, ModelInfo, RequestTimings, TokenDelta, WorkerStats
-from cluster.server import create_app, create_server
 from deploy.http_host import HttpServerHandle, _listen
 
 PROMPT = [10, 11, 12]

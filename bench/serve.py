@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from cluster.client import APIError, AsyncClient
+from cluster.client.sdk import APIError, AsyncClient
 
 
 @dataclass(frozen=True)

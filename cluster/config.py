@@ -234,7 +234,7 @@ class RouterConfig:
     # scale-down: how long a draining worker's requests may take before they migrate
     drain_timeout_s: float = 30.0
     # "slo": refuse (429 + Retry-After) a request whose predicted TTFT misses its SLO (ttft_slo_ms, or the
-    # request's x-pdserve-ttft-slo-ms header); predictions come from the cost profile (cluster/admission.py)
+    # request's x-pdserve-ttft-slo-ms header); predictions come from the cost profile (cluster/router/admission.py)
     admission: str = "off"
     ttft_slo_ms: float | None = None
     # conditional mode: a local prefill must not stall the decode worker's batch past this (None: no bound)

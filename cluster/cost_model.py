@@ -3,7 +3,7 @@
 A profile is data (JSON). ``pdserve plan calibrate`` fits a :class:`LinearStepCost` to this machine's
 engine; GPU profiles are :class:`RooflineStepCost` estimates from stated hardware figures and a model's
 shape (deploy/planner/profiles.py) until a GPU run calibrates them. The simulator (deploy/planner/) and
-the router's predictions (cluster/predict.py) read the same profile, so what the planner recommends and
+the router's predictions (cluster/router/predict.py) read the same profile, so what the planner recommends and
 what the router predicts at run time cannot drift apart.
 
 A step is described by its :class:`StepShape` (what ``Scheduler.schedule()`` packed), never by tensors.

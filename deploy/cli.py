@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cluster.client import StreamResult
+    from cluster.client.sdk import StreamResult
 # (endpoint, prompt): the demo's requests; the first streams alone, the rest concurrently.
 DEMO_REQUESTS = [
     ("completion", "Once upon a time"),
@@ -91,7 +91,7 @@ def _demo_body(kind: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 async def _demo_requests(url: str, max_tokens: int) -> list[tuple[str, StreamResult]]:
     """The first request streams alone, token by token; the others stream at the same time and print a
     tagged line per finished sentence, so their interleaving shows."""
-    from cluster.client import AsyncClient
+    from cluster.client.sdk import AsyncClient
 
     async with AsyncClient(url, max_retries=0, timeout=120) as client:
 
@@ -273,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["plan"]:
-        # NOTE: bench/plan.py's own parser owns every option after the word (argparse's REMAINDER
+        # NOTE: deploy/plan/common.py's own parser owns every option after the word (argparse's REMAINDER
         # would not take leading options such as `pdserve plan --workers 4`).
-        from bench.plan import main as plan_main
+        from deploy.plan.common import main as plan_main
 
         return plan_main(words[1:])
     args = build_parser().parse_args(argv)

@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cluster.heap import freeze_startup_heap
-from cluster.server import create_app, create_server
+from cluster.http.app import create_app, create_server
 from cluster.tokenizer import Tokenizer
 from deploy.planner.advice import Advisor
 

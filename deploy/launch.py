@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 import ray
 
-from cluster.admission import load_predictor
 from cluster.config import ClusterConfig, PoolConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.hub import resolve_cluster_model
@@ -48,7 +47,8 @@ from cluster.protocol import (
     TokenDelta,
     WorkerStats,
 )
-from cluster.router import Router
+from cluster.router.admission import load_predictor
+from cluster.router.router import Router
 from cluster.wire import WorkerControl
 from deploy import device_check, logs
 

@@ -1,4 +1,4 @@
-"""Live advice: replay the router's recent traffic (``cluster.predict.TrafficLog``) through the
+"""Live advice: replay the router's recent traffic (``cluster.router.predict.TrafficLog``) through the
 simulation of colocated and every P:D split of the current worker budget, and say which the planner
 recommends and the SLO attainment it predicts for it and for the running configuration.
 
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.config import ClusterConfig
 from cluster.cost_model import CostProfile
-from cluster.predict import TrafficEntry
+from cluster.router.predict import TrafficEntry
 from deploy.planner.report import Slo
 from deploy.planner.search import recommend, search
 from deploy.planner.twin import SimConfig
 from deploy.planner.workload import SimRequest, Workload
 
 if TYPE_CHECKING:
-    from cluster.router import Router
+    from cluster.router.router import Router
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Discrete-event simulation of a whole pdserve cluster: client, HTTP edge, router, workers, KV handoffs.
 
 What runs for real: every worker's ``Scheduler`` / ``KVCacheManager`` / prefix cache (deploy/planner/
-twin.py) and the router's placement policy (``cluster.placement``: pick_prefill, pick_decode,
+twin.py) and the router's placement policy (``cluster.router.placement``: pick_prefill, pick_decode,
 pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
 while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
 ``prefill_weight``; longer by ``handoff_receive_step_s`` / ``handoff_send_step_s`` for each handoff that
@@ -12,12 +12,12 @@ each way, and an exponential delivery delay per streamed token, of the mean ``de
 gives for the number of tokens its step streams, plus ``delivery_jitter_contended_s`` while another
 worker is busy too (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
-The event order mirrors the real paths (cluster/router.py, workers/worker.py, workers/decode_role.py):
+The event order mirrors the real paths (cluster/router/router.py, workers/worker.py, workers/decode_role.py):
 
 * client send -> (http) front end: each request's own work, the front end shared between the requests
   it holds (processor sharing: one event loop interleaving their handlers) -> router: the route
-  decision (cluster/routing.py: mode, worker and reason, as the router decides), SLO-aware admission
-  when the router config asks for it (cluster/admission.py), count it -> (hop) worker's command queue;
+  decision (cluster/router/routing.py: mode, worker and reason, as the router decides), SLO-aware admission
+  when the router config asks for it (cluster/router/admission.py), count it -> (hop) worker's command queue;
 * a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
 * step end: tokens go (hop) to the router, through the front end, (http) to the client; a held
   prefill's first token makes the router pick a decode worker and send it the handoff (hop); the
@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from cluster.admission import build_admission
 from cluster.block_hash import hash_full_blocks
 from cluster.cost_model import CostProfile
-from cluster.placement import pick_decode
-from cluster.predict import Predictor
 from cluster.protocol import SamplingParams
-from cluster.routing import Pools, PrefixView, decide
+from cluster.router.admission import build_admission
+from cluster.router.placement import pick_decode
+from cluster.router.predict import Predictor
+from cluster.router.routing import Pools, PrefixView, decide
 from deploy.planner.twin import Flight, SimConfig, SimWorker
 from deploy.planner.workload import Workload
 from workers.request import RequestStatus
@@ -71,7 +71,7 @@ class RequestRecord:
     num_tokens: int = 0
     gaps_s: array = field(default_factory=lambda: array("d"))  # type: ignore[type-arg]
     rejected: str | None = None  # why the cluster refused it (a miss in goodput)
-    route: str = ""  # the route's mode (cluster/routing.py)
+    route: str = ""  # the route's mode (cluster/router/routing.py)
     route_reason: str = ""
     transfer_s: float = 0.0
 

@@ -95,7 +95,7 @@ class Flight:
 
 class SimWorker:
     """One worker: its Scheduler, the commands it has not read yet, the decode role's waiting handoffs,
-    and the router's bookkeeping about it (what cluster/placement.py reads: the WorkerLoad protocol)."""
+    and the router's bookkeeping about it (what cluster/router/placement.py reads: the WorkerLoad protocol)."""
 
     def __init__(self, worker_id: str, pool: str, config: SimConfig) -> None:
         self.worker_id = worker_id
