@@ -273,7 +273,7 @@ class ModelInfo:
 
 class ErrorCode(str, enum.Enum):
     """Why a request failed, as it travels between workers, router and server. Only the HTTP server
-    maps a code to an HTTP status (cluster/http/app.py)."""
+    maps a code to an HTTP status (cluster/http/errors.py)."""
 
     INVALID_REQUEST = "invalid_request"
     QUEUE_FULL = "queue_full"

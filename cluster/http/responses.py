@@ -13,8 +13,8 @@ import uuid
 from dataclasses import asdict
 from typing import Any
 
-from cluster.http.openai_schema import Plan
 from cluster.http.output_constraints import ToolCalls
+from cluster.http.planning import Plan
 from cluster.protocol import FinishReason, RequestTimings, TokenDelta, TokenLogprobs
 from cluster.tokenizer import Tokenizer
 

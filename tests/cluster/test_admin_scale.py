@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.http.app import MAX_POOL_WORKERS, create_app
+from cluster.http.admin_routes import MAX_POOL_WORKERS
+from cluster.http.app import create_app
 from deploy.cli import main as cli_main
 from tests.support.stub_router import ServerThread, StubRouter, make_tokenizer
 

@@ -1,0 +1,130 @@
+"""The generation routes: POST /v1/completions and /v1/chat/completions.
+
+Each validates and plans its body off the event loop (``ServerState.plan``), runs the plan through a
+:class:`Fanout` and answers one JSON body or an SSE stream (``cluster/http/streaming.py``). A request may
+carry ``x-pdserve-ttft-slo-ms`` (its TTFT SLO for SLO-aware admission: a request predicted to miss it is a
+429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.http.errors import ApiError, as_api_error
+from cluster.http.fanout import Fanout
+from cluster.http.planning import Edge, Plan, plan_chat, plan_completion
+from cluster.http.responses import ChoiceBuilder, envelope, usage
+from cluster.http.server_state import ServerState, state_of
+from cluster.http.streaming import ClosingStreamingResponse, sse_stream
+from cluster.tokenizer import Tokenizer
+
+TTFT_SLO_HEADER = "x-pdserve-ttft-slo-ms"
+MAX_TTFT_SLO_MS = 3_600_000.0
+
+routes = APIRouter()
+
+
+async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyncio.Task[Any]) -> Any:
+    """Await ``work`` unless the client goes away first (then ApiError 499 and ``work`` is cancelled)."""
+
+    async def watch() -> None:
+        # NOTE: the body is read by now, so the next ASGI message is the disconnect, which the server
+        # sends the moment the connection drops (a poll of is_disconnected() would notice a poll late).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ApiError(499, "client disconnected", code="client_disconnected")
+    finally:
+        watcher.cancel()
+        work.cancel()
+
+
+async def _collect(fanout: Fanout, plan: Plan, tokenizer: Tokenizer | None) -> dict[int, ChoiceBuilder]:
+    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs, plan.tool_calls) for i, _ in plan.jobs}
+    remaining = len(choices)
+    while remaining:
+        index, event = await fanout.queue.get()
+        if isinstance(event, BaseException):
+            raise as_api_error(event)
+        choices[index].add(event)
+        remaining -= event.finish_reason is not None
+    return choices
+
+
+async def _run(state: ServerState, plan: Plan, request: Request, arrival: float) -> Response:
+    fanout = Fanout(state.router, state.metrics, plan, arrival)
+    handed_off = False
+    try:
+        if plan.stream:
+            # NOTE: wait for the first event before sending headers, so 429/503/504 raised before the
+            # first token still get their HTTP status (and clients may retry them).
+            first = await _until_disconnected(request, asyncio.ensure_future(fanout.queue.get()))
+            if isinstance(first[1], BaseException):
+                raise as_api_error(first[1])
+            handed_off = True
+            stream = sse_stream(plan, fanout, first, state.edge.tokenizer, state.metrics)
+            return ClosingStreamingResponse(stream, fanout)
+        work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
+        choices = await _until_disconnected(request, work)
+        response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}
+        return JSONResponse({**response, "usage": usage(plan, choices)})
+    finally:
+        if not handed_off:
+            with anyio.move_on_after(30, shield=True):
+                await fanout.close()
+
+
+def _ttft_slo_s(request: Request) -> float | None:
+    """The request's TTFT SLO header in seconds (None when absent); 400 naming it when malformed."""
+    raw = request.headers.get(TTFT_SLO_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TTFT_SLO_MS:  # NOTE: also false for nan
+        raise ApiError(
+            400,
+            f"{TTFT_SLO_HEADER} must be a number of milliseconds in (0, {MAX_TTFT_SLO_MS:.0f}], got {raw[:40]!r}",
+            TTFT_SLO_HEADER,
+        )
+    return value / 1e3
+
+
+async def _planned(
+    state: ServerState, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]
+) -> Plan:
+    slo_s = _ttft_slo_s(request)
+    plan = await state.plan(request, planner)
+    if slo_s is not None:
+        for _, req in plan.jobs:
+            req.ttft_slo_s = slo_s
+    return plan
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    arrival, state = time.perf_counter(), state_of(request)
+    state.authorize(request)
+    return await _run(state, await _planned(state, request, plan_completion), request, arrival)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    arrival, state = time.perf_counter(), state_of(request)
+    state.authorize(request)
+    return await _run(state, await _planned(state, request, plan_chat), request, arrival)

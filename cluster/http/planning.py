@@ -1,0 +1,261 @@
+"""Request planning for pdserve's HTTP edge (no FastAPI here, no torch).
+
+``plan_completion`` / ``plan_chat`` turn a raw JSON body into a :class:`Plan` (the router requests to
+send and how to shape the answer) or raise :class:`ApiError` before anything is queued. :class:`Edge` is
+what they know of the served model and the server's limits.
+
+The bodies and their field checks live in ``cluster/http/schema.py``; response shapes in
+``cluster/http/responses.py``. What constrains the output (structured outputs, tools) is parsed by
+``cluster/http/output_constraints.py``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from pydantic import ValidationError
+
+from cluster.http.chat import template_message
+from cluster.http.errors import ApiError
+from cluster.http.output_constraints import ConstraintError, Constraints, ToolCalls, parse_constraints
+from cluster.http.schema import (
+    MAX_N,
+    ChatBody,
+    CommonBody,
+    CompletionBody,
+    check,
+    check_common,
+    check_prompt_ids,
+    validation_message,
+)
+from cluster.protocol import MAX_LOGPROBS, GenerateRequest, ModelInfo, SamplingParams
+from cluster.tokenizer import Tokenizer
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+@dataclass
+class Plan:
+    """A validated request: what to send to the router and how to shape the answer."""
+
+    kind: Literal["completion", "chat"]
+    id: str
+    model: str
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    prompts: list[list[int]]
+    jobs: list[tuple[int, GenerateRequest]]  # (choice index, router request)
+    created: int = field(default_factory=lambda: int(time.time()))
+    tool_calls: ToolCalls | None = None  # render the output as tool calls (chat, tool_choice)
+
+
+@dataclass(frozen=True)
+class Edge:
+    """What validation knows of the served model and the server's limits.
+
+    names: the served model name first, then aliases. default_timeout_s bounds requests without a
+    ``timeout`` field (None leaves it to the router); max_timeout_s caps every client deadline.
+    structured_outputs: whether the workers apply structured-output masks (when False, a request that
+    asks for one is a 400 naming the field instead of free text).
+    """
+
+    info: ModelInfo
+    tokenizer: Tokenizer | None
+    names: Sequence[str]
+    default_timeout_s: float | None = None
+    max_timeout_s: float | None = None
+    structured_outputs: bool = False
+
+    def constraints(self, raw: dict[str, Any], *, chat: bool) -> Constraints:
+        """The body's output constraints (ApiError 400 naming the field when refused)."""
+        try:
+            constraints = parse_constraints(raw, chat=chat)
+        except ConstraintError as e:
+            raise ApiError(400, str(e), e.param) from None
+        if constraints.structured is not None and not self.structured_outputs:
+            raise ApiError(
+                400,
+                f"{constraints.param}: structured outputs are not enabled on this server "
+                "(its workers do not apply grammar masks yet)",
+                constraints.param,
+            )
+        return constraints
+
+    def deadline(self, timeout: float | None) -> float | None:
+        t = timeout if timeout is not None else self.default_timeout_s
+        if t is not None and self.max_timeout_s is not None:
+            t = min(t, self.max_timeout_s)
+        return None if t is None else time.time() + t
+
+
+def _context_error(chat: bool, limit: int, prompt_len: int, max_tokens: int | None) -> ApiError:
+    """OpenAI's wording and code for a request that does not fit the context window."""
+    where = "messages" if chat else "prompt"
+    if max_tokens is None:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, your {where} resulted in "
+            f"{prompt_len} tokens. Please reduce the length of the {where}."
+        )
+    elif chat:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens, however you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in your prompt; {max_tokens} for the "
+            "completion). Please reduce your prompt; or completion length."
+        )
+    return ApiError(400, message, where, CONTEXT_LENGTH_EXCEEDED)
+
+
+def _resolve_max_tokens(
+    requested: int | None, default: int | None, prompt_len: int, info: ModelInfo, param: str
+) -> int:
+    chat = param != "max_tokens" or default is None
+    room = info.max_model_len - prompt_len
+    if room < 1:
+        raise _context_error(chat, info.max_model_len, prompt_len, None)
+    max_tokens = requested if requested is not None else min(default or room, room)
+    check(max_tokens >= 1, f"{param} must be >= 1, got {max_tokens}", param)
+    if prompt_len + max_tokens > info.max_model_len:
+        raise _context_error(chat, info.max_model_len, prompt_len, max_tokens)
+    return max_tokens
+
+
+def _build_plan(
+    kind: Literal["completion", "chat"],
+    body: CommonBody,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    num_logprobs: int | None,
+    model: str,
+    deadline: float | None,
+    constraints: Constraints,
+) -> Plan:
+    plan_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    jobs: list[tuple[int, GenerateRequest]] = []
+    for p, ids in enumerate(prompts):
+        for j in range(body.n):
+            params = SamplingParams(
+                max_tokens=max_tokens[p],
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p,
+                seed=None if body.seed is None else body.seed + j,
+                stop=stop,
+                stop_token_ids=list(body.stop_token_ids or []),
+                ignore_eos=body.ignore_eos,
+                logprobs=num_logprobs,
+                structured=constraints.structured,
+            )
+            jobs.append((p * body.n + j, GenerateRequest(f"{plan_id}-{p}-{j}", ids, params, deadline)))
+    include_usage = bool((body.stream_options or {}).get("include_usage", False))
+    return Plan(
+        kind,
+        plan_id,
+        model,
+        body.stream,
+        include_usage,
+        num_logprobs is not None,
+        prompts,
+        jobs,
+        tool_calls=constraints.tool_calls,
+    )
+
+
+def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
+    """Validate a /v1/completions body; raises ApiError (400/404) before anything is queued."""
+    info, tokenizer, names = edge.info, edge.tokenizer, edge.names
+    try:
+        body = CompletionBody.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError(400, *validation_message(e)) from None
+    check_common(body, info, names)
+    constraints = edge.constraints(raw, chat=False)
+    check(not body.echo, "echo is not supported", "echo")
+    check(body.suffix is None, "suffix is not supported", "suffix")
+    check(body.best_of in (None, body.n), f"best_of must equal n ({body.n}), got {body.best_of}", "best_of")
+    check(
+        body.logprobs is None or 0 <= body.logprobs <= MAX_LOGPROBS,
+        f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}",
+        "logprobs",
+    )
+    single = isinstance(body.prompt, str) or (bool(body.prompt) and isinstance(body.prompt[0], int))
+    items = cast("list[str | list[int]]", [body.prompt] if single else list(body.prompt))
+    check(len(items) > 0, "prompt must not be empty", "prompt")
+    check(
+        len(items) * body.n <= MAX_N, f"prompts x n must be <= {MAX_N}, got {len(items) * body.n}", "prompt"
+    )
+    prompts: list[list[int]] = []
+    for item in items:
+        if isinstance(item, str):
+            check(
+                tokenizer is not None,
+                "text prompts need a tokenizer; this model has none: send token ids",
+                "prompt",
+            )
+            check(item != "", "prompt must not be empty", "prompt")
+            ids = tokenizer.encode(item) if tokenizer is not None else []
+        else:
+            ids = list(item)
+        check_prompt_ids(ids, info, "prompt")
+        prompts.append(ids)
+    max_tokens = [_resolve_max_tokens(body.max_tokens, 16, len(ids), info, "max_tokens") for ids in prompts]
+    deadline = edge.deadline(body.timeout)
+    return _build_plan(
+        "completion", body, prompts, max_tokens, body.logprobs, names[0], deadline, constraints
+    )
+
+
+def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
+    """Validate a /v1/chat/completions body and render its chat template; raises ApiError."""
+    info, tokenizer, names = edge.info, edge.tokenizer, edge.names
+    try:
+        body = ChatBody.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError(400, *validation_message(e)) from None
+    check_common(body, info, names)
+    check(len(body.messages) > 0, "messages must not be empty", "messages")
+    check(
+        body.top_logprobs is None or body.logprobs,
+        "top_logprobs requires logprobs to be true",
+        "top_logprobs",
+    )
+    check(
+        body.top_logprobs is None or 0 <= body.top_logprobs <= MAX_LOGPROBS,
+        f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+        "top_logprobs",
+    )
+    check(
+        tokenizer is not None, "chat needs a tokenizer with a chat template; this model has none", "messages"
+    )
+    constraints = edge.constraints(raw, chat=True)
+    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+    check(not reserved, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+    try:
+        ids = (
+            tokenizer.encode_chat(messages, body.add_generation_prompt, tools=constraints.tools, **kwargs)
+            if tokenizer is not None
+            else []
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    check_prompt_ids(ids, info, "messages")
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = [_resolve_max_tokens(requested, None, len(ids), info, param)]
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    deadline = edge.deadline(body.timeout)
+    return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline, constraints)

@@ -1,0 +1,80 @@
+"""The SSE answer of a streamed plan: :func:`sse_stream` renders a :class:`Fanout`'s deltas as OpenAI
+chunks (keep-alive comments while idle, the usage chunk, ``[DONE]``); :class:`ClosingStreamingResponse`
+closes the fanout however the response ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+
+from cluster.http.errors import as_api_error, error_body
+from cluster.http.fanout import Fanout
+from cluster.http.metrics import Metrics
+from cluster.http.planning import Plan
+from cluster.http.responses import ChoiceBuilder, envelope, sse_event, usage
+from cluster.protocol import TokenDelta
+from cluster.tokenizer import Tokenizer
+
+KEEPALIVE_S = 15.0  # an SSE comment while idle, so a vanished client is noticed on the next send
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however the response ends (done, client gone, error).
+
+    NOTE: a generator's own ``finally`` never runs if the response fails before its first iteration.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Fanout) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.fanout = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.move_on_after(30, shield=True):
+                await self.fanout.close()
+
+
+async def sse_stream(
+    plan: Plan,
+    fanout: Fanout,
+    first: tuple[int, TokenDelta | BaseException],
+    tokenizer: Tokenizer | None,
+    metrics: Metrics,
+) -> AsyncIterator[bytes]:
+    """The SSE events of ``plan``, starting from its ``first`` event (already awaited by the caller)."""
+    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs, plan.tool_calls) for i, _ in plan.jobs}
+    usage_field = {"usage": None} if plan.include_usage else {}
+    if plan.kind == "chat":
+        for i in choices:
+            role = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield sse_event({**envelope(plan, chunk=True), "choices": [role], **usage_field})
+    remaining = len(choices)
+    item: tuple[int, TokenDelta | BaseException] | None = first
+    while remaining:
+        if item is None:
+            yield b": keep-alive\n\n"
+        else:
+            index, event = item
+            if isinstance(event, BaseException):
+                error = as_api_error(event)
+                metrics.observe_error(error.status, error.code)
+                yield sse_event(error_body(error))
+                break
+            choice = choices[index].stream_choice(index, event)
+            yield sse_event({**envelope(plan, chunk=True), "choices": [choice], **usage_field})
+            remaining -= event.finish_reason is not None
+        if remaining:
+            item = await fanout.next(KEEPALIVE_S)
+    if remaining == 0 and plan.include_usage:
+        yield sse_event({**envelope(plan, chunk=True), "choices": [], "usage": usage(plan, choices)})
+    yield b"data: [DONE]\n\n"
