@@ -1,8 +1,9 @@
 """The control-plane protocol between the router and the workers: every message a frozen dataclass, one
 tagged codec, strict decoding.
 
-Ops (router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease.
-Events (worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed, WorkerFailed, KeepAlive.
+Ops (``Op``, router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease.
+Events (``Event``, worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed,
+WorkerFailed, KeepAlive.
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
 registers it with the router, and one from a new ``incarnation`` (a process Ray restarted) re-admits it.
@@ -25,7 +26,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any, ClassVar, Generic, TypeVar, Union
 
 from cluster.frames import REASON_BAD_FIELD, REASON_UNKNOWN_TAG, FrameRejected, FrameSigner, FrameVerifier
 from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats, to_dict
@@ -33,12 +34,6 @@ from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats,
 logger = logging.getLogger(__name__)
 
 ROUTER_ID = "router"  # the recipient name of frames addressed to the router
-
-
-class Message(Protocol):
-    """Any op or event: a frozen dataclass with a wire tag."""
-
-    TAG: ClassVar[str]
 
 
 @dataclass(frozen=True)
@@ -216,10 +211,12 @@ class KeepAlive:
     request_id: str
 
 
+# NOTE: every signature that carries a message names one of these unions (what a handler receives is a
+# union it can match on exhaustively), never Any.
 Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease
 Event = Heartbeat | Deltas | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
-OPS: tuple[type[Message], ...] = (Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease)
-EVENTS: tuple[type[Message], ...] = (
+OPS: tuple[type[Op], ...] = (Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease)
+EVENTS: tuple[type[Event], ...] = (
     Heartbeat,
     Deltas,
     Prefilled,
@@ -373,13 +370,17 @@ class WireEncoder:
     def __init__(self, secret: bytes) -> None:
         self._signer = FrameSigner(secret)
 
-    def encode(self, recipient: str, message: Message) -> bytes:
-        fields = dataclasses.fields(message)  # type: ignore[arg-type]
+    def encode(self, recipient: str, message: Op | Event) -> bytes:
+        fields = dataclasses.fields(message)
         body = {f.name: to_dict(getattr(message, f.name)) for f in fields}
         return self._signer.sign(recipient, message.TAG, body)
 
 
-class WireDecoder:
+# NOTE: a decoder takes ops (a worker's, ``WireDecoder[Op]``) or events (the router's, ``WireDecoder[Event]``)
+M = TypeVar("M", Op, Event)
+
+
+class WireDecoder(Generic[M]):
     """Verifies and decodes frames arriving on one receiving socket into the accepted message types.
 
     ``decode`` returns the message, or None for a rejected frame (counted by reason in
@@ -387,13 +388,15 @@ class WireDecoder:
     """
 
     def __init__(
-        self, secret: bytes, recipient: str, accept: tuple[type[Message], ...], **verifier_options: Any
+        self, secret: bytes, recipient: str, accept: tuple[type[M], ...], **verifier_options: Any
     ) -> None:
         self.verifier = FrameVerifier(secret, recipient, **verifier_options)
-        self._decoders = {cls.TAG: _dataclass_decoder(cls) for cls in accept}
+        self._decoders: dict[str, Callable[[Any, str], M]] = {
+            cls.TAG: _dataclass_decoder(cls) for cls in accept
+        }
         self._num_logged = 0
 
-    def decode(self, frame: bytes) -> Any | None:
+    def decode(self, frame: bytes) -> M | None:
         try:
             tag, body = self.verifier.verify(frame)
             decoder = self._decoders.get(tag)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from cluster.config import TransferConfig
 from cluster.protocol import TokenDelta, TransferStats
-from cluster.wire import DecodeHandoff, PeerDead, PrepareDecode
+from cluster.wire import DecodeHandoff, Event, PeerDead, PrepareDecode
 from transfer.pairs import PairChannel
 from transfer.peers import PeerId
 from workers.engine import Engine
@@ -33,7 +33,7 @@ class WorkerContext:
     transfer_config: TransferConfig
     secret: bytes  # the cluster's: signs and checks the KV handshake's frames
     store: tuple[str, int] | None
-    send: Callable[[Any], None]
+    send: Callable[[Event], None]
     post: Callable[[object], None]
 
     @property

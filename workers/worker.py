@@ -53,6 +53,7 @@ from cluster.wire import (
     Abort,
     DecodeHandoff,
     Deltas,
+    Event,
     ExtendLease,
     Generate,
     Heartbeat,
@@ -481,7 +482,7 @@ class EngineWorker:
         for start in range(0, len(deltas), _DELTAS_PER_FRAME):
             self._send(Deltas(self.worker_id, deltas[start : start + _DELTAS_PER_FRAME]))
 
-    def _send(self, message: Any, last_words_s: float | None = None) -> None:
+    def _send(self, message: Event, last_words_s: float | None = None) -> None:
         """Send one frame to the router. ``last_words_s``: it is the last one; wait (bounded) till it
         left the process, for the process may exit next (a frame still queued in ZMQ would die)."""
         with self._push_lock:

@@ -21,7 +21,8 @@ from cluster.protocol import (
     TokenDelta,
     WorkerFailedError,
 )
-from cluster.router.router import Router, WorkerState
+from cluster.router.membership import WorkerState
+from cluster.router.router import Router
 from cluster.wire import (
     Abort,
     DecodeHandoff,

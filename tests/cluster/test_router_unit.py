@@ -13,7 +13,8 @@ from cluster.protocol import (
     QueueFullError,
     TokenDelta,
 )
-from cluster.router.router import Router, WorkerState
+from cluster.router.membership import WorkerState
+from cluster.router.router import Router
 from cluster.wire import (
     Deltas,
     Generate,

@@ -87,11 +87,11 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
     prompts = shared_prefix_prompts(NUM_STREAMS, seed=8, vocab=VOCAB)
     params = [greedy(24 + i % 5 * 8) for i in range(NUM_STREAMS)]
     reference = [o.token_ids for o in offline.generate(prompts, params)]
-    targets = {w.worker_id: w.info.request_endpoint for w in cluster.router.router.workers}
-    targets[ROUTER_ID] = cluster.router.router.endpoint
+    targets = {w.worker_id: w.info.request_endpoint for w in cluster.router.workers}
+    targets[ROUTER_ID] = cluster.router.endpoint
     # every KV sender's handshake socket too (the prefill workers')
-    kv_targets = {w.peer_name: w.info.kv_endpoint for w in cluster.router.router.workers if w.info.kv_endpoint}
-    assert sorted(kv_targets) == [w.peer_name for w in cluster.router.router.workers if w.pool == "prefill"]
+    kv_targets = {w.peer_name: w.info.kv_endpoint for w in cluster.router.workers if w.info.kv_endpoint}
+    assert sorted(kv_targets) == [w.peer_name for w in cluster.router.workers if w.pool == "prefill"]
     plan = make_plan(4, NUM_FUZZ_FRAMES, cluster.secret, targets, kv_targets)
     before = total_rejected(cluster)
     fuzzer = threading.Thread(target=send_frames, args=(plan.frames, frozenset(plan.dealer_endpoints)))
@@ -117,7 +117,7 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
 
 
 def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: ClusterHandle, offline: LLM) -> None:
-    decode = next(w for w in cluster.router.router.workers if w.pool == "decode")
+    decode = next(w for w in cluster.router.workers if w.pool == "decode")
     before = total_rejected(cluster)
     send_frames([(decode.info.request_endpoint, bytes.fromhex("81910102"))])
     wait_for(lambda: total_rejected(cluster) == before + 1, 10, "the frame counted")
@@ -131,7 +131,7 @@ def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: ClusterHandle, of
 
 
 def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle, offline: LLM) -> None:
-    router = cluster.router.router
+    router = cluster.router
     victim = [w for w in router.workers if w.pool == "decode"][-1]
     assert victim.healthy
     pid = ray.get(cluster.actors[victim.worker_id].ping.remote(), timeout=30)

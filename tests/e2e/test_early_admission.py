@@ -19,7 +19,7 @@ import pytest
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.protocol import ErrorCode, SamplingParams
-from cluster.router.router import Delta
+from cluster.router.flights import Delta
 from cluster.wire import (
     Abort,
     DecodeHandoff,

@@ -7,7 +7,7 @@ import pytest
 
 from cluster.config import RouterConfig
 from cluster.protocol import TransferStats, WorkerStats
-from cluster.router.router import WorkerState
+from cluster.router.membership import WorkerState
 from tests.support.cluster_utils import greedy, shared_prefix_prompts, wait_for
 from tests.support.local_cluster import LocalCluster, engine_config
 from tests.support.oracle_cache import hf_reference, qwen3_model
@@ -157,12 +157,12 @@ def test_a_dead_transfer_thread_makes_its_worker_say_so_and_leave_the_cluster(mo
             assert not cluster.workers[wid].health()
             wait_for(
                 lambda w=wid: any(
-                    x.worker_id == w and x.state == WorkerState.DEAD for x in cluster.router.router.workers
+                    x.worker_id == w and x.state == WorkerState.DEAD for x in cluster.router.workers
                 ),
                 10,
                 f"the router drops {wid}",
             )
-        assert not cluster.router.router.is_healthy()
+        assert not cluster.router.is_healthy()
     finally:
         cluster.close()
 

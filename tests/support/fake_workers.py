@@ -234,7 +234,7 @@ def assert_idle(router: Router) -> None:
         w.worker_id: (0, 0) for w in router.workers
     }
     # NOTE: no public view of these maps; a request left in them is a leak
-    assert (router._flights, router._by_wire) == ({}, {})
+    assert (router._flights.by_request, router._flights.by_wire) == ({}, {})
 
 
 async def prefilled(fakes: FakeWorkers, s: Stream, prefill: str, token: int) -> DecodeHandoff:

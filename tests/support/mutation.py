@@ -72,6 +72,9 @@ TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "workers/prefill_role.py": ROLE_STAGES,
     "transfer/receiver.py": (RECEIVER_STAGE, TRANSFER_STAGE),
     "cluster/router/router.py": (ROUTER_STAGE,),
+    "cluster/router/membership.py": (ROUTER_STAGE,),
+    "cluster/router/flights.py": (ROUTER_STAGE,),
+    "cluster/router/handoff.py": (ROUTER_STAGE,),
 }
 
 # NOTE: a fixed order; no cache files in the tree; hypothesis's plugin is a second of imports per run

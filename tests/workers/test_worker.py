@@ -20,7 +20,7 @@ import zmq
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import FrameSigner, new_secret
 from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats
-from cluster.router.router import Delta
+from cluster.router.flights import Delta
 from cluster.wire import (
     EVENTS,
     OPS,

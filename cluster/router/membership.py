@@ -1,0 +1,340 @@
+"""Membership: the workers the router knows and the state of each (admit, heartbeat, re-admit, lifecycle
+watch, drain, death), and the socket an op reaches each one by.
+
+A worker registers with its first Heartbeat (which carries its WorkerInfo); a heartbeat from a new
+incarnation of a known worker (Ray restarted it) re-admits it. States (``WorkerRef.state``):
+  healthy    its heartbeat is fresh and says every thread is alive: routable;
+  unhealthy  its heartbeat is stale (stopped, stuck) or it reported a dead thread: not routed to; its
+             requests keep waiting (bounded by their deadlines) and a fresh heartbeat makes it healthy;
+  draining   being removed (scale-down): not routed to; its requests finish or migrate;
+  dead       it said so (``WorkerFailed``) or Ray says the actor is gone: its requests migrate.
+Ray is the lifecycle plane only: one watcher per actor pings it to learn that it died.
+
+What the request path (cluster/router/router.py) calls: ``get``, ``healthy``, ``send``; what membership
+tells it back, through the hooks it was built with: a worker died (``on_death``: migrate its requests),
+a worker is gone for good (``on_removed``: forget what the routing views hold of it), and "handle every
+frame already received" (``settle``) before Ray's word on a death is acted on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from cluster.config import RouterConfig
+from cluster.protocol import ClusterUnavailableError, ModelInfo, WorkerStats, peer_name
+from cluster.wire import Abort, ExtendLease, Heartbeat, Op, PeerDead, WireEncoder, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerState(str, enum.Enum):
+    """A worker's state in the router's eyes (see the module docstring)."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+@dataclass
+class WorkerRef:
+    """The router's view of one admitted worker (one incarnation of it)."""
+
+    info: WorkerInfo
+    socket: zmq.asyncio.Socket
+    state: WorkerState = WorkerState.HEALTHY
+    why: str = ""  # why it is not healthy
+    stats: WorkerStats | None = None
+    last_beat: float = field(default_factory=time.monotonic)
+    num_assigned: int = 0  # requests the router routed here that are not over
+    num_prompt_tokens: int = 0  # prompt tokens routed here whose first token has not come back
+    num_queued_prompts: int = 0  # the requests those tokens belong to
+    admitted_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def pool(self) -> str:
+        return self.info.pool
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == WorkerState.HEALTHY
+
+    @property
+    def peer_name(self) -> str:
+        return peer_name(self.info.worker_id, self.info.incarnation)
+
+    def has_broken_pair_with(self, other: WorkerRef) -> bool:
+        """Its last stats say its KV-transfer pair with ``other`` is broken."""
+        return self.stats is not None and other.peer_name in self.stats.broken_peers
+
+
+class Membership:
+    """The admitted workers, by id (see the module docstring). Runs on the router's loop.
+
+    Lifecycle: built by the router; ``monitor`` runs as a task until the router closes; ``watch_tasks``
+    are cancelled and ``close`` closes every worker's socket when it does (the router owns ``ctx``).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        ctx: zmq.asyncio.Context,
+        encoder: WireEncoder,
+        *,
+        reject: Callable[[str], None],
+        on_death: Callable[[WorkerRef, str], None],
+        on_removed: Callable[[str], None],
+        settle: Callable[[], Awaitable[None]],
+    ) -> None:
+        """``reject``: count a frame refused by reason (the router's ``rejected_frames``)."""
+        self.config = config
+        self._ctx = ctx
+        self._encoder = encoder
+        self._reject = reject
+        self._on_death = on_death
+        self._on_removed = on_removed
+        self._settle = settle
+        self._workers: dict[str, WorkerRef] = {}
+        self._first_info: WorkerInfo | None = None
+        self._retired: set[str] = set()  # incarnations drained by scale-down: never re-admitted
+        self._actors: dict[str, Any] = {}
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        self._admitted = asyncio.Event()
+
+    # ---- what the request path reads and calls --------------------------------------------------------
+    @property
+    def workers(self) -> list[WorkerRef]:
+        return list(self._workers.values())
+
+    def get(self, worker_id: str) -> WorkerRef | None:
+        return self._workers.get(worker_id)
+
+    def healthy(self, pool: str) -> list[WorkerRef]:
+        return [w for w in self._workers.values() if w.pool == pool and w.healthy]
+
+    def healthy_pools(self) -> set[str]:
+        return {w.pool for w in self._workers.values() if w.healthy}
+
+    def send(self, w: WorkerRef, op: Op) -> None:
+        """Queue ``op`` for ``w`` without waiting; raises ClusterUnavailableError when its queue is full
+        (dropped quietly for the ops that only free or keep state: Abort, PeerDead, ExtendLease)."""
+        try:
+            # NOTE: PUSH queues without blocking up to its high-water mark; never awaits here.
+            w.socket.send(self._encoder.encode(w.worker_id, op), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.error("router: %s's queue is full; dropped %s", w.worker_id, type(op).__name__)
+            if not isinstance(op, (Abort, PeerDead, ExtendLease)):
+                raise ClusterUnavailableError(f"worker {w.worker_id} is not taking work") from None
+
+    def model_info(self, served_model_name: str | None) -> ModelInfo:
+        """What the edge validates against: the served model, the smallest max_model_len of the
+        admitted workers."""
+        first = self._first_info
+        if first is None:
+            raise ClusterUnavailableError("no worker has registered yet")
+        lens = [w.info.max_model_len for w in self._workers.values() if w.state != WorkerState.DEAD]
+        return ModelInfo(
+            name=served_model_name or os.path.basename(first.model_dir.rstrip("/")),
+            model_dir=first.model_dir,
+            max_model_len=min(lens or [first.max_model_len]),
+            vocab_size=first.vocab_size,
+        )
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """Latest stats of every admitted worker; ``healthy`` is the router's verdict."""
+        return [
+            replace(w.stats, healthy=w.healthy)
+            if w.stats is not None
+            else WorkerStats(w.worker_id, w.pool, healthy=w.healthy)
+            for w in self._workers.values()
+        ]
+
+    async def wait_admitted(self, worker_ids: Sequence[str], timeout_s: float) -> None:
+        """Until every worker in ``worker_ids`` has registered and is healthy (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(wid in self._workers and self._workers[wid].healthy for wid in worker_ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [wid for wid in worker_ids if wid not in self._workers]
+                raise TimeoutError(f"workers not admitted within {timeout_s:.0f} s: {missing}")
+            self._admitted.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._admitted.wait()
+
+    # ---- admission and heartbeats ---------------------------------------------------------------------
+    def on_heartbeat(self, event: Heartbeat) -> WorkerRef | None:
+        """Take a heartbeat (admitting its sender if new); returns the worker whose beat was taken, None
+        when it was refused or its worker is dead or draining."""
+        info, stats = event.info, event.stats
+        if stats.worker_id != info.worker_id:
+            self._reject("bad_field")
+            return None
+        w = self._workers.get(info.worker_id)
+        if w is None or w.info.incarnation != info.incarnation:
+            if (w is not None and w.state == WorkerState.DRAINING) or info.incarnation in self._retired:
+                return None  # NOTE: a drained process beats until its actor is stopped: never re-admitted
+            w = self._admit(info)
+            if w is None:
+                return None
+        if w.state in (WorkerState.DEAD, WorkerState.DRAINING):
+            return None
+        w.stats, w.last_beat = stats, time.monotonic()
+        if not stats.healthy:
+            self.set_state(w, WorkerState.UNHEALTHY, "it reports a dead thread")
+        elif w.state == WorkerState.UNHEALTHY:
+            self.set_state(w, WorkerState.HEALTHY, "")
+        return w
+
+    def _admit(self, info: WorkerInfo) -> WorkerRef | None:
+        """Register a worker (or a new incarnation of one); None if it cannot join this cluster."""
+        first = self._first_info
+        if first is not None and _model_identity(info) != _model_identity(first):
+            logger.error(
+                "router: refused %s: it serves %s (vocab %d, fingerprint %r), the cluster serves %s "
+                "(vocab %d, fingerprint %r)", info.worker_id, info.model_dir, info.vocab_size,
+                info.model_fingerprint, first.model_dir, first.vocab_size, first.model_fingerprint,
+            )  # fmt: skip
+            self._reject("refused_worker")
+            return None
+        old = self._workers.get(info.worker_id)
+        if old is not None:
+            self.mark_dead(old, f"replaced by a new incarnation ({info.incarnation})")
+            self._remove(old)
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(info.request_endpoint)
+        w = WorkerRef(info, sock)
+        self._workers[info.worker_id] = w
+        self._first_info = first or info
+        logger.info(
+            "router: admitted %s (%s, pid %d on %s, incarnation %s)",
+            info.worker_id, info.pool, info.pid, info.node_ip, info.incarnation,
+        )  # fmt: skip
+        self._admitted.set()
+        return w
+
+    def _remove(self, w: WorkerRef) -> None:
+        if self._workers.get(w.worker_id) is w:
+            del self._workers[w.worker_id]
+            self._on_removed(w.worker_id)
+        w.socket.close(linger=0)
+
+    async def monitor(self) -> None:
+        """Mark a worker whose heartbeat went stale unhealthy (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            now = time.monotonic()
+            for w in list(self._workers.values()):
+                silent = now - w.last_beat
+                if w.healthy and silent > self.config.health_timeout_s:
+                    self.set_state(w, WorkerState.UNHEALTHY, f"no heartbeat for {silent:.1f} s")
+
+    # ---- the lifecycle plane (Ray) --------------------------------------------------------------------
+    def watch(self, worker_id: str, actor: Any) -> None:
+        """Watch an actor's lifecycle through Ray (anything with ``.ping.remote()``); call on the loop."""
+        self._actors[worker_id] = actor
+        if worker_id not in self._watches:
+            self._watches[worker_id] = asyncio.create_task(
+                self._lifecycle_watch(worker_id), name=f"router-watch-{worker_id}"
+            )
+
+    def unwatch(self, worker_id: str) -> None:
+        self._actors.pop(worker_id, None)
+        task = self._watches.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    def watch_tasks(self) -> list[asyncio.Task[None]]:
+        return list(self._watches.values())
+
+    async def _lifecycle_watch(self, worker_id: str) -> None:
+        """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead). Keeps
+        watching after a death: a restarted actor registers again by itself."""
+        while worker_id in self._actors:
+            issued = time.monotonic()
+            try:
+                async with asyncio.timeout(self.config.health_timeout_s):
+                    await self._actors[worker_id].ping.remote()
+            except TimeoutError:
+                pass
+            except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+                w = self._workers.get(worker_id)
+                # NOTE: a ping sent before a restart can fail after the new incarnation registered; the
+                # failure is the old process's, so only an incarnation admitted before the ping dies here.
+                if w is not None and w.admitted_at < issued:
+                    await self._settle()
+                    self.mark_dead(w, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    # ---- drain and death ------------------------------------------------------------------------------
+    def start_drain(self, worker_id: str) -> WorkerRef:
+        """Scale-down begins: route nothing new to the worker (raises ValueError for an unknown one)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise ValueError(f"no worker {worker_id!r}")
+        self.set_state(w, WorkerState.DRAINING, "scale-down")
+        return w
+
+    def retire(self, w: WorkerRef) -> None:
+        """Scale-down ends (its requests are over or moved): forget the worker; its incarnation is never
+        re-admitted (the caller stops the actor)."""
+        self.unwatch(w.worker_id)
+        self._retired.add(w.info.incarnation)
+        self.set_state(w, WorkerState.DEAD, "removed")
+        self._tell_peers_dead(w)
+        self._remove(w)
+
+    def set_state(self, w: WorkerRef, state: WorkerState, why: str) -> None:
+        if w.state == state:
+            return
+        log = logger.info if state in (WorkerState.HEALTHY, WorkerState.DRAINING) else logger.error
+        log("router: worker %s is %s%s", w.worker_id, state.value, f" ({why})" if why else "")
+        w.state, w.why = state, why
+
+    def mark_dead(self, w: WorkerRef, why: str) -> None:
+        """The worker is dead: its peers are told, then the request path moves its requests (on_death)."""
+        if w.state == WorkerState.DEAD:
+            return
+        self.set_state(w, WorkerState.DEAD, why)
+        self._tell_peers_dead(w)
+        self._on_death(w, why)
+
+    def _tell_peers_dead(self, w: WorkerRef) -> None:
+        # NOTE: peers stop waiting on it at once instead of sitting out transfer timeouts with other
+        # workers' transfers queued behind.
+        for peer in self._live_peers(w):
+            self.send(peer, PeerDead(w.worker_id, w.info.incarnation))
+
+    def _live_peers(self, w: WorkerRef) -> Sequence[WorkerRef]:
+        return [p for p in self._workers.values() if p is not w and p.state != WorkerState.DEAD]
+
+    def close(self) -> None:
+        """Close every worker's socket (the watch tasks are cancelled first, by the router)."""
+        for w in self._workers.values():
+            w.socket.close(linger=0)
+
+
+def _model_identity(info: WorkerInfo) -> tuple[str, int]:
+    """What workers of one cluster must agree on: the checkpoint (by fingerprint: its path differs
+    between hosts, e.g. each node's copy of a Ray working_dir) and the vocabulary."""
+    return (info.model_fingerprint or info.model_dir, info.vocab_size)
