@@ -112,6 +112,16 @@ class EngineConfig:
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
         )
 
+    def max_model_len(self, max_position_embeddings: int, num_kv_blocks: int | None = None) -> int:
+        """The longest sequence (prompt + output) an engine of this config serves: ``model.max_model_len``
+        (None: the checkpoint's ``max_position_embeddings``), capped by what ``num_kv_blocks`` hold when
+        given. The one place this is derived (the model runner, hence the engine, and ``pdserve plan``)."""
+        limit = self.model.max_model_len or max_position_embeddings
+        if num_kv_blocks is None:
+            return limit
+        # NOTE: a sequence can never outgrow the KV pool (block 0 is reserved), so the pool caps it too.
+        return min(limit, (num_kv_blocks - 1) * self.block_size)
+
     @classmethod
     def from_options(cls, model: str = "", **options: Any) -> EngineConfig:
         """Build from flat keyword options (the offline API's `LLM(model, **options)`)."""
@@ -134,7 +144,17 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         _check_type(f"{where}.{key}" if where else key, value, hints[key])
-    return cls(**data)
+    try:
+        return cls(**data)
+    except ValueError as e:
+        raise ValueError(_with_path(str(e), where, names)) from None
+
+
+def _with_path(message: str, where: str, names: set[str]) -> str:
+    """A constructor's check names its field first (``max_num_seqs must be >= 1``): prefix the mapping's
+    path, so the message names the key as the YAML spells it (``decode.engine.max_num_seqs``)."""
+    first = message.split(" ", 1)[0]
+    return f"{where}.{message}" if where and first in names else message
 
 
 def _type_name(tp: Any) -> str:
@@ -169,6 +189,14 @@ def _check_type(key: str, value: Any, tp: Any) -> None:
         raise ValueError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})"[:300])
 
 
+def _check_keys(data: dict[str, Any], where: str, known: set[str]) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {where} option(s) {unknown}; known: {sorted(known)}")
+
+
+_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}  # model: its own section
+
 ROUTER_MODES = ("disaggregated", "colocated", "conditional")
 ADMISSION_POLICIES = ("off", "slo")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
@@ -177,9 +205,17 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD")
 NETWORKS = ("auto", "loopback", "node")
 
 
+POOLS = ("prefill", "decode", "colocated")
+# KV blocks move between pools, and the router hashes prompts in blocks: one block size for every pool
+CLUSTER_WIDE_ENGINE_KEYS = ("block_size",)
+
+
 @dataclass(frozen=True)
 class PoolConfig:
-    """One pool of identical workers. num_gpus 0 runs on CPU; 1 pins each worker to its own GPU."""
+    """One pool of identical workers. num_gpus 0 runs on CPU; 1 pins each worker to its own GPU.
+    engine: this pool's engine settings over the cluster's shared ``engine:`` section (EngineConfig
+    fields except model and block_size), e.g. a decode pool's ``max_num_seqs``; checked by ClusterConfig,
+    which knows the shared section (``ClusterConfig.engine_config(pool)`` gives the merged EngineConfig)."""
 
     num_workers: int = 1
     num_gpus: float = 0.0
@@ -188,6 +224,7 @@ class PoolConfig:
     max_restarts: int = 0
     # custom Ray resources each worker needs, e.g. {"host_b": 1} pins the pool to nodes that offer it
     resources: dict[str, float] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
@@ -304,10 +341,10 @@ class LogConfig:
 class ClusterConfig:
     """A whole deployment: the model, engine options shared by every worker, the pools, transfer,
     router and HTTP server. Pools: ``prefill`` + ``decode`` (disaggregated / conditional) or
-    ``colocated``."""
+    ``colocated``; each pool's own ``engine:`` keys override the shared ones (``engine_config(pool)``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields except model
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields except model: every pool's
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     colocated: PoolConfig = field(default_factory=lambda: PoolConfig(num_workers=0))
@@ -326,7 +363,17 @@ class ClusterConfig:
     pin_cpu_cores: bool = False
 
     def __post_init__(self) -> None:
-        self.engine_config()  # validates engine options (unknown keys are an error)
+        # NOTE: the shared section alone first, so an error names the section its key is in
+        _check_keys(self.engine, "engine", _ENGINE_KEYS)
+        from_dict(EngineConfig, {**self.engine, "model": self.model}, "engine")
+        for pool in POOLS:
+            own = self.pool(pool).engine
+            for key in CLUSTER_WIDE_ENGINE_KEYS:
+                _require(
+                    key not in own, f"{pool}.engine.{key} is one for every pool: set engine.{key} instead"
+                )
+            _check_keys(own, f"{pool}.engine", _ENGINE_KEYS)
+            self.engine_config(pool)
         _require(
             self.placement_strategy in PLACEMENT_STRATEGIES,
             f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}",
@@ -345,8 +392,33 @@ class ClusterConfig:
                 self.decode.num_workers >= 1, f"router mode {self.router.mode} needs decode.num_workers >= 1"
             )
 
-    def engine_config(self) -> EngineConfig:
-        return from_dict(EngineConfig, {**self.engine, "model": self.model}, "engine")
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools the router mode runs: ``("colocated",)`` or ``("prefill", "decode")``."""
+        return ("colocated",) if self.router.mode == "colocated" else ("prefill", "decode")
+
+    @property
+    def prefill_pool(self) -> str:
+        """The pool that prefills prompts (the router predicts TTFT with its token budget)."""
+        return self.pool_names[0]
+
+    @property
+    def decode_pool(self) -> str:
+        """The pool that decodes, holding each request's KV to its end."""
+        return self.pool_names[-1]
+
+    def pool(self, name: str) -> PoolConfig:
+        _require(name in POOLS, f"pool must be one of {POOLS}, got {name!r}")
+        return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[name]
+
+    def engine_config(self, pool: str) -> EngineConfig:
+        """``pool``'s workers' engine: the shared ``engine:`` section, the pool's own ``engine:`` over it."""
+        merged = {**self.engine, **self.pool(pool).engine, "model": self.model}
+        return from_dict(EngineConfig, merged, f"{pool}.engine")
+
+    def engine_configs(self) -> dict[str, EngineConfig]:
+        """The engine of every pool the router mode runs, by pool."""
+        return {pool: self.engine_config(pool) for pool in self.pool_names}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:

@@ -273,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["plan"]:
-        # NOTE: deploy/plan/common.py's own parser owns every option after the word (argparse's REMAINDER
+        # NOTE: deploy/plan/cli.py's own parser owns every option after the word (argparse's REMAINDER
         # would not take leading options such as `pdserve plan --workers 4`).
-        from deploy.plan.common import main as plan_main
+        from deploy.plan.cli import main as plan_main
 
         return plan_main(words[1:])
     args = build_parser().parse_args(argv)

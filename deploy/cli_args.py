@@ -3,7 +3,8 @@
 Precedence: flag > environment (``PDSERVE_API_KEY``) > YAML (``--config``, default the packaged
 ``cpu-disagg.yaml``) > the config dataclasses' defaults. Flags are written into the YAML's mapping
 before ``ClusterConfig.from_dict`` checks it, so a flag and a YAML key fail the same way: the key named,
-its expected type and the value given.
+its expected type and the value given. Engine flags set the shared ``engine:`` section, which a pool's
+own ``engine:`` keys override; the pool-scoped flags (``--decode-max-num-seqs``) set the pool's own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "cpu-disagg.yaml"
 API_KEY_ENV = "PDSERVE_API_KEY"
 
-# (flag, YAML section, key, argparse type, help); a section "engine" key is an EngineConfig field.
+# (flag, YAML section, key, argparse type, help); an "engine" / "POOL.engine" key is an EngineConfig field.
 _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--revision", "model", "revision", str, "hub repo branch, tag or commit (repo ids only)"),
     ("--dtype", "model", "dtype", str, "auto | float32 | float16 | bfloat16"),
@@ -38,6 +39,22 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--gpu-memory-utilization", "engine", "gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--attention-backend", "engine", "attention_backend", str, "torch | triton"),
     ("--device", "engine", "device", str, "auto | cpu | cuda"),
+    ("--prefill-max-num-seqs", "prefill.engine", "max_num_seqs", int, "the prefill pool's --max-num-seqs"),
+    ("--decode-max-num-seqs", "decode.engine", "max_num_seqs", int, "the decode pool's --max-num-seqs"),
+    (
+        "--prefill-max-num-batched-tokens",
+        "prefill.engine",
+        "max_num_batched_tokens",
+        int,
+        "the prefill pool's --max-num-batched-tokens",
+    ),
+    (
+        "--decode-max-num-batched-tokens",
+        "decode.engine",
+        "max_num_batched_tokens",
+        int,
+        "the decode pool's --max-num-batched-tokens",
+    ),
     ("--mode", "router", "mode", str, f"{' | '.join(ROUTER_MODES)}"),
     (
         "--admission",
@@ -124,13 +141,19 @@ def load_config_data(path: Path) -> dict[str, Any]:
     return data
 
 
-def _section(data: dict[str, Any], name: str) -> dict[str, Any]:
-    value = data.get(name)
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"{name} must be a mapping, got {value!r}"[:200])
-    section = dict(value or {})
-    data[name] = section
-    return section
+def _section(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The mapping at ``path`` (``decode.engine``: one key per level), copied into ``data`` so the
+    caller's mapping is never modified; missing levels are created."""
+    where = ""
+    for name in path.split("."):
+        where = f"{where}.{name}" if where else name
+        value = data.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {value!r}"[:200])
+        section = dict(value or {})
+        data[name] = section
+        data = section
+    return data
 
 
 def apply_overrides(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 (``handle.loop``), so handlers and the router share one loop and no request crosses threads.
 
 ``start_http(handle)`` (tests, benchmarks, the demo) returns once /health answers; ``serve_on_loop(handle)``
-(``pdserve serve``, ``python -m deploy.launch``) blocks until Ctrl-C / SIGTERM.
+(``pdserve serve``: the one serving path) blocks until Ctrl-C / SIGTERM. Sits above ``deploy.launch``,
+whose ``ClusterHandle`` it serves; launch never imports it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The only place that creates worker actors (WorkerLauncher); start_cluster() and ClusterHandle.
 
-    ray job submit --working-dir . -- python -m deploy.launch --config deploy/cpu-disagg.yaml
-    python -m deploy.launch --config deploy/cpu-disagg.yaml            # local Ray cluster
-    python -m deploy.launch --config ... --prompt "Once upon a time"   # one request, then exit
+    ray job submit --working-dir . -- python -m deploy.launch --config deploy/cpu-disagg.yaml \
+        --prompt "Once upon a time"                                    # one request, then exit
+    python -m deploy.launch --config ... --prompt "..." --prompt "..." # local Ray cluster
+
+Serving the HTTP API is the CLI's (``pdserve serve``, ``python -m deploy.cli serve --config ...``, also
+under ``ray job submit``), through ``deploy/http_host.py``, which sits above this module.
 
 Python API (tests, benchmarks):
 
@@ -13,10 +16,11 @@ Python API (tests, benchmarks):
     handle.shutdown()                                   # no actor or thread left
 
 The router runs on an event loop owned by the handle (its own thread); the HTTP server, when asked
-for, is served on that same loop so handlers and router share it. The router process also hosts the
-torch.distributed store (``KVStore``) on which each prefill/decode pair builds its own KV-transfer group
-on first use (transfer/pairs.py): there is no launch-time world, so workers added by ``scale`` or
-restarted by Ray move KV like the first ones.
+for (deploy/http_host.py), is served on that same loop so handlers and router share it. The router
+process also hosts the torch.distributed store (``KVStore``) on which each prefill/decode pair builds its
+own KV-transfer group on first use (transfer/pairs.py): there is no launch-time world, so workers added
+by ``scale`` or restarted by Ray move KV like the first ones. Each worker gets its own pool's engine
+settings (``ClusterConfig.engine_config(pool)``).
 """
 
 from __future__ import annotations
@@ -61,9 +65,7 @@ _ids = itertools.count()
 
 
 def _pools(cfg: ClusterConfig) -> list[tuple[str, PoolConfig]]:
-    if cfg.router.mode == "colocated":
-        return [("colocated", cfg.colocated)]
-    return [("prefill", cfg.prefill), ("decode", cfg.decode)]
+    return [(pool, cfg.pool(pool)) for pool in cfg.pool_names]
 
 
 class RouterLoop:
@@ -139,7 +141,7 @@ class WorkerLauncher:
     def create(self, pool: str) -> tuple[str, Any]:
         from workers.worker import EngineWorker
 
-        pc = _pool_config(self.cfg, pool)
+        pc = self.cfg.pool(pool)
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
@@ -155,7 +157,7 @@ class WorkerLauncher:
         ).remote(
             worker_id,
             pool,
-            self.cfg.engine_config(),
+            self.cfg.engine_config(pool),
             self.cfg.transfer,
             self.secret,
             self.control,
@@ -366,10 +368,6 @@ def _index(worker_id: str) -> int:
     return int(worker_id.rsplit("-", 1)[1])
 
 
-def _pool_config(cfg: ClusterConfig, pool: str) -> PoolConfig:
-    return {"prefill": cfg.prefill, "decode": cfg.decode, "colocated": cfg.colocated}[pool]
-
-
 def _init_ray(cfg: ClusterConfig) -> bool:
     """Join the given / RAY_ADDRESS cluster, else start a local one. True if we started it."""
     if ray.is_initialized():
@@ -416,7 +414,8 @@ def start_cluster(
     else:
         cfg = config
     cfg = resolve_cluster_model(cfg)
-    predictor = load_predictor(cfg.router, cfg.engine_config())  # NOTE: a bad profile fails before Ray starts
+    # NOTE: a bad profile fails before Ray starts
+    predictor = load_predictor(cfg.router, cfg.engine_config(cfg.prefill_pool))
     joining = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
     if not joining:
         device_check.check_local(cfg)
@@ -478,42 +477,36 @@ def _resolved_transfer(cfg: ClusterConfig) -> TransferConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deploy.launch", description=__doc__.split("\n\n")[0])
+    """Start the cluster of ``--config``, send each ``--prompt`` (greedy), print its output, shut down."""
+    ap = argparse.ArgumentParser(
+        prog="python -m deploy.launch",
+        description="Start a cluster, send prompts, print the outputs, exit (serving: `pdserve serve`).",
+    )
     ap.add_argument("--config", required=True, help="ClusterConfig YAML (deploy/*.yaml)")
-    ap.add_argument("--prompt", action="append", help="send this prompt, print the output, exit (repeatable)")
+    ap.add_argument("--prompt", action="append", required=True, help="send this prompt (repeatable)")
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     cfg = ClusterConfig.from_yaml(args.config)
     logs.configure_logging(cfg.log)
     handle = start_cluster(cfg)
     try:
-        if args.prompt:
-            from cluster.tokenizer import Tokenizer
+        from cluster.tokenizer import Tokenizer
 
-            tok = Tokenizer.from_pretrained(handle.model_info.model_dir)
-            if tok is None:
-                raise SystemExit("the model has no tokenizer.json; --prompt needs one")
-            for prompt in args.prompt:
-                out = handle.generate(
-                    tok.encode(prompt), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-                )
-                print(
-                    f"PROMPT {prompt!r}\nOUTPUT {out.text!r}\nTOKENS {len(out.token_ids)} "
-                    f"finish={out.finish_reason.value if out.finish_reason else None}",
-                    flush=True,
-                )
-            return 0
-        return serve_http(handle)
+        tok = Tokenizer.from_pretrained(handle.model_info.model_dir)
+        if tok is None:
+            raise SystemExit("the model has no tokenizer.json; --prompt needs one")
+        for prompt in args.prompt:
+            out = handle.generate(
+                tok.encode(prompt), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+            )
+            print(
+                f"PROMPT {prompt!r}\nOUTPUT {out.text!r}\nTOKENS {len(out.token_ids)} "
+                f"finish={out.finish_reason.value if out.finish_reason else None}",
+                flush=True,
+            )
+        return 0
     finally:
         handle.shutdown()
-
-
-def serve_http(handle: ClusterHandle) -> int:
-    """Serve the OpenAI-compatible API on the router's loop until interrupted."""
-    from deploy.http_host import serve_on_loop
-
-    serve_on_loop(handle)
-    return 0
 
 
 if __name__ == "__main__":

@@ -58,9 +58,7 @@ class Engine:
         self.runner = ModelRunner(config, self.model_dir)
         self.arch = self.runner.arch
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        limit = config.model.max_model_len or self.arch.max_position_embeddings
-        # NOTE: a sequence can never outgrow the KV pool, so the pool caps the usable length too.
-        self.max_model_len = min(limit, (self.runner.num_blocks - 1) * config.block_size)
+        self.max_model_len = self.runner.max_model_len  # EngineConfig.max_model_len, capped by the KV pool
         scheduler_class = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved

@@ -33,7 +33,7 @@ from workers.cuda_graphs import (
 )
 from workers.forward_context import ForwardContext, forward_context
 from workers.host_memory import retain_freed_memory
-from workers.kv_sizing import size_kv_cache_cuda
+from workers.kv_sizing import ProfiledModel, size_kv_cache_cuda
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
 from workers.sampler import (
@@ -145,8 +145,7 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        # NOTE: the same bound the engine applies (a sequence can never outgrow the KV pool).
-        self.max_model_len = min(self.configured_max_len, (self.num_blocks - 1) * self.block_size)
+        self.max_model_len = config.max_model_len(self.arch.max_position_embeddings, self.num_blocks)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.block_tables = PersistentBlockTables(config.max_num_seqs, self.max_blocks_per_seq)
         self.buffers: InputBuffers | None = None
@@ -181,7 +180,7 @@ class ModelRunner:
 
     @property
     def configured_max_len(self) -> int:
-        return self.config.model.max_model_len or self.arch.max_position_embeddings
+        return self.config.max_model_len(self.arch.max_position_embeddings)
 
     @property
     def bytes_per_block(self) -> int:
@@ -192,7 +191,22 @@ class ModelRunner:
     def _size_kv_cache(self) -> int:
         if self.device.type == "cpu":
             return max(2, self.config.cpu_kv_cache_bytes // self.bytes_per_block + 1)
-        return size_kv_cache_cuda(self, _PROFILE_PARAMS, _GRAPH_ALLOWANCE_BYTES)
+        profiled = ProfiledModel(
+            model=self.model,
+            sampler=self.sampler,
+            backend=self.backend,
+            fused_ops=self.fused_ops,
+            arch=self.arch,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            bytes_per_block=self.bytes_per_block,
+            fresh_inputs=self.fresh_inputs,
+        )
+        max_len = self.configured_max_len
+        return size_kv_cache_cuda(
+            profiled, self.config, max_len, self.graph_sizes, _PROFILE_PARAMS, _GRAPH_ALLOWANCE_BYTES
+        )
 
     def forward_context(self, meta: AttentionMetadata) -> AbstractContextManager[ForwardContext]:
         """The scope a forward of this runner's model runs in (its KV caches, backend and op path)."""
@@ -344,7 +358,7 @@ class ModelRunner:
                 block_tables=upload("block_tables", arrays.block_tables.reshape(-1)).view(num_seqs, width),
                 query_start_loc_cpu=torch.from_numpy(arrays.cu_q.astype(np.int32)),
                 seq_lens_cpu=torch.from_numpy(arrays.seq_lens.astype(np.int32)),
-                num_decodes=out.num_decodes,
+                num_decodes=out.num_single_token_seqs,
                 max_query_len=arrays.max_query_len,
                 max_seq_len=int(arrays.seq_lens.max()),
                 block_size=self.block_size,

@@ -147,7 +147,7 @@ class Advisor:
         """The running deployment: the config's engine and router, the live workers per pool."""
         live = [w for w in self.router.workers if w.state.value != "dead"]
         counts = {p: sum(1 for w in live if w.pool == p) for p in ("prefill", "decode", "colocated")}
-        default_blocks = self.config.engine_config().num_kv_blocks or 2048
+        default_blocks = min(e.num_kv_blocks or 2048 for e in self.config.engine_configs().values())
         blocks = min((w.info.num_blocks for w in live), default=default_blocks)
         base = SimConfig.from_cluster(self.config, num_kv_blocks=blocks, max_model_len=self.max_model_len)
         if base.mode == "colocated":

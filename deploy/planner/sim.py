@@ -137,7 +137,8 @@ class Simulation:
         # NOTE: predictions cost time per request; only the decisions that read them get a predictor
         predicts = self.admission is not None or (config.mode == "conditional" and config.cost_routing)
         tbt = router.tbt_slo_ms / 1e3 if router.tbt_slo_ms is not None else None
-        budget = config.engine.max_num_batched_tokens
+        prefills_on = "colocated" if config.mode == "colocated" else "prefill"
+        budget = config.engine_of(prefills_on).max_num_batched_tokens
         self.predictor = Predictor(profile, budget, tbt) if predicts else None
         self.view = PrefixView() if predicts else None
         self._pools = Pools(

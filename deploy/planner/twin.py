@@ -28,7 +28,9 @@ class SimConfig:
     num_prefill: int = 0
     num_decode: int = 0
     num_colocated: int = 0
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # colocated workers', and the default
+    prefill_engine: EngineConfig | None = None  # the prefill pool's own settings (None: ``engine``)
+    decode_engine: EngineConfig | None = None  # the decode pool's own settings (None: ``engine``)
     num_kv_blocks: int = 2048  # per worker, block 0 included (as EngineConfig.num_kv_blocks)
     max_model_len: int = 2048
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -53,12 +55,20 @@ class SimConfig:
             num_prefill=cfg.prefill.num_workers if cfg.router.mode != "colocated" else 0,
             num_decode=cfg.decode.num_workers if cfg.router.mode != "colocated" else 0,
             num_colocated=cfg.colocated.num_workers if cfg.router.mode == "colocated" else 0,
-            engine=cfg.engine_config(),
+            engine=cfg.engine_config("colocated"),
+            prefill_engine=cfg.engine_config("prefill"),
+            decode_engine=cfg.engine_config("decode"),
             num_kv_blocks=num_kv_blocks,
-            max_model_len=min(max_model_len, (num_kv_blocks - 1) * cfg.engine_config().block_size),
+            # NOTE: block_size is one for every pool (cluster/config.py)
+            max_model_len=min(max_model_len, (num_kv_blocks - 1) * cfg.engine_config("decode").block_size),
             router=cfg.router,
             heartbeat_interval_s=cfg.router.health_interval_s,
         )
+
+    def engine_of(self, pool: str) -> EngineConfig:
+        """The engine settings of ``pool``'s workers: a prefill and a decode pool may differ."""
+        own = {"prefill": self.prefill_engine, "decode": self.decode_engine}.get(pool)
+        return own if own is not None else self.engine
 
     @property
     def num_workers(self) -> int:
@@ -100,8 +110,9 @@ class SimWorker:
     def __init__(self, worker_id: str, pool: str, config: SimConfig) -> None:
         self.worker_id = worker_id
         self.pool = pool
-        self.block_size = config.engine.block_size
-        self.scheduler = Scheduler(config.engine, config.num_kv_blocks, config.max_model_len)
+        engine = config.engine_of(pool)
+        self.block_size = engine.block_size
+        self.scheduler = Scheduler(engine, config.num_kv_blocks, config.max_model_len)
         self.inbox: deque[tuple[int, Flight]] = deque()
         self.pending: deque[Flight] = deque()  # decode side: handoffs waiting for blocks or a seat
         self.step_out: SchedulerOutput | None = None

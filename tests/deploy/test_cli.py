@@ -55,7 +55,8 @@ def test_flags_override_the_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     cfg = _config(["serve", *flags.split()])
     assert cfg.model == ModelConfig(path="org/model", dtype="bfloat16", max_model_len=256, revision="v2")
-    engine = cfg.engine_config()
+    engine = cfg.engine_config("decode")
+    assert cfg.engine_config("prefill") == engine  # a shared flag sets every pool's (no pool of its own here)
     assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.block_size) == (8, 512, 32)
     assert (engine.gpu_memory_utilization, engine.enable_prefix_caching, engine.enforce_eager) == (
         0.5,
@@ -70,7 +71,7 @@ def test_flags_override_the_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.server == ServerConfig("0.0.0.0", 9000, "s", "m", metrics_compat="vllm")
     assert cfg.log == LogConfig(level="DEBUG", format="json", stats_interval_s=2.0)
     default = _config(["serve"])
-    assert default.model.path == "" and default.engine_config().enable_prefix_caching is True
+    assert default.model.path == "" and default.engine_config("decode").enable_prefix_caching is True
 
 
 def test_api_key_from_the_environment_and_colocated_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +91,12 @@ BAD_VALUES = [
     ("prefill:\n  num_workers: true\n", "prefill.num_workers must be int, got True (bool)"),
     ("router:\n  request_timeout_s: soon\n", "router.request_timeout_s must be float, got 'soon' (str)"),
     ("server:\n  port: '80'\n", "server.port must be int, got '80' (str)"),
-    ("engine:\n  max_num_seqs: 0\n", "max_num_seqs must be >= 1, got 0"),
+    ("engine:\n  max_num_seqs: 0\n", "engine.max_num_seqs must be >= 1, got 0"),
+    ("decode:\n  engine:\n    max_num_seqs: 0\n", "decode.engine.max_num_seqs must be >= 1, got 0"),
+    (
+        "prefill:\n  engine:\n    max_num_seqs: 1.5\n",
+        "prefill.engine.max_num_seqs must be int, got 1.5 (float)",
+    ),
     ("engine:\n  blocksize: 16\n", "unknown engine option(s) ['blocksize']"),
     ("log:\n  format: xml\n", "log format must be one of ('text', 'json'), got 'xml'"),
 ]
@@ -107,6 +113,33 @@ def test_config_errors_name_the_key_in_one_logged_line(
     assert len(err) == 1 and f" ERROR pdserve: {message}" in err[0], err
     time.strptime(err[0][:19], "%Y-%m-%d %H:%M:%S")
     assert main(["serve", "--max-num-seqs", "0"]) == 2  # a flag is checked the same way
+
+
+def test_pool_flags_over_the_pools_own_yaml_keys_over_the_shared_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    path = tmp_path / "pools.yaml"
+    path.write_text(
+        "engine: {max_num_seqs: 8, max_num_batched_tokens: 512, num_kv_blocks: 64}\n"
+        "prefill: {engine: {max_num_batched_tokens: 2048}}\n"
+        "decode: {engine: {max_num_seqs: 32}}\n"
+    )
+
+    def seats_and_budgets(argv: list[str]) -> dict[str, tuple[int, int]]:
+        engines = _config(["serve", "--config", str(path), *argv]).engine_configs()
+        return {pool: (e.max_num_seqs, e.max_num_batched_tokens) for pool, e in engines.items()}
+
+    assert seats_and_budgets([]) == {"prefill": (8, 2048), "decode": (32, 512)}
+    # a shared flag sets the shared section: a pool's own YAML key still wins over it
+    assert seats_and_budgets(["--max-num-seqs", "4", "--max-num-batched-tokens", "256"]) == {
+        "prefill": (4, 2048),
+        "decode": (32, 256),
+    }
+    pool_flags = "--prefill-max-num-seqs 2 --decode-max-num-seqs 128 --decode-max-num-batched-tokens 128"
+    assert seats_and_budgets(pool_flags.split()) == {"prefill": (2, 2048), "decode": (128, 128)}
+    assert seats_and_budgets(["--prefill-max-num-batched-tokens", "1024"])["prefill"] == (8, 1024)
+    assert main(["serve", "--config", str(path), "--decode-max-num-seqs", "0"]) == 2
+    assert " ERROR pdserve: decode.engine.max_num_seqs must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: nothing to refuse")
