@@ -30,13 +30,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.serve import Record, Scenario, summarize
-from bench.serve import run as run_scenario
+from bench.serve import summarize
 from cluster.cost_model import CostProfile
 from cluster.router.admission import SloAdmission
 from cluster.router.predict import Predictor
-from deploy.plan.common import DEFAULT_CONFIG, load_cluster_config
-from deploy.plan.probe import calibrate_and_probe, client_args, running_cluster
+from deploy.loadgen import ClientSettings, Record, Scenario, run_scenario
+from deploy.plan.calibrate import calibrate_and_probe
+from deploy.plan.harness import running_cluster
+from deploy.plan.inputs import DEFAULT_CONFIG, load_cluster_config
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
@@ -53,7 +54,7 @@ def set_admission(handle: ClusterHandle, predictor: Predictor, admission: SloAdm
 
 
 def measure(url: str, args: argparse.Namespace, scenario: Scenario, label: str) -> tuple[list[Record], float]:
-    client = client_args(args.seed)  # quiet, no retries of 429s (a refusal is a miss)
+    client = ClientSettings(args.seed)  # quiet, no retries of 429s (a refusal is a miss)
     return asyncio.run(run_scenario(url, label, client, scenario))
 
 
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             profile = calibrate_and_probe(url, handle, reps=args.calibration_reps, seed=args.seed)
             handle.wait_until_quiet(120)
-        predictor = Predictor(profile, cfg.engine_config().max_num_batched_tokens)
+        predictor = Predictor(profile, cfg.engine_config(cfg.prefill_pool).max_num_batched_tokens)
         set_admission(handle, predictor, None)
         tbt_slo_s = args.slo_tbt_ms / 1e3 if args.admit_on == "both" else None
         saturation = saturation_rate(url, handle, args)

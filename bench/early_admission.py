@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.serve import SCENARIOS, arrival_offsets, build_dataset
 from cluster.config import ClusterConfig
 from cluster.protocol import SamplingParams
 from deploy.launch import ClusterHandle, start_cluster
+from deploy.loadgen import SCENARIOS, arrival_offsets, build_dataset
 
 
 @dataclasses.dataclass

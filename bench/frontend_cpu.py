@@ -16,10 +16,9 @@ import asyncio
 import statistics
 import time
 
-from bench.serve import Scenario
-from bench.serve import run as run_scenario
-from deploy.plan.common import DEFAULT_CONFIG, load_cluster_config
-from deploy.plan.probe import client_args, running_cluster
+from deploy.loadgen import ClientSettings, Scenario, run_scenario
+from deploy.plan.harness import running_cluster
+from deploy.plan.inputs import DEFAULT_CONFIG, load_cluster_config
 
 
 async def _rounds(url: str, args: argparse.Namespace) -> list[float]:
@@ -29,7 +28,7 @@ async def _rounds(url: str, args: argparse.Namespace) -> list[float]:
     per_token = []
     for k in range(args.runs):
         cpu0 = time.process_time()
-        records, _ = await run_scenario(url, f"frontend-{k}", client_args(args.seed + k), scenario)
+        records, _ = await run_scenario(url, f"frontend-{k}", ClientSettings(args.seed + k), scenario)
         num_tokens = sum(r.output_tokens for r in records)
         if num_tokens == 0:
             raise RuntimeError(f"round {k}: no token came back ({[r.error for r in records][:3]})")

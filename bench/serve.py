@@ -8,17 +8,8 @@ concurrency, and measures at the client: TTFT, time between tokens (TBT), E2E, o
 goodput (requests/s meeting ``--slo-ttft-ms`` and ``--slo-tbt-ms``, TBT as the request's mean gap),
 plus the server's queue/prefill/transfer/decode split. Writes ``<out>/<scenario>.json`` and ``.png``.
 
-Scenarios (``--scenario``; flags override their fields):
-
-* smoke: 8 short requests, 4 at a time; a liveness check.
-* staggered: 48 mixed requests, Poisson arrivals at 4 req/s.
-* long_prompts: long prompts, short outputs at 1 req/s; prefill-bound, where disaggregation keeps
-  decoders' TBT flat.
-* long_decode: short prompts, long outputs, 8 at a time; decode-bound.
-* stress: 256 requests at once: more than the decode pool's slots, so requests queue.
-* batch_pressure: 64 concurrent requests against a server whose decode engines run tiny batches
-  (expects e.g. ``max_num_seqs: 4`` and a small ``num_kv_blocks`` in the decode pool's engine config),
-  so requests wait for decode slots and KV blocks (``waiting_for_kv`` grows, preemptions appear).
+The scenarios (``--scenario``; flags override their fields) and the client that sends them are the load
+generator's (deploy/loadgen.py, which lists them); this script prints and plots the figures.
 """
 
 from __future__ import annotations
@@ -26,120 +17,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from cluster.client.sdk import APIError, AsyncClient
-
-
-@dataclass(frozen=True)
-class Scenario:
-    num_requests: int
-    prompt_len: tuple[int, int]
-    output_len: tuple[int, int]
-    request_rate: float = math.inf  # requests/s; inf sends all at once (bounded by max_concurrency)
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
+from deploy.loadgen import SCENARIOS, ClientSettings, Record, Scenario, run_scenario
 
 
-SCENARIOS = {
-    "smoke": Scenario(8, (16, 64), (8, 32), max_concurrency=4),
-    "staggered": Scenario(48, (32, 256), (32, 128), request_rate=4.0),
-    "long_prompts": Scenario(16, (1024, 3072), (8, 32), request_rate=1.0),
-    "long_decode": Scenario(16, (16, 64), (512, 1024), max_concurrency=8),
-    "stress": Scenario(256, (64, 512), (64, 256)),
-    "batch_pressure": Scenario(64, (64, 256), (128, 256), max_concurrency=64),
-}
-
-
-@dataclass
-class Record:
-    prompt_len: int
-    max_tokens: int
-    send_time: float = 0.0
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    tbt_s: list[float] = field(default_factory=list)
-    e2e_s: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    server: dict[str, float] | None = None
-    error: str | None = None
-
-
-def build_dataset(s: Scenario, vocab_size: int, max_model_len: int, seed: int) -> list[tuple[list[int], int]]:
-    """Random token-id prompts and output lengths, clamped so every request fits max_model_len."""
-    rng = np.random.default_rng(seed)
-    out_hi = min(s.output_len[1], max_model_len // 2)
-    out_lo = min(s.output_len[0], out_hi)
-    dataset = []
-    for _ in range(s.num_requests):
-        out = int(rng.integers(out_lo, out_hi + 1))
-        p_hi = max(1, min(s.prompt_len[1], max_model_len - out))
-        p_lo = max(1, min(s.prompt_len[0], p_hi))
-        n = int(rng.integers(p_lo, p_hi + 1))
-        # NOTE: ids from the low end of the vocabulary up to 1/4 of it skip most special tokens.
-        dataset.append((rng.integers(10, max(11, vocab_size // 4), size=n).tolist(), out))
-    return dataset
-
-
-def arrival_offsets(s: Scenario, seed: int) -> list[float]:
-    if math.isinf(s.request_rate):
-        return [0.0] * s.num_requests
-    rng = np.random.default_rng(seed + 1)
-    gaps = rng.gamma(s.burstiness, 1.0 / (s.request_rate * s.burstiness), size=s.num_requests)
-    return np.cumsum(gaps).tolist()
-
-
-async def run(url: str, name: str, args: argparse.Namespace, s: Scenario) -> tuple[list[Record], float]:
-    async with AsyncClient(url, args.api_key, timeout=args.timeout, max_retries=0) as client:
-        card = (await client.models())[0]
-        dataset = build_dataset(
-            s, int(card.get("vocab_size", 1000)), int(card.get("max_model_len", 2048)), args.seed
-        )
-        offsets = arrival_offsets(s, args.seed)
-        sem = asyncio.Semaphore(s.max_concurrency or s.num_requests)
-        bar = tqdm(total=s.num_requests, desc=name, disable=args.quiet)
-        start = time.perf_counter()
-
-        async def one(prompt: list[int], max_tokens: int, offset: float) -> Record:
-            rec = Record(len(prompt), max_tokens)
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            async with sem:
-                rec.send_time = time.perf_counter() - start
-                try:
-                    stream = await client.completions.create(
-                        model=args.model,
-                        prompt=prompt,
-                        max_tokens=max_tokens,
-                        temperature=args.temperature,
-                        ignore_eos=args.ignore_eos,
-                        stream=True,
-                    )
-                    async for delta in stream:
-                        rec.token_times.append(delta.arrival_time - start)
-                    r = stream.result
-                    rec.output_tokens, rec.ttft_s, rec.tbt_s, rec.e2e_s = (
-                        len(r.token_ids),
-                        r.ttft_s,
-                        r.tbt_s,
-                        r.e2e_s,
-                    )
-                    rec.server = asdict(r.timings) if r.timings else None
-                except APIError as e:
-                    rec.error = str(e)
-            bar.update(1)
-            return rec
-
-        records = await asyncio.gather(*(one(p, m, o) for (p, m), o in zip(dataset, offsets, strict=True)))
-        bar.close()
-        return list(records), time.perf_counter() - start
+def client_settings(args: argparse.Namespace) -> ClientSettings:
+    """The load generator's client, as the command line asks."""
+    return ClientSettings(
+        seed=args.seed,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        model=args.model,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        quiet=args.quiet,
+    )
 
 
 def _pct(values: Sequence[float]) -> dict[str, float | None]:
@@ -286,7 +184,8 @@ def bench_url(url: str, label: str, args: argparse.Namespace) -> dict[str, dict[
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = {}
     for name, scenario in scenarios(args).items():
-        records, duration = asyncio.run(run(url, f"{label}:{name}" if label else name, args, scenario))
+        run_name = f"{label}:{name}" if label else name
+        records, duration = asyncio.run(run_scenario(url, run_name, client_settings(args), scenario))
         summary = {
             "scenario": name,
             "target": label or url,

@@ -236,4 +236,4 @@ class DecodeGraphs:
 
 def is_decode_only(out: SchedulerOutput) -> bool:
     """A step a decode graph can run: at least one sequence, each with exactly one query token."""
-    return bool(out.scheduled) and out.num_decodes == len(out.scheduled)
+    return bool(out.scheduled) and out.num_single_token_seqs == len(out.scheduled)

@@ -3,19 +3,40 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from cluster.config import EngineConfig
 from cluster.protocol import SamplingParams
+from workers.attention import AttentionBackend
 from workers.forward_context import ForwardContext, forward_context
+from workers.models.arch import ArchConfig
+from workers.models.layers import CausalLM
+from workers.sampler import Sampler
 from workers.scheduler import ScheduledRequest, SchedulerOutput
-from workers.step_inputs import build_step_arrays
-
-if TYPE_CHECKING:
-    from workers.model_runner import ModelRunner
+from workers.step_inputs import StepArrays, StepInputs, build_step_arrays
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfiledModel:
+    """What a profiling step runs, taken from the model runner before its KV cache exists: the model,
+    sampler, attention backend and op path, the layout of a KV block, and ``fresh_inputs(arrays, out)``,
+    the runner's way to put a step's inputs on the device (freshly allocated)."""
+
+    model: CausalLM
+    sampler: Sampler
+    backend: AttentionBackend
+    fused_ops: bool
+    arch: ArchConfig
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    bytes_per_block: int
+    fresh_inputs: Callable[[StepArrays, SchedulerOutput], StepInputs]
 
 
 def _profile_schedule(block_size: int, query_lens: list[int], params: SamplingParams) -> SchedulerOutput:
@@ -31,7 +52,7 @@ def _profile_schedule(block_size: int, query_lens: list[int], params: SamplingPa
 
 
 def _profile_peak(
-    runner: ModelRunner, query_lens: list[int], num_logits_rows: int, params: SamplingParams
+    runner: ProfiledModel, query_lens: list[int], num_logits_rows: int, params: SamplingParams
 ) -> int:
     """Peak bytes a step of fresh sequences allocates beyond what is held now (model forward, then
     ``num_logits_rows`` rows of logits through the most expensive sampling path)."""
@@ -62,23 +83,31 @@ def _profile_peak(
     return peak
 
 
-def size_kv_cache_cuda(runner: ModelRunner, params: SamplingParams, graph_allowance_bytes: int) -> int:
+def size_kv_cache_cuda(
+    runner: ProfiledModel,
+    config: EngineConfig,
+    max_model_len: int,
+    graph_sizes: Sequence[int],
+    params: SamplingParams,
+    graph_allowance_bytes: int,
+) -> int:
     """Blocks that fit in gpu_memory_utilization of the card, after what a step can need on top of
     the weights: the peak of a profiling step of max_num_batched_tokens prompt tokens (split into
-    sequences no longer than max_model_len) with max_num_seqs rows sampled, plus, when decode
-    graphs will be captured, their pool (peak of a decode step at the largest graph size) and a
-    per-graph allowance for the graph objects. The sum is what stays free beside the KV cache."""
-    num_tokens = runner.config.max_num_batched_tokens
-    max_len = runner.configured_max_len
+    sequences no longer than ``max_model_len``, the configured one) with max_num_seqs rows sampled,
+    plus, when decode graphs will be captured (``graph_sizes``), their pool (peak of a decode step at
+    the largest graph size) and a per-graph allowance for the graph objects. The sum is what stays free
+    beside the KV cache."""
+    num_tokens = config.max_num_batched_tokens
+    max_len = max_model_len
     lens = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
-    activation_peak = _profile_peak(runner, lens, runner.config.max_num_seqs, params)
+    activation_peak = _profile_peak(runner, lens, config.max_num_seqs, params)
     graph_reserve = 0
-    if runner.graph_sizes:
-        graph_reserve = _profile_peak(runner, [1] * max(runner.graph_sizes), 1, params)
-        graph_reserve += graph_allowance_bytes * len(runner.graph_sizes)
+    if graph_sizes:
+        graph_reserve = _profile_peak(runner, [1] * max(graph_sizes), 1, params)
+        graph_reserve += graph_allowance_bytes * len(graph_sizes)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
-    kv_bytes = free - total * (1.0 - runner.config.gpu_memory_utilization) - activation_peak - graph_reserve
+    kv_bytes = free - total * (1.0 - config.gpu_memory_utilization) - activation_peak - graph_reserve
     num_blocks = int(kv_bytes // runner.bytes_per_block)
     if num_blocks < 2:
         raise RuntimeError(

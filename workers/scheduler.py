@@ -43,8 +43,10 @@ class SchedulerOutput:
     num_sampling_seqs: int | None = None
 
     @property
-    def num_decodes(self) -> int:
-        """Leading sequences with exactly one query token (decode-like for the attention kernels)."""
+    def num_single_token_seqs(self) -> int:
+        """Leading sequences with exactly one query token (decode-like for the attention kernels, whether
+        they generate or are one-token prompt chunks; ``num_one_token_seqs`` when the scheduler counted
+        them). Not ``num_decode_seqs``: the sequences that generate."""
         if self.num_one_token_seqs is not None:
             return self.num_one_token_seqs
         n = 0

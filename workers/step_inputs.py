@@ -207,12 +207,12 @@ class StepInputs:
 def sort_decodes_by_length(out: SchedulerOutput) -> SchedulerOutput:
     """``out`` with its leading one-token sequences ordered by length (a shallow copy; ``out`` is left as
     the scheduler made it): the torch attention backend pads decodes per bucket of similar length."""
-    num_decodes = out.num_decodes
-    if num_decodes < 2:
+    num_single = out.num_single_token_seqs
+    if num_single < 2:
         return out
     sched = out.scheduled
-    decodes = sorted(sched[:num_decodes], key=_start_position)
-    return dataclasses.replace(out, scheduled=decodes + sched[num_decodes:])
+    decodes = sorted(sched[:num_single], key=_start_position)
+    return dataclasses.replace(out, scheduled=decodes + sched[num_single:])
 
 
 def placeholder_sources(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deploy.plan.validate import Figures, figures
+from deploy.plan.figures import Figures, figures
 from deploy.planner.report import Slo, Summary, summarize
 from deploy.planner.sim import RequestRecord
 
@@ -72,7 +72,7 @@ class Validation:
 
 
 def records_from_rows(rows: Sequence[Sequence[Any]]) -> list[RequestRecord]:
-    """The inverse of `plan_validate.request_rows` as far as the summaries go: TTFT, the gaps, the token
+    """The inverse of `validate.request_rows` as far as the summaries go: TTFT, the gaps, the token
     count and the end (the first token plus the gaps); a row without a TTFT is a refused request."""
     records = []
     for prompt_len, output_len, ttft_ms, _mean_tbt_ms, num_tokens, gaps_ms in rows:

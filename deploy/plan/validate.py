@@ -4,7 +4,7 @@
 
 Starts the cluster of ``--config`` (HTTP on a free loopback port), calibrates on it (the engine sweep in
 a Ray worker, then the probe of deploy/plan/probe.py) unless ``--profile`` is given, runs every
-workload through the HTTP API (``pdserve bench serve``'s client: the six scenarios and two Poisson
+workload through the HTTP API (the load generator, deploy/loadgen.py: the six scenarios and two Poisson
 rates, seeded), shuts it down, simulates each workload with the profile, and prints a table whose last
 line is ``sim vs real: max TTFT p90 error X%, max TBT p90 error Y%, max SLO attainment error Z points``.
 With ``--runs N`` (3 unless told) each workload runs N times (other seeds, so other prompts) on both
@@ -28,30 +28,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serve import SCENARIOS, Record, Scenario
-from bench.serve import run as run_scenario
 from cluster.config import ClusterConfig
 from cluster.cost_model import CostProfile
-from deploy.plan.common import (
+from deploy.loadgen import SCENARIOS, ClientSettings, Record, Scenario, run_scenario
+from deploy.plan.calibrate import calibrate_profile, probe_and_report
+from deploy.plan.figures import error_pct, figures
+from deploy.plan.harness import EngineTotals, running_cluster
+from deploy.plan.inputs import (
     DEFAULT_CONFIG,
     cpu_kv_blocks,
     load_cluster_config,
     scenario_workload,
     workload_of,
-)
-from deploy.plan.probe import (
-    EngineTotals,
-    calibrate_profile,
-    client_args,
-    probe_and_report,
-    running_cluster,
 )
 from deploy.planner.report import Slo, Summary, summarize
 from deploy.planner.search import simulate
@@ -181,8 +175,8 @@ def comparison(rows: list[tuple[str, Summary, Summary]], slo: Slo) -> str:
     ]
     for name, real, sim in rows:
         lines.append(
-            f"{name:<15} {real.ttft_ms.p90:13.1f} {sim.ttft_ms.p90:9.1f} {_err(sim.ttft_ms.p90, real.ttft_ms.p90):6.1f}% "
-            f"{real.tbt_ms.p90:12.1f} {sim.tbt_ms.p90:7.1f} {_err(sim.tbt_ms.p90, real.tbt_ms.p90):6.1f}% "
+            f"{name:<15} {real.ttft_ms.p90:13.1f} {sim.ttft_ms.p90:9.1f} {error_pct(sim.ttft_ms.p90, real.ttft_ms.p90):6.1f}% "
+            f"{real.tbt_ms.p90:12.1f} {sim.tbt_ms.p90:7.1f} {error_pct(sim.tbt_ms.p90, real.tbt_ms.p90):6.1f}% "
             f"{real.slo_attainment:11.1%} {sim.slo_attainment:6.1%} {abs(sim.slo_attainment - real.slo_attainment) * 100:6.1f}"
         )
     return "\n".join(lines)
@@ -207,10 +201,6 @@ def diagnostics_table(diagnostics: dict[str, dict[str, float]], pool: str, profi
             + (f" {d['real_prefill_s']:14.2f} {d['sim_prefill_s']:6.2f}" if prefill else "")
         )
     return "\n".join(lines)
-
-
-def _err(sim: float, real: float) -> float:
-    return abs(sim - real) / real * 100 if real > 0 else math.inf
 
 
 def validate_command(argv: Sequence[str] | None) -> int:
@@ -269,7 +259,7 @@ def validate_command(argv: Sequence[str] | None) -> int:
             pooled: list[RequestRecord] = []
             total_s, num_tokens = 0.0, 0
             for run_seed in seeds[name]:
-                client = client_args(run_seed)
+                client = ClientSettings(run_seed)
                 records, duration = asyncio.run(run_scenario(url, name, client, WORKLOADS[name]))
                 run_records = as_records(records)
                 spread.setdefault(name, []).append(summarize(name, run_records, duration, slo).ttft_ms.p90)
@@ -334,31 +324,6 @@ def validate_command(argv: Sequence[str] | None) -> int:
     )
     print(f"sim vs real: {_last_line(rows)}")
     return 0
-
-
-@dataclass(frozen=True)
-class Figures:
-    """The three figures of validate's last line: the largest TTFT p90 and TBT p90 errors (%) and the
-    largest SLO attainment difference (points) over the workloads."""
-
-    ttft: float
-    tbt: float
-    attainment: float
-
-    def line(self) -> str:
-        return (
-            f"max TTFT p90 error {self.ttft:.1f}%, max TBT p90 error {self.tbt:.1f}%, "
-            f"max SLO attainment error {self.attainment:.1f} points"
-        )
-
-
-def figures(rows: Sequence[tuple[str, Summary, Summary]]) -> Figures:
-    """Last-line figures of (workload, reference, other) rows: `other` measured against `reference`."""
-    return Figures(
-        max(_err(s.ttft_ms.p90, r.ttft_ms.p90) for _, r, s in rows),
-        max(_err(s.tbt_ms.p90, r.tbt_ms.p90) for _, r, s in rows),
-        max(abs(s.slo_attainment - r.slo_attainment) * 100 for _, r, s in rows),
-    )
 
 
 def _last_line(rows: list[tuple[str, Summary, Summary]]) -> str:

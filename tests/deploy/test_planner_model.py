@@ -216,9 +216,10 @@ def test_route_choice_by_predicted_cost() -> None:
 
 
 def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
-    from bench.serve import Record
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import _decode_scenario, fit_delivery_jitter
+    from deploy.loadgen import Record
+    from deploy.plan.fit_jitter import fit_delivery_jitter
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import decode_scenario
 
     # "measured" runs made by the simulation itself with 3 ms of jitter (another seed): the fit, which
     # simulates the same requests, finds 3 ms again; runs made without jitter give none
@@ -231,7 +232,7 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
     def runs(jitter: float) -> list[tuple[Workload, list[Record]]]:
         out = []
         for batch, seed in ((8, 1), (32, 2)):
-            workload = workload_of("p", _decode_scenario(batch), 1000, 2048, seed)
+            workload = workload_of("p", decode_scenario(batch), 1000, 2048, seed)
             made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
             out.append(
                 (workload, [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records])
@@ -246,9 +247,10 @@ def test_the_probe_fits_the_delivery_jitter_a_run_was_made_with() -> None:
 
 
 def test_a_pause_in_one_wave_of_a_decode_phase_does_not_move_the_jitter_fit() -> None:
-    from bench.serve import Record
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import _decode_scenario, fit_delivery_jitter, phase_spread
+    from deploy.loadgen import Record
+    from deploy.plan.fit_jitter import fit_delivery_jitter, phase_spread
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import decode_scenario
 
     # a phase of 4 waves of 8 streams "measured" by the simulation with 1 ms of jitter (another seed);
     # then the host pauses for 6 ms before every third token of the second wave: the spread of all the
@@ -258,7 +260,7 @@ def test_a_pause_in_one_wave_of_a_decode_phase_does_not_move_the_jitter_fit() ->
         "t", "hand-made", LinearStepCost(0.004, 1e-5, 0.0, 2e-4, 0.0, 0.0), TransferCost(0.002, 1e9), 2048
     )
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
-    workload = workload_of("p", _decode_scenario(8, 4), 1000, 2048, 1)
+    workload = workload_of("p", decode_scenario(8, 4), 1000, 2048, 1)
     made = Simulation(base, replace(prof, delivery_jitter_s=0.001), workload, seed=7).run()
     gaps = [list(r.gaps_s) for r in made.records]
     paused = [
@@ -276,9 +278,10 @@ def test_a_pause_in_one_wave_of_a_decode_phase_does_not_move_the_jitter_fit() ->
 
 
 def test_the_probe_fits_the_jitter_beside_another_workers_step() -> None:
-    from bench.serve import Record
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import _BESIDE_PREFILLS, fit_delivery_jitter
+    from deploy.loadgen import Record
+    from deploy.plan.fit_jitter import fit_delivery_jitter
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import BESIDE_PREFILLS
 
     # the probe's streams beside long prefills, "measured" by the simulation itself (another seed) with
     # 1 ms of jitter by batch and 2 ms more beside another worker's step: the fit, with the 1 ms in the
@@ -288,7 +291,7 @@ def test_the_probe_fits_the_jitter_beside_another_workers_step() -> None:
     step = LinearStepCost(0.004, 5e-5, 0.0, 2e-4, 0.0, 0.0)
     prof = CostProfile("t", "hand-made", step, TransferCost(0.002, 1e9), 2048, delivery_jitter_s=0.001)
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
-    workload = workload_of("p", _BESIDE_PREFILLS, 1000, 2048, 3)
+    workload = workload_of("p", BESIDE_PREFILLS, 1000, 2048, 3)
 
     def measured(jitter: float, seed: int = 7) -> list[tuple[Workload, list[Record]]]:
         made = Simulation(base, replace(prof, delivery_jitter_contended_s=jitter), workload, seed=seed).run()
@@ -300,9 +303,10 @@ def test_the_probe_fits_the_jitter_beside_another_workers_step() -> None:
 
 
 def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
-    from bench.serve import Record
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import _decode_scenario, fit_delivery_jitter_by_batch
+    from deploy.loadgen import Record
+    from deploy.plan.fit_jitter import fit_delivery_jitter_by_batch
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import decode_scenario
 
     # runs "measured" with 1 ms of jitter at a batch of 2 and 4 ms at a batch of 8 (the simulation, another
     # seed): each batch's own mean comes back, in batch order
@@ -313,7 +317,7 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
     runs = []
     for batch, jitter, seed in ((8, 0.004, 1), (2, 0.001, 2)):
-        workload = workload_of("p", _decode_scenario(batch, 3), 1000, 2048, seed)
+        workload = workload_of("p", decode_scenario(batch, 3), 1000, 2048, seed)
         made = Simulation(base, replace(prof, delivery_jitter_s=jitter), workload, seed=7).run()
         records = [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records]
         runs.append((batch, workload, records))
@@ -322,7 +326,7 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
     assert [j for _, j in fitted] == [pytest.approx(0.001, rel=0.15), pytest.approx(0.004, rel=0.15)]
     # the simulated spread falls again past some jitter (a stream's tokens bunch up): the fit is the
     # smallest jitter that reaches the measured spread, not the bound of its search
-    workload = workload_of("p", _decode_scenario(2, 3), 1000, 2048, 5)
+    workload = workload_of("p", decode_scenario(2, 3), 1000, 2048, 5)
     made = Simulation(base, replace(prof, delivery_jitter_s=0.005), workload, seed=7).run()
     records = [Record(r.prompt_len, r.output_len, tbt_s=list(r.gaps_s)) for r in made.records]
     assert fit_delivery_jitter_by_batch(cfg, prof, [(2, workload, records)], 2048) == (
@@ -331,7 +335,7 @@ def test_the_probe_fits_a_jitter_per_decode_batch() -> None:
 
 
 def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
-    from deploy.plan.probe import fit_prefill_weight
+    from deploy.plan.fit_host import fit_prefill_weight
 
     # demand 2.5 on 2 cores: a prefill step 2x slower means the rest counts twice: (1 + 2 x 1.5) / 2 = 2
     assert fit_prefill_weight(2.0, 2.5, 2.0) == pytest.approx(2.0)
@@ -343,7 +347,7 @@ def test_the_probe_fits_the_prefill_weight_within_its_bounds() -> None:
 
 
 def test_the_probe_undoes_the_dilution_of_a_slowdown_by_steps_beside_an_idle_worker() -> None:
-    from deploy.plan.probe import overlapped_slowdown
+    from deploy.plan.fit_host import overlapped_slowdown
 
     # half the steps beside a busy worker at 1.4x, half beside an idle one at 1x: 1.2x measured
     assert overlapped_slowdown(1.2, 0.5) == pytest.approx(1.4)
@@ -354,8 +358,8 @@ def test_the_probe_undoes_the_dilution_of_a_slowdown_by_steps_beside_an_idle_wor
 
 
 def test_the_probe_fits_the_front_ends_work_per_request() -> None:
-    from bench.serve import Record
-    from deploy.plan.probe import fit_frontend_per_request
+    from deploy.loadgen import Record
+    from deploy.plan.fit_host import fit_frontend_per_request
 
     # idle edge 5 ms, 0.2 ms of front end per token; bursts of 8 and 32 whose mean edge is (n - 1) x
     # 1.5 ms + (n / 2 - 1) x 0.2 ms over the idle one (the router's TTFT 40 ms, whatever it is)
@@ -376,7 +380,7 @@ def test_the_probe_fits_the_front_ends_work_per_request() -> None:
 
 
 def test_the_probe_fits_the_prompt_terms_and_the_extras_of_a_prefill_step_a_chunk_and_a_send() -> None:
-    from deploy.plan.probe import PrefillRun, fit_prefill_terms, in_place_step
+    from deploy.plan.fit_prefill import PrefillRun, fit_prefill_terms, in_place_step
 
     # made with a base of 4.5 ms a step, the prompt terms at 0.9x but their attention at 0.7x, 3 ms more
     # per prefill step, 1 ms more per prompt chunk and 6 ms per handoff sent beside a step: four idle
@@ -454,7 +458,7 @@ def test_a_step_split_counts_every_step_and_apart_those_beside_a_finished_transf
 
 def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
     from cluster.protocol import StepSplit
-    from deploy.plan.probe import _probe_step_model, fit_handoff_step
+    from deploy.plan.fit_host import fit_handoff_step, probe_step_model
 
     # 100 plain steps of 3 ms at a batch of 2; 10 steps at a batch of 1 took 5 ms, beside 10 transfers.
     # A step of 1 is 0.2 ms cheaper than one of 2, so each transfer added 5 - (3 - 0.2) = 2.2 ms.
@@ -481,15 +485,16 @@ def test_the_probe_fits_what_a_handoff_adds_to_the_step_beside_it() -> None:
 
     # the probe phases' model: decodes of the tokens a step streams, and prompts of 256 (linear between)
     step = LinearStepCost(0.002, 1e-5, 5e-4, 2e-4, 1e-6, 0.0)
-    model = _probe_step_model(step, 256, 288)
+    model = probe_step_model(step, 256, 288)
     assert model(2.0, 0.0) == pytest.approx(step.step_s(shape_of([(288, 1, True)] * 2)))
     one, two = (step.step_s(shape_of([(288, 1, True)] + [(0, 256, False)] * k)) for k in (1, 2))
     assert model(1.0, 384.0) == pytest.approx(one + 0.5 * (two - one))
 
 
 def test_the_probe_corrects_the_decode_scale_through_the_twin() -> None:
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import _decode_scenario, twin_decode_ratio, twin_decode_scale
+    from deploy.plan.fit_decode import twin_decode_ratio, twin_decode_scale
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import decode_scenario
 
     # decode phases "measured" by the twin itself with the decode terms and the base 1.2x: two rounds of
     # the measured over the simulated decode seconds find 1.2 again (one round falls short: a slower
@@ -501,7 +506,7 @@ def test_the_probe_corrects_the_decode_scale_through_the_twin() -> None:
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
     runs = []
     for batch, seed in ((8, 1), (32, 2)):
-        workload = workload_of("p", _decode_scenario(batch), 1000, 2048, seed)
+        workload = workload_of("p", decode_scenario(batch), 1000, 2048, seed)
         busy = Simulation(base, slower, workload).run().worker_busy_s
         runs.append((workload, sum(v for w, v in busy.items() if w.startswith("decode"))))
     corrected, scale = twin_decode_scale(cfg, prof, runs, 2048)
@@ -516,8 +521,9 @@ def test_the_probe_corrects_the_decode_scale_through_the_twin() -> None:
 
 
 def test_the_probe_scales_the_decode_base_and_terms_apart_through_the_twin() -> None:
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import _decode_scenario, twin_decode_terms
+    from deploy.plan.fit_decode import twin_decode_terms
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import decode_scenario
 
     # decode phases of 2, 8 and 32 streams "measured" by the twin itself with the base 0.8x and the
     # decode terms 1.3x: the fit finds both (one scale for both cannot: it would put the light batch's
@@ -531,7 +537,7 @@ def test_the_probe_scales_the_decode_base_and_terms_apart_through_the_twin() -> 
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
     runs = []
     for batch, waves, seed in ((2, 8, 3), (8, 4, 1), (32, 1, 2)):
-        workload = workload_of("p", _decode_scenario(batch, waves), 1000, 2048, seed)
+        workload = workload_of("p", decode_scenario(batch, waves), 1000, 2048, seed)
         busy = Simulation(base, replace(prof, step=truth), workload).run().worker_busy_s
         runs.append((workload, sum(v for w, v in busy.items() if w.startswith("decode"))))
     fitted, base_scale, decode_scale = twin_decode_terms(cfg, prof, runs, 2048)
@@ -545,15 +551,11 @@ def test_the_probe_scales_the_decode_base_and_terms_apart_through_the_twin() -> 
 
 
 def test_the_probe_fits_what_a_handoff_sent_beside_a_prefill_step_costs_through_the_twin() -> None:
-    from bench.serve import Record, Scenario
-    from deploy.plan.common import load_cluster_config, workload_of
-    from deploy.plan.probe import (
-        _PREFILL_BURSTS,
-        EngineTotals,
-        PrefillRun,
-        fit_prefill_sends,
-        twin_prefill_phase,
-    )
+    from deploy.loadgen import Record, Scenario
+    from deploy.plan.fit_prefill import PrefillRun, fit_prefill_sends, twin_prefill_phase
+    from deploy.plan.harness import EngineTotals
+    from deploy.plan.inputs import load_cluster_config, workload_of
+    from deploy.plan.probe_loads import PREFILL_BURSTS
 
     # prefill phases "measured" by the twin itself with the prompt terms at 0.9x (their attention at
     # 0.7x), 1 ms more per prompt chunk and 6 ms per handoff sent beside a prefill step: idle prompts (sent between steps) and the
@@ -568,12 +570,14 @@ def test_the_probe_fits_what_a_handoff_sent_beside_a_prefill_step_costs_through_
     base = SimConfig.from_cluster(cfg, num_kv_blocks=2048, max_model_len=2048)
     idle = [Scenario(4, (n, n), (2, 2), max_concurrency=1) for n in (16, 256, 1024, 1792)]
     runs, workloads = [], []
-    for seed, scenario in enumerate(idle + list(_PREFILL_BURSTS)):
+    for seed, scenario in enumerate(idle + list(PREFILL_BURSTS)):
         workload = workload_of("p", scenario, 1000, 2048, seed)
         result = Simulation(base, truth, workload).run()
         ran = EngineTotals(result.worker_steps["prefill-0"], result.worker_busy_s["prefill-0"], 0)
         records = [Record(r.prompt_len, 2) for r in workload.requests]
-        runs.append(PrefillRun.of(ran, sweep, records, cfg.engine_config().max_num_batched_tokens))
+        runs.append(
+            PrefillRun.of(ran, sweep, records, cfg.engine_config(cfg.prefill_pool).max_num_batched_tokens)
+        )
         workloads.append(workload)
     phases = [twin_prefill_phase(cfg, truth, sweep, w, 2048) for w in workloads]
     # idle prompts: a chunk each, the handoff sent while the worker waits for the next prompt

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import cluster.router.handoff
 import cluster.router.placement
 import cluster.router.router
 import cluster.router.routing
@@ -37,7 +38,7 @@ def test_the_twin_runs_the_engines_own_scheduler_and_the_routers_policy() -> Non
     assert type(worker.scheduler.kv) is KVCacheManager
     # the route decision (cluster/router/routing.py) and the handoff's decode pick are the router's own
     assert sim.decide is cluster.router.routing.decide is cluster.router.router.decide
-    assert sim.pick_decode is cluster.router.placement.pick_decode is cluster.router.router.pick_decode
+    assert sim.pick_decode is cluster.router.placement.pick_decode is cluster.router.handoff.pick_decode
     for name in ("explain_prefill", "pick_decode", "pick_least_loaded"):
         assert getattr(cluster.router.routing, name) is getattr(cluster.router.placement, name)
 
@@ -234,7 +235,7 @@ def test_validate_pools_the_twin_over_both_probes_profiles() -> None:
     exactly what it gives alone."""
     from dataclasses import replace
 
-    from deploy.plan.common import load_cluster_config
+    from deploy.plan.inputs import load_cluster_config
     from deploy.plan.validate import twin_side, validation_workloads
 
     cfg = load_cluster_config("deploy/cpu-disagg.yaml")

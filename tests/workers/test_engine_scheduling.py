@@ -98,7 +98,7 @@ def test_each_step_packs_decodes_first_and_equals_transformers(
     for out in steps:
         flags: list[Any] = [s.is_decode for s in out.scheduled]
         assert flags == sorted(flags, reverse=True)  # decodes, then prompt chunks
-        assert out.num_decodes == sum(flags)
+        assert out.num_single_token_seqs == sum(flags)
     assert [out.is_mixed for out in steps] == [False] + [True] * 5 + [False, False, False]
     reference = hf_greedy(model_dir, list(prompts.values()), list(max_tokens.values()))
     assert list(tokens.values()) == reference

@@ -48,10 +48,10 @@ def test_chunked_prefill_then_decode_first_and_mixed() -> None:
     out = run_step(s)
     # a decodes (1 token, listed first), b's next chunk takes the rest of the budget
     assert shape(out) == [("a", 6, 1), ("b", 4, 5)]
-    assert out.is_mixed and out.num_decodes == 1 and out.num_batched_tokens == 6
+    assert out.is_mixed and out.num_single_token_seqs == 1 and out.num_batched_tokens == 6
     out = run_step(s)
     assert shape(out) == [("a", 7, 1), ("b", 9, 1)]
-    assert out.num_decodes == 2
+    assert out.num_single_token_seqs == 2
     assert s.requests["b"].output_token_ids == [7, 7]
 
 
@@ -220,7 +220,7 @@ def test_running_decodes_keep_their_seats_when_a_long_prompt_arrives() -> None:
     ]
     out = run_step(s)
     assert shape(out) == [("a", 8, 1), ("b", 9, 1), ("long", 30, 1)]
-    assert out.num_decodes == 3 and not out.is_mixed
+    assert out.num_single_token_seqs == 3 and not out.is_mixed
 
 
 def test_one_token_prompt_chunks_are_packed_with_the_decodes() -> None:
@@ -233,7 +233,7 @@ def test_one_token_prompt_chunks_are_packed_with_the_decodes() -> None:
     add(s, "y", 9)  # a's prompt again: 8 tokens hit, 1 left
     out = s.schedule()
     assert shape(out) == [("y", 8, 1), ("x", 0, 6)]
-    assert out.num_decodes == 1 and [x.is_decode for x in out.scheduled] == [False, False]
+    assert out.num_single_token_seqs == 1 and [x.is_decode for x in out.scheduled] == [False, False]
     assert not out.is_mixed and out.num_batched_tokens == 7
 
 
@@ -377,6 +377,6 @@ def test_num_decodes_counts_only_the_leading_one_token_sequences() -> None:
         return ScheduledRequest(rid, [1] * num_tokens, 0, [1], True, False, SamplingParams(), 0)
 
     out = SchedulerOutput([entry("a", 1), entry("b", 3), entry("c", 1)], 5)
-    assert out.num_decodes == 1
-    assert SchedulerOutput([entry("a", 1), entry("c", 1)], 2).num_decodes == 2
-    assert SchedulerOutput([], 0).num_decodes == 0 and SchedulerOutput([], 0).is_empty
+    assert out.num_single_token_seqs == 1
+    assert SchedulerOutput([entry("a", 1), entry("c", 1)], 2).num_single_token_seqs == 2
+    assert SchedulerOutput([], 0).num_single_token_seqs == 0 and SchedulerOutput([], 0).is_empty

@@ -25,7 +25,13 @@ def step(s: Scheduler) -> SchedulerOutput:
 
 
 def counts(out: SchedulerOutput) -> tuple[int, int, bool, int, int]:
-    return out.num_batched_tokens, out.num_decodes, out.is_mixed, out.num_prompt_tokens, out.num_sampling
+    return (
+        out.num_batched_tokens,
+        out.num_single_token_seqs,
+        out.is_mixed,
+        out.num_prompt_tokens,
+        out.num_sampling,
+    )
 
 
 def test_a_steps_counts_equal_those_derived_from_its_sequences() -> None:
