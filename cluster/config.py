@@ -152,7 +152,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
 
 def _with_path(message: str, where: str, names: set[str]) -> str:
     """A constructor's check names its field first (``max_num_seqs must be >= 1``): prefix the mapping's
-    path, so the message names the key as the YAML spells it (``decode.engine.max_num_seqs``)."""
+    path, so the message names the key as the YAML spells it (``pools.decode.engine.max_num_seqs``)."""
     first = message.split(" ", 1)[0]
     return f"{where}.{message}" if where and first in names else message
 
@@ -370,9 +370,10 @@ class ClusterConfig:
             own = self.pool(pool).engine
             for key in CLUSTER_WIDE_ENGINE_KEYS:
                 _require(
-                    key not in own, f"{pool}.engine.{key} is one for every pool: set engine.{key} instead"
+                    key not in own,
+                    f"pools.{pool}.engine.{key} is one for every pool: set engine.{key} instead",
                 )
-            _check_keys(own, f"{pool}.engine", _ENGINE_KEYS)
+            _check_keys(own, f"pools.{pool}.engine", _ENGINE_KEYS)
             self.engine_config(pool)
         _require(
             self.placement_strategy in PLACEMENT_STRATEGIES,
@@ -381,15 +382,17 @@ class ClusterConfig:
         _require(self.network in NETWORKS, f"network must be one of {NETWORKS}, got {self.network!r}")
         if self.router.mode == "colocated":
             _require(
-                self.colocated.num_workers >= 1, "router mode colocated needs colocated.num_workers >= 1"
+                self.colocated.num_workers >= 1,
+                "router mode colocated needs pools.colocated.num_workers >= 1",
             )
         else:
             _require(
                 self.prefill.num_workers >= 1,
-                f"router mode {self.router.mode} needs prefill.num_workers >= 1",
+                f"router mode {self.router.mode} needs pools.prefill.num_workers >= 1",
             )
             _require(
-                self.decode.num_workers >= 1, f"router mode {self.router.mode} needs decode.num_workers >= 1"
+                self.decode.num_workers >= 1,
+                f"router mode {self.router.mode} needs pools.decode.num_workers >= 1",
             )
 
     @property
@@ -414,7 +417,7 @@ class ClusterConfig:
     def engine_config(self, pool: str) -> EngineConfig:
         """``pool``'s workers' engine: the shared ``engine:`` section, the pool's own ``engine:`` over it."""
         merged = {**self.engine, **self.pool(pool).engine, "model": self.model}
-        return from_dict(EngineConfig, merged, f"{pool}.engine")
+        return from_dict(EngineConfig, merged, f"pools.{pool}.engine")
 
     def engine_configs(self) -> dict[str, EngineConfig]:
         """The engine of every pool the router mode runs, by pool."""
@@ -422,17 +425,27 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:
+        """From the YAML's mapping: the pools under ``pools:`` (``pools.decode.engine.max_num_seqs``), every
+        other section at the top; each value is checked and an error names its key's full path."""
         nested: dict[str, type] = {
             "model": ModelConfig,
-            "prefill": PoolConfig,
-            "decode": PoolConfig,
-            "colocated": PoolConfig,
             "transfer": TransferConfig,
             "router": RouterConfig,
             "server": ServerConfig,
             "log": LogConfig,
         }
-        parsed = {k: from_dict(nested[k], v or {}, k) if k in nested else v for k, v in data.items()}
+        misplaced = sorted(set(data) & set(POOLS))
+        _require(
+            not misplaced, f"{misplaced} must be under pools: (e.g. pools.{(misplaced or ['decode'])[0]})"
+        )
+        pools = data.get("pools") or {}
+        _check_type("pools", pools, dict[str, Any])
+        _check_keys(pools, "pools", set(POOLS))
+        parsed = {
+            k: from_dict(nested[k], v or {}, k) if k in nested else v for k, v in data.items() if k != "pools"
+        }
+        for name, pool in pools.items():
+            parsed[name] = from_dict(PoolConfig, pool or {}, f"pools.{name}")
         return from_dict(cls, parsed)
 
     @classmethod

@@ -39,18 +39,24 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--gpu-memory-utilization", "engine", "gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--attention-backend", "engine", "attention_backend", str, "torch | triton"),
     ("--device", "engine", "device", str, "auto | cpu | cuda"),
-    ("--prefill-max-num-seqs", "prefill.engine", "max_num_seqs", int, "the prefill pool's --max-num-seqs"),
-    ("--decode-max-num-seqs", "decode.engine", "max_num_seqs", int, "the decode pool's --max-num-seqs"),
+    (
+        "--prefill-max-num-seqs",
+        "pools.prefill.engine",
+        "max_num_seqs",
+        int,
+        "the prefill pool's --max-num-seqs",
+    ),
+    ("--decode-max-num-seqs", "pools.decode.engine", "max_num_seqs", int, "the decode pool's --max-num-seqs"),
     (
         "--prefill-max-num-batched-tokens",
-        "prefill.engine",
+        "pools.prefill.engine",
         "max_num_batched_tokens",
         int,
         "the prefill pool's --max-num-batched-tokens",
     ),
     (
         "--decode-max-num-batched-tokens",
-        "decode.engine",
+        "pools.decode.engine",
         "max_num_batched_tokens",
         int,
         "the decode pool's --max-num-batched-tokens",
@@ -66,9 +72,15 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--ttft-slo-ms", "router", "ttft_slo_ms", float, "TTFT SLO for --admission slo (per request: header)"),
     ("--tbt-slo-ms", "router", "tbt_slo_ms", float, "TBT bound on conditional mode's local prefills"),
     ("--cost-profile", "router", "cost_profile", str, "cost profile JSON (`pdserve plan calibrate`)"),
-    ("--num-prefill-workers", "prefill", "num_workers", int, "prefill pool size"),
-    ("--num-decode-workers", "decode", "num_workers", int, "decode pool size"),
-    ("--num-colocated-workers", "colocated", "num_workers", int, "colocated pool size (--mode colocated)"),
+    ("--num-prefill-workers", "pools.prefill", "num_workers", int, "prefill pool size"),
+    ("--num-decode-workers", "pools.decode", "num_workers", int, "decode pool size"),
+    (
+        "--num-colocated-workers",
+        "pools.colocated",
+        "num_workers",
+        int,
+        "colocated pool size (--mode colocated)",
+    ),
     ("--host", "server", "host", str, "bind address (default 127.0.0.1)"),
     ("--port", "server", "port", int, "HTTP port (default 8000)"),
     ("--served-model-name", "server", "served_model_name", str, "name clients use (default: MODEL)"),
@@ -142,7 +154,7 @@ def load_config_data(path: Path) -> dict[str, Any]:
 
 
 def _section(data: dict[str, Any], path: str) -> dict[str, Any]:
-    """The mapping at ``path`` (``decode.engine``: one key per level), copied into ``data`` so the
+    """The mapping at ``path`` (``pools.decode.engine``: one key per level), copied into ``data`` so the
     caller's mapping is never modified; missing levels are created."""
     where = ""
     for name in path.split("."):
@@ -178,11 +190,12 @@ def apply_overrides(data: dict[str, Any], args: argparse.Namespace) -> dict[str,
     if args.ray_address is not None:
         data["ray_address"] = args.ray_address
     router = data.get("router") or {}
-    colocated = data.get("colocated") or {}
+    pools = _section(data, "pools")
+    colocated = pools.get("colocated") or {}
     if isinstance(router, dict) and router.get("mode") == "colocated" and not colocated.get("num_workers"):
         # NOTE: a disaggregated YAML switched to colocated: one worker shaped like a decode worker.
-        decode = data.get("decode") or {}
-        _section(data, "colocated").update({**decode, "num_workers": colocated.get("num_workers") or 1})
+        decode = pools.get("decode") or {}
+        _section(pools, "colocated").update({**decode, "num_workers": colocated.get("num_workers") or 1})
     return data
 
 

@@ -88,14 +88,17 @@ def test_api_key_from_the_environment_and_colocated_switch(monkeypatch: pytest.M
 BAD_VALUES = [
     ("engine:\n  max_num_seqs: '64'\n", "engine.max_num_seqs must be int, got '64' (str)"),
     ("model:\n  max_model_len: 1.5\n", "model.max_model_len must be int or null, got 1.5 (float)"),
-    ("prefill:\n  num_workers: true\n", "prefill.num_workers must be int, got True (bool)"),
+    ("pools:\n  prefill:\n    num_workers: true\n", "pools.prefill.num_workers must be int, got True (bool)"),
     ("router:\n  request_timeout_s: soon\n", "router.request_timeout_s must be float, got 'soon' (str)"),
     ("server:\n  port: '80'\n", "server.port must be int, got '80' (str)"),
     ("engine:\n  max_num_seqs: 0\n", "engine.max_num_seqs must be >= 1, got 0"),
-    ("decode:\n  engine:\n    max_num_seqs: 0\n", "decode.engine.max_num_seqs must be >= 1, got 0"),
     (
-        "prefill:\n  engine:\n    max_num_seqs: 1.5\n",
-        "prefill.engine.max_num_seqs must be int, got 1.5 (float)",
+        "pools:\n  decode:\n    engine:\n      max_num_seqs: 0\n",
+        "pools.decode.engine.max_num_seqs must be >= 1, got 0",
+    ),
+    (
+        "pools:\n  prefill:\n    engine:\n      max_num_seqs: 1.5\n",
+        "pools.prefill.engine.max_num_seqs must be int, got 1.5 (float)",
     ),
     ("engine:\n  blocksize: 16\n", "unknown engine option(s) ['blocksize']"),
     ("log:\n  format: xml\n", "log format must be one of ('text', 'json'), got 'xml'"),
@@ -121,8 +124,7 @@ def test_pool_flags_over_the_pools_own_yaml_keys_over_the_shared_ones(
     path = tmp_path / "pools.yaml"
     path.write_text(
         "engine: {max_num_seqs: 8, max_num_batched_tokens: 512, num_kv_blocks: 64}\n"
-        "prefill: {engine: {max_num_batched_tokens: 2048}}\n"
-        "decode: {engine: {max_num_seqs: 32}}\n"
+        "pools: {prefill: {engine: {max_num_batched_tokens: 2048}}, decode: {engine: {max_num_seqs: 32}}}\n"
     )
 
     def seats_and_budgets(argv: list[str]) -> dict[str, tuple[int, int]]:
@@ -139,7 +141,7 @@ def test_pool_flags_over_the_pools_own_yaml_keys_over_the_shared_ones(
     assert seats_and_budgets(pool_flags.split()) == {"prefill": (2, 2048), "decode": (128, 128)}
     assert seats_and_budgets(["--prefill-max-num-batched-tokens", "1024"])["prefill"] == (8, 1024)
     assert main(["serve", "--config", str(path), "--decode-max-num-seqs", "0"]) == 2
-    assert " ERROR pdserve: decode.engine.max_num_seqs must be >= 1, got 0" in capsys.readouterr().err
+    assert " ERROR pdserve: pools.decode.engine.max_num_seqs must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: nothing to refuse")

@@ -15,8 +15,9 @@ from deploy.planner.twin import SimConfig, SimWorker
 POOLS_YAML = """
 model: {path: "", dtype: float32}
 engine: {block_size: 16, num_kv_blocks: 256, max_num_seqs: 8, max_num_batched_tokens: 512}
-prefill: {num_workers: 1, engine: {max_num_batched_tokens: 4096}}
-decode: {num_workers: 2, engine: {max_num_seqs: 32, num_kv_blocks: 1024}}
+pools:
+  prefill: {num_workers: 1, engine: {max_num_batched_tokens: 4096}}
+  decode: {num_workers: 2, engine: {max_num_seqs: 32, num_kv_blocks: 1024}}
 """
 
 
@@ -37,7 +38,9 @@ def test_a_pools_own_engine_keys_override_the_shared_ones(tmp_path: Path) -> Non
     }
     assert cfg.engine_config("colocated") == shared  # a pool without keys of its own: the shared section
     assert (cfg.prefill_pool, cfg.decode_pool) == ("prefill", "decode")
-    colocated = ClusterConfig.from_dict({"router": {"mode": "colocated"}, "colocated": {"num_workers": 1}})
+    colocated = ClusterConfig.from_dict(
+        {"router": {"mode": "colocated"}, "pools": {"colocated": {"num_workers": 1}}}
+    )
     assert colocated.engine_configs() == {"colocated": EngineConfig()}
     assert (colocated.prefill_pool, colocated.decode_pool) == ("colocated", "colocated")
 
@@ -50,16 +53,31 @@ def test_todays_yaml_files_give_every_pool_the_shared_engine(name: str) -> None:
 
 
 BAD_POOL_ENGINES = [
-    ({"decode": {"engine": {"max_num_seqs": 0}}}, "decode.engine.max_num_seqs must be >= 1, got 0"),
     (
-        {"decode": {"engine": {"max_num_seqs": "64"}}},
-        "decode.engine.max_num_seqs must be int, got '64' (str)",
+        {"pools": {"decode": {"engine": {"max_num_seqs": 0}}}},
+        "pools.decode.engine.max_num_seqs must be >= 1, got 0",
     ),
-    ({"prefill": {"engine": {"device": "tpu"}}}, "prefill.engine.device must be one of"),
-    ({"colocated": {"engine": {"gpu_memory_utilization": 2.0}}}, "colocated.engine.gpu_memory_utilization"),
-    ({"decode": {"engine": {"max_num_seq": 64}}}, "unknown decode.engine option(s) ['max_num_seq']"),
-    ({"decode": {"engine": {"block_size": 32}}}, "decode.engine.block_size is one for every pool"),
-    ({"decode": {"engine": 64}}, "decode.engine must be dict, got 64 (int)"),
+    (
+        {"pools": {"decode": {"engine": {"max_num_seqs": "64"}}}},
+        "pools.decode.engine.max_num_seqs must be int, got '64' (str)",
+    ),
+    ({"pools": {"prefill": {"engine": {"device": "tpu"}}}}, "pools.prefill.engine.device must be one of"),
+    (
+        {"pools": {"colocated": {"engine": {"gpu_memory_utilization": 2.0}}}},
+        "pools.colocated.engine.gpu_memory_utilization",
+    ),
+    (
+        {"pools": {"decode": {"engine": {"max_num_seq": 64}}}},
+        "unknown pools.decode.engine option(s) ['max_num_seq']",
+    ),
+    (
+        {"pools": {"decode": {"engine": {"block_size": 32}}}},
+        "pools.decode.engine.block_size is one for every pool",
+    ),
+    ({"pools": {"decode": {"engine": 64}}}, "pools.decode.engine must be dict, got 64 (int)"),
+    ({"pools": {"decoder": {"num_workers": 1}}}, "unknown pools option(s) ['decoder']"),
+    ({"pools": {"decode": {"num_workers": -1}}}, "pools.decode.num_workers must be >= 0, got -1"),
+    ({"decode": {"num_workers": 1}}, "['decode'] must be under pools: (e.g. pools.decode)"),
     ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs must be >= 1, got 0"),
     ({"engine": {"model": {"path": "x"}}}, "unknown engine option(s) ['model']"),
 ]

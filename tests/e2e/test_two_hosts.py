@@ -93,8 +93,9 @@ def test_ray_job_submit_onto_the_two_node_cluster(lab: Lab, offline: LLM, tmp_pa
     config.write_text(
         "model: {path: ''}\n"
         "engine: {block_size: 4, num_kv_blocks: 512, max_num_batched_tokens: 256}\n"
-        "prefill: {num_workers: 1, resources: {host_a: 1}}\n"
-        "decode: {num_workers: 1, resources: {host_b: 1}}\n"
+        "pools:\n"
+        "  prefill: {num_workers: 1, resources: {host_a: 1}}\n"
+        "  decode: {num_workers: 1, resources: {host_b: 1}}\n"
     )
     prompt = "Once upon a time"
     expected = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].text

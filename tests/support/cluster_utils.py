@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cluster.config import POOLS
 from cluster.protocol import SamplingParams
 from deploy.launch import ClusterHandle
 
@@ -86,15 +87,17 @@ def submit_job(
 
 
 def cluster_config(model_dir: str, **overrides: Any) -> dict[str, Any]:
+    """A small cluster's YAML mapping; each override is merged into its section (``decode={...}`` into
+    ``pools.decode``)."""
     cfg: dict[str, Any] = {
         "model": {"path": model_dir},
         # NOTE: CPU even where CUDA exists: outputs are compared exactly with fp32 CPU transformers.
         "engine": {"device": "cpu", "block_size": 4, "num_kv_blocks": 512, "max_num_batched_tokens": 256},
-        "prefill": {"num_workers": 1},
-        "decode": {"num_workers": 1},
+        "pools": {"prefill": {"num_workers": 1}, "decode": {"num_workers": 1}},
         "transfer": {"timeout_s": 20.0},
         "router": {"health_interval_s": 0.2, "health_timeout_s": 5.0, "request_timeout_s": 120.0},
     }
     for key, value in overrides.items():
-        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+        section = cfg["pools"] if key in POOLS else cfg
+        section[key] = {**section.get(key, {}), **value} if isinstance(value, dict) else value
     return cfg
