@@ -144,6 +144,31 @@ def test_pool_flags_over_the_pools_own_yaml_keys_over_the_shared_ones(
     assert " ERROR pdserve: pools.decode.engine.max_num_seqs must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_pdserve_bench_runs_what_bench_registers(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdserve bench NAME` finds each benchmark through the pdserve.benchmarks entry points (deploy/cli.py
+    imports nothing of bench/, which sits above it), and an unknown name is refused naming the known ones."""
+    import bench.admission
+    import bench.offline
+    import bench.serve
+    import bench.soak
+    from deploy.cli import _benchmarks
+
+    found = {name: ep.load() for name, ep in _benchmarks().items()}
+    assert found == {
+        "admission": bench.admission.main,
+        "offline": bench.offline.main,
+        "serve": bench.serve.main,
+        "soak": bench.soak.main,
+    }
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "nope"])
+    assert str(refused.value) == "unknown benchmark 'nope'; registered: admission, offline, serve, soak"
+    with pytest.raises(SystemExit) as helped:
+        main(["bench", "offline", "--help"])
+    assert helped.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: nothing to refuse")
 def test_gpu_pool_on_a_cpu_torch_fails_at_startup_saying_what_to_install(
     capsys: pytest.CaptureFixture[str], restore_logging: None
