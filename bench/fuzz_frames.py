@@ -62,8 +62,8 @@ def make_plan(
     targets: dict[str, str],
     kv_targets: dict[str, str] | None = None,
 ) -> FuzzPlan:
-    """``targets``: receiver id (a worker id or ROUTER_ID) -> its PULL endpoint; ``kv_targets``: a KV
-    sender's peer name (``worker_id/incarnation``) -> its handshake endpoint."""
+    """``targets``: receiver id (a worker's peer name ``worker_id/incarnation``, as ops are addressed, or
+    ROUTER_ID) -> its PULL endpoint; ``kv_targets``: a KV sender's peer name -> its handshake endpoint."""
     rng = random.Random(seed)
     signer, stranger = FrameSigner(secret), FrameSigner(new_secret())
     kv = dict(kv_targets or {})

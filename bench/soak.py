@@ -160,7 +160,7 @@ class Soak:
         if kind == "frames":
             from bench.fuzz_frames import make_plan
 
-            targets = {w.worker_id: w.info.request_endpoint for w in workers}
+            targets = {w.peer_name: w.info.request_endpoint for w in workers}  # ops go to a process
             plan = make_plan(self.rng.randrange(2**31), 200, self.handle.secret, targets)
             _send_frames(plan.frames)
             return f"{len(plan.frames)} frames"

@@ -206,6 +206,7 @@ NETWORKS = ("auto", "loopback", "node")
 
 
 POOLS = ("prefill", "decode", "colocated")
+DEFAULT_MAX_RESTARTS = 3  # restarts of one worker over its life (Ray's max_restarts): PoolConfig
 # KV blocks move between pools, and the router hashes prompts in blocks: one block size for every pool
 CLUSTER_WIDE_ENGINE_KEYS = ("block_size",)
 
@@ -221,7 +222,11 @@ class PoolConfig:
     num_gpus: float = 0.0
     num_cpus: float = 1.0
     torch_threads: int = 1  # CPU workers: threads per worker (2 workers on 2 cores: 1 each)
-    max_restarts: int = 0
+    # NOTE: a dead worker is replaced by default (a deployment must not stay half-dead after its first
+    # crash), but not forever: Ray's per-actor count over the worker's life, so one that keeps crashing
+    # stays dead after its last restart (its requests migrate; `scale` adds a fresh one). 0: never
+    # restarted; -1: always.
+    max_restarts: int = DEFAULT_MAX_RESTARTS
     # custom Ray resources each worker needs, e.g. {"host_b": 1} pins the pool to nodes that offer it
     resources: dict[str, float] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
@@ -233,6 +238,7 @@ class PoolConfig:
         )
         _require(self.num_cpus >= 0, f"num_cpus must be >= 0, got {self.num_cpus}")
         _require(self.torch_threads >= 1, f"torch_threads must be >= 1, got {self.torch_threads}")
+        _require(self.max_restarts >= -1, f"max_restarts must be >= -1 (-1: always), got {self.max_restarts}")
 
 
 @dataclass(frozen=True)

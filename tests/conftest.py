@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
 
 
 def _cuda_available() -> bool:
@@ -20,3 +25,39 @@ def _cuda_available() -> bool:
 # functions when it is first imported (torch imports it lazily from many places), so set it up front.
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# ---- running a test under load --------------------------------------------------------------------------
+NUM_BUSY_PROCESSES = 2  # NOTE: the CI machine's two cores; a user's machine is rarely idle when a worker dies
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--loaded",
+        action="store_true",
+        help="run every selected test under load (the `loaded` fixture): `make test-faults`",
+    )
+
+
+@pytest.fixture
+def loaded() -> Iterator[None]:
+    """Two busy processes at the test runner's own priority for the test's duration, stopped (and reaped)
+    when it ends, however it ends."""
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(NUM_BUSY_PROCESSES)
+    ]
+    try:
+        yield
+    finally:
+        for p in busy:
+            p.kill()
+        for p in busy:
+            p.wait()
+
+
+@pytest.fixture(autouse=True)
+def _under_load_when_asked(request: pytest.FixtureRequest) -> None:
+    """A test marked ``loaded`` (or every test, with ``--loaded``) runs under the ``loaded`` fixture."""
+    if request.node.get_closest_marker("loaded") is not None or request.config.getoption("--loaded"):
+        request.getfixturevalue("loaded")

@@ -46,7 +46,7 @@ import zmq
 from cluster.config import EngineConfig, TransferConfig
 from cluster.heap import freeze_startup_heap
 from cluster.hub import model_fingerprint
-from cluster.protocol import ErrorCode, StepSplit, TokenDelta, TransferStats, WorkerStats
+from cluster.protocol import ErrorCode, StepSplit, TokenDelta, TransferStats, WorkerStats, peer_name
 from cluster.wire import (
     OPS,
     ROUTER_ID,
@@ -175,7 +175,10 @@ class EngineWorker:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(f"tcp://{self.node_ip}:*")
         self.request_endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._decoder = WireDecoder(secret, worker_id, OPS)
+        incarnation = secrets.token_hex(8)
+        # NOTE: ops are addressed to this process (worker id and incarnation), so none meant for a
+        # predecessor (Ray restarted this worker) or a successor is ever acted on here: it is misaddressed.
+        self._decoder = WireDecoder(secret, peer_name(worker_id, incarnation), OPS)
         self._encoder = WireEncoder(secret)
         # NOTE: a context of its own, so the last words can be flushed by terminating it (see _send)
         self._push_ctx: zmq.Context[Any] = zmq.Context()
@@ -191,7 +194,6 @@ class EngineWorker:
         self._last_beat = 0.0
         self.failed: str | None = None
         self._fatal_lock = threading.Lock()
-        incarnation = secrets.token_hex(8)
         context = WorkerContext(
             worker_id,
             incarnation,

@@ -8,12 +8,12 @@ incarnation of a known worker (Ray restarted it) re-admits it. States (``WorkerR
              requests keep waiting (bounded by their deadlines) and a fresh heartbeat makes it healthy;
   draining   being removed (scale-down): not routed to; its requests finish or migrate;
   dead       it said so (``WorkerFailed``) or Ray says the actor is gone: its requests migrate.
-Ray is the lifecycle plane only: one watcher per actor pings it to learn that it died.
+Ray is the lifecycle plane only: one watcher per actor pings it to learn that it died. A worker's own
+reason wins over Ray's whenever it sent one: Ray's word waits (bounded) for it (``_await_last_words``).
 
 What the request path (cluster/router/router.py) calls: ``get``, ``healthy``, ``send``; what membership
 tells it back, through the hooks it was built with: a worker died (``on_death``: migrate its requests),
-a worker is gone for good (``on_removed``: forget what the routing views hold of it), and "handle every
-frame already received" (``settle``) before Ray's word on a death is acted on.
+and a worker is gone for good (``on_removed``: forget what the routing views hold of it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +36,12 @@ from cluster.protocol import ClusterUnavailableError, ModelInfo, WorkerStats, pe
 from cluster.wire import Abort, ExtendLease, Heartbeat, Op, PeerDead, WireEncoder, WorkerInfo
 
 logger = logging.getLogger(__name__)
+
+# NOTE: bounds how long Ray's word on a death waits for the worker's own. A worker flushes its last words
+# (``WorkerFailed``) before it exits, so once Ray sees the process gone they are in the router's socket
+# or on their way: milliseconds, even on a busy host. A worker killed without last words (kill -9, the OOM
+# killer) costs this much before its requests migrate.
+_LAST_WORDS_S = 1.0
 
 
 class WorkerState(str, enum.Enum):
@@ -60,7 +66,7 @@ class WorkerRef:
     num_assigned: int = 0  # requests the router routed here that are not over
     num_prompt_tokens: int = 0  # prompt tokens routed here whose first token has not come back
     num_queued_prompts: int = 0  # the requests those tokens belong to
-    admitted_at: float = field(default_factory=time.monotonic)
+    died: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set once its state is dead
 
     @property
     def worker_id(self) -> str:
@@ -103,7 +109,6 @@ class Membership:
         reject: Callable[[str], None],
         on_death: Callable[[WorkerRef, str], None],
         on_removed: Callable[[str], None],
-        settle: Callable[[], Awaitable[None]],
     ) -> None:
         """``reject``: count a frame refused by reason (the router's ``rejected_frames``)."""
         self.config = config
@@ -112,7 +117,6 @@ class Membership:
         self._reject = reject
         self._on_death = on_death
         self._on_removed = on_removed
-        self._settle = settle
         self._workers: dict[str, WorkerRef] = {}
         self._first_info: WorkerInfo | None = None
         self._retired: set[str] = set()  # incarnations drained by scale-down: never re-admitted
@@ -138,8 +142,9 @@ class Membership:
         """Queue ``op`` for ``w`` without waiting; raises ClusterUnavailableError when its queue is full
         (dropped quietly for the ops that only free or keep state: Abort, PeerDead, ExtendLease)."""
         try:
-            # NOTE: PUSH queues without blocking up to its high-water mark; never awaits here.
-            w.socket.send(self._encoder.encode(w.worker_id, op), flags=zmq.NOBLOCK)
+            # NOTE: PUSH queues without blocking up to its high-water mark; never awaits here. Addressed to
+            # the incarnation: no other process of the worker acts on it (workers/worker.py).
+            w.socket.send(self._encoder.encode(w.peer_name, op), flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.error("router: %s's queue is full; dropped %s", w.worker_id, type(op).__name__)
             if not isinstance(op, (Abort, PeerDead, ExtendLease)):
@@ -270,21 +275,45 @@ class Membership:
     async def _lifecycle_watch(self, worker_id: str) -> None:
         """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead). Keeps
         watching after a death: a restarted actor registers again by itself."""
+        answered_pid: int | None = None  # the process that answered the last ping (``ping`` gives its pid)
         while worker_id in self._actors:
-            issued = time.monotonic()
             try:
                 async with asyncio.timeout(self.config.health_timeout_s):
-                    await self._actors[worker_id].ping.remote()
+                    answered_pid = await self._actors[worker_id].ping.remote()
             except TimeoutError:
                 pass
             except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
                 w = self._workers.get(worker_id)
-                # NOTE: a ping sent before a restart can fail after the new incarnation registered; the
-                # failure is the old process's, so only an incarnation admitted before the ping dies here.
-                if w is not None and w.admitted_at < issued:
-                    await self._settle()
-                    self.mark_dead(w, f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                if w is not None and self._is_news_of(w, answered_pid):
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    await self._await_last_words(w, why)
+                    self.mark_dead(w, why)  # NOTE: nothing more when its own word came first
             await asyncio.sleep(self.config.health_interval_s)
+
+    def _is_news_of(self, w: WorkerRef, answered_pid: int | None) -> bool:
+        """Whether a failed ping tells of ``w``'s process: the one that answered the last ping, or one that
+        never answered any but has gone silent too (it died before Ray ever reached it).
+
+        NOTE: a restarted worker's new process registers by its first heartbeat, before Ray counts the
+        actor as restarted; until then Ray fails pings ("the actor is restarting"), and so does a ping
+        sent before the restart that fails late. Both are news of the old process: taken for the new
+        one, they killed it for good the moment it joined (its heartbeats are then ignored)."""
+        silent_s = time.monotonic() - w.last_beat
+        return w.info.pid == answered_pid or silent_s > self.config.health_timeout_s
+
+    async def _await_last_words(self, w: WorkerRef, why: str) -> None:
+        """Ray says ``w``'s process is gone: route nothing new to it and give its own ``WorkerFailed`` (and
+        the deltas before it) up to ``_LAST_WORDS_S`` to be handled first.
+
+        NOTE: the two words race through different sockets (Ray's RPC, the worker's ZMQ frame), and on a
+        busy host Ray's often comes first while the worker's, already sent, waits in the router's socket
+        or in ZMQ's I/O thread, where no poll of the socket can see it."""
+        if w.state == WorkerState.DEAD:
+            return
+        self.set_state(w, WorkerState.UNHEALTHY, f"Ray reports it gone ({why}); waiting for its last words")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_LAST_WORDS_S):
+                await w.died.wait()
 
     # ---- drain and death ------------------------------------------------------------------------------
     def start_drain(self, worker_id: str) -> WorkerRef:
@@ -310,6 +339,8 @@ class Membership:
         log = logger.info if state in (WorkerState.HEALTHY, WorkerState.DRAINING) else logger.error
         log("router: worker %s is %s%s", w.worker_id, state.value, f" ({why})" if why else "")
         w.state, w.why = state, why
+        if state == WorkerState.DEAD:
+            w.died.set()
 
     def mark_dead(self, w: WorkerRef, why: str) -> None:
         """The worker is dead: its peers are told, then the request path moves its requests (on_death)."""

@@ -81,9 +81,6 @@ from cluster.wire import (
 
 logger = logging.getLogger(__name__)
 
-# NOTE: bounds how long a death Ray reported waits for frames already here (a busy socket never empties).
-_SETTLE_S = 0.5
-
 
 class Router:
     """See the module docstring. ``secret`` authenticates every control frame (cluster/frames.py).
@@ -126,7 +123,6 @@ class Router:
             reject=self.decoder.verifier.reject,
             on_death=self._on_worker_dead,
             on_removed=self._forget_worker,
-            settle=self._take_pending_events,
         )
         self._handoffs = Handoffs(self.members, self.prefix_view)
         self._loops: list[asyncio.Task[None]] = []
@@ -484,18 +480,3 @@ class Router:
             self._migrate(flight, f"KV source {prefill.worker_id} died mid-transfer")
             return
         flight.put(router_error(event.code, event.message))
-
-    async def _take_pending_events(self) -> None:
-        """Let the receive loop handle every frame already here before Ray's word on a death is acted
-        on: what a dying worker sent last (its deltas, its own ``WorkerFailed`` reason) came first."""
-        deadline = time.monotonic() + _SETTLE_S
-        while self._readable() and time.monotonic() < deadline:
-            await asyncio.sleep(0)
-        # NOTE: the last frame read may still wait in the receive task's future: two turns of the loop.
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-
-    def _readable(self) -> bool:
-        # NOTE: ``get``, not ``getsockopt``: reading EVENTS clears the socket's edge-triggered fd, and
-        # only the asyncio socket's ``get`` then re-arms the receive loop's reader.
-        return bool(int(self._pull.get(zmq.EVENTS)) & zmq.POLLIN)

@@ -22,7 +22,7 @@ from cluster.config import ClusterConfig, PoolConfig, RouterConfig
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
 from cluster.frames import new_secret
 from cluster.http.app import create_app
-from cluster.protocol import EngineStats, FinishReason, TokenDelta, WorkerStats
+from cluster.protocol import EngineStats, FinishReason, TokenDelta, WorkerStats, peer_name
 from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.router import Router
 from cluster.wire import OPS, ROUTER_ID, Deltas, Generate, Heartbeat, WireDecoder, WireEncoder, WorkerInfo
@@ -67,7 +67,8 @@ class FakeWorker:
             "cpu",
             os.getpid(),
         )
-        self.encoder, self.decoder = WireEncoder(secret), WireDecoder(secret, WORKER, OPS)
+        self.encoder = WireEncoder(secret)
+        self.decoder = WireDecoder(secret, peer_name(WORKER, self.info.incarnation), OPS)
 
     async def beat(self) -> None:
         stats = WorkerStats(WORKER, "colocated", engine=EngineStats(num_free_blocks=63, num_total_blocks=63))

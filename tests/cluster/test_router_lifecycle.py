@@ -74,18 +74,26 @@ def test_wait_admitted_returns_on_registration_and_names_the_missing_on_timeout(
     run(scenario, mode="colocated")
 
 
-def test_the_lifecycle_watch_kills_only_the_incarnation_admitted_before_the_failed_ping() -> None:
+def test_a_failed_ping_kills_only_the_process_that_answered_the_last_one() -> None:
+    """Ray restarts colocated-0: its new process (pid 2) registers while Ray still fails pings, both
+    one sent before the restart and one sent after the new process joined ("the actor is restarting"):
+    news of the old process (pid 1), so the new one stays. Once Ray reached it, a failed ping kills it."""
+
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
         actor = await watched_pair(router, fakes)
-        actor.answers[0].set_result(None)  # alive
+        actor.answers[0].set_result(1)  # pid 1 answers
         await until(lambda: len(actor.answers) == 2, "second ping")
-        await fakes.add("colocated-0", "colocated", incarnation="i1")  # restarted while ping 2 is out
+        await fakes.add("colocated-0", "colocated", incarnation="i1", pid=2)  # restarted while ping 2 is out
         actor.answers[1].set_exception(RuntimeError("the old process is gone"))
         await until(lambda: len(actor.answers) == 3, "third ping")
+        actor.answers[2].set_exception(RuntimeError("ActorUnavailableError: The actor is restarting."))
+        await until(lambda: len(actor.answers) == 4, "fourth ping")
         assert state(router, "colocated-0") == ("i1", WorkerState.HEALTHY)
         s = Stream(router, "r", PROMPT)
         assert (await fakes.op("colocated-0")).request_id == "r"
-        actor.answers[2].set_exception(RuntimeError("actor died\nwith a traceback"))
+        actor.answers[3].set_result(2)  # Ray reaches the new process
+        await until(lambda: len(actor.answers) == 5, "fifth ping")
+        actor.answers[4].set_exception(RuntimeError("actor died\nwith a traceback"))
         await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead")
         (w,) = [w for w in router.workers if w.worker_id == "colocated-0"]
         assert w.why == "RuntimeError: actor died"
@@ -101,9 +109,29 @@ def test_the_lifecycle_watch_kills_only_the_incarnation_admitted_before_the_fail
     run(scenario, mode="colocated")
 
 
-def test_what_a_dying_worker_said_last_comes_before_rays_word_on_its_death() -> None:
-    """The worker's own ``WorkerFailed`` is in the router's socket when Ray's failed ping wakes the
-    watch: the request fails (here: migrates) with the worker's reason, not Ray's."""
+def test_a_process_ray_never_reached_dies_of_a_failed_ping_once_it_is_silent_too() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        actor = await watched_pair(router, fakes)
+        actor.answers[0].set_result(1)
+        await until(lambda: len(actor.answers) == 2, "second ping")
+        await fakes.add("colocated-0", "colocated", incarnation="i1", pid=2)
+        # NOTE: no more beats from pid 2: it died before Ray reached it. Ping 2 times out (0.3 s); ping 3
+        # fails once pid 2 has been silent past the health timeout.
+        await until(lambda: len(actor.answers) == 3, "third ping")
+        await asyncio.sleep(0.1)
+        actor.answers[2].set_exception(RuntimeError("ActorDiedError: no restarts left"))
+        await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead")
+        (w,) = [w for w in router.workers if w.worker_id == "colocated-0"]
+        assert w.why == "RuntimeError: ActorDiedError: no restarts left"
+        router.unwatch("colocated-0")
+
+    run(scenario, mode="colocated", health_timeout_s=0.3)
+
+
+def test_what_a_dying_worker_said_last_wins_over_rays_word_that_came_first() -> None:
+    """Ray's failed ping wakes the watch before the worker's own ``WorkerFailed`` (sent as it died) is
+    handled, the order a busy host often gives: the worker is routed nothing new at once, and its request
+    fails (here: migrates) with the worker's reason, not Ray's, the tokens it sent first kept."""
 
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
         actor = await watched_pair(router, fakes)
@@ -111,13 +139,17 @@ def test_what_a_dying_worker_said_last_comes_before_rays_word_on_its_death() -> 
         assert (await fakes.op("colocated-0")).request_id == "r"
         await fakes.send(Deltas("colocated-0", [delta("r", 7)]))
         assert (await s.next()).token_ids == [7]  # type: ignore[union-attr]
-        await fakes.send(WorkerFailed("colocated-0", "step thread died: RuntimeError: boom"))
-        # NOTE: blocks the event loop (bounded) till the frame is in the router's socket, unread
-        assert zmq.Socket.shadow(router._pull.underlying).poll(5000, zmq.POLLIN)
-        assert router._readable()
-        actor.answers[0].set_exception(RuntimeError("ActorDiedError: the actor died"))
-        await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead")
+        actor.answers[0].set_result(1)  # pid 1 answers
+        await until(lambda: len(actor.answers) == 2, "second ping")
+        actor.answers[1].set_exception(RuntimeError("ActorUnavailableError: RpcError: Socket closed"))
+        await until(lambda: state(router, "colocated-0")[1] == WorkerState.UNHEALTHY, "not routed to")
         (w,) = [w for w in router.workers if w.worker_id == "colocated-0"]
+        assert w.why == (
+            "Ray reports it gone (RuntimeError: ActorUnavailableError: RpcError: Socket closed); "
+            "waiting for its last words"
+        )
+        await fakes.send(WorkerFailed("colocated-0", "step thread died: RuntimeError: boom"))
+        await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead")
         assert w.why == "it reported: step thread died: RuntimeError: boom"
         ops = await fakes.ops("colocated-1", 2)
         assert ops[0] == PeerDead("colocated-0", "i0")

@@ -5,6 +5,7 @@ worker)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from typing import Any
@@ -47,6 +48,23 @@ def disagg(model_dir: str) -> Any:
     handle = start_cluster(cluster_config(model_dir, prefill={"num_workers": 2}, decode={"num_workers": 2}))
     yield handle
     handle.shutdown()
+
+
+def test_the_workers_of_a_cluster_it_starts_run_at_normal_priority(disagg: ClusterHandle) -> None:
+    """Ray would run them 15 niceness steps below the process that started it (its default worker
+    niceness): every thread of every worker runs at that process's own priority, 0 in CI."""
+
+    def niceness_of_every_thread(_worker: Any) -> set[int]:  # NOTE: runs in the worker's process
+        values = set()
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                values.add(os.getpriority(os.PRIO_PROCESS, int(tid)))  # Linux: a thread id is a target
+        return values
+
+    refs = {wid: a.__ray_call__.remote(niceness_of_every_thread) for wid, a in disagg.actors.items()}
+    niceness = {wid: ray.get(ref, timeout=60) for wid, ref in refs.items()}
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert niceness == {"prefill-0": {own}, "prefill-1": {own}, "decode-0": {own}, "decode-1": {own}}
 
 
 def assert_no_leaks(handle: ClusterHandle) -> None:

@@ -87,7 +87,7 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
     prompts = shared_prefix_prompts(NUM_STREAMS, seed=8, vocab=VOCAB)
     params = [greedy(24 + i % 5 * 8) for i in range(NUM_STREAMS)]
     reference = [o.token_ids for o in offline.generate(prompts, params)]
-    targets = {w.worker_id: w.info.request_endpoint for w in cluster.router.workers}
+    targets = {w.peer_name: w.info.request_endpoint for w in cluster.router.workers}  # ops go to a process
     targets[ROUTER_ID] = cluster.router.endpoint
     # every KV sender's handshake socket too (the prefill workers')
     kv_targets = {w.peer_name: w.info.kv_endpoint for w in cluster.router.workers if w.info.kv_endpoint}
@@ -165,6 +165,7 @@ def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle
     assert set(cluster.check_leaks().values()) == {None}
 
 
+@pytest.mark.loaded  # NOTE: decisive under load (make test-faults runs every fault test so)
 def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(offline: LLM) -> None:
     # NOTE: no migration and no colocated fallback, so losing the one decode worker leaves no path
     router_cfg = {**HEALTH, "max_migrations": 0, "colocated_fallback": False}

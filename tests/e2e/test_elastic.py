@@ -52,9 +52,11 @@ def incarnation(handle: ClusterHandle, worker_id: str) -> tuple[str, str] | None
     return None if w is None else (w.state.value, w.info.incarnation)
 
 
+@pytest.mark.loaded  # NOTE: decisive under load (make test-faults runs every fault test so)
 def test_kill9_of_the_decode_worker_under_32_streams(offline: LLM) -> None:
     prompts, params, reference = workload(11, offline, max_tokens=64)
-    handle = start_cluster(cluster_config("", router=HEALTH, decode={"max_restarts": 1}))
+    # NOTE: the pools' default max_restarts: a cluster heals by default
+    handle = start_cluster(cluster_config("", router=HEALTH))
     try:
         victim = next(w for w in handle.router.workers if w.worker_id == "decode-0")
         old = victim.info.incarnation
@@ -98,7 +100,8 @@ def test_killed_prefill_worker_then_no_decode_worker_left_lose_no_request(offlin
     them whole (colocated fallback), as it does new requests until a decode worker returns. 0 client
     errors, every output exact, no leaked block on the survivor."""
     prompts, params, reference = workload(17, offline, max_tokens=24)
-    cfg = cluster_config("", router=HEALTH, prefill={"num_workers": 2})
+    no_restarts = {"max_restarts": 0}
+    cfg = cluster_config("", router=HEALTH, prefill={"num_workers": 2, **no_restarts}, decode=no_restarts)
     handle = start_cluster(cfg)
     try:
 

@@ -25,6 +25,7 @@ from cluster.protocol import (
     SamplingParams,
     TokenDelta,
     WorkerStats,
+    peer_name,
 )
 from cluster.router.router import Router
 from cluster.wire import (
@@ -67,6 +68,7 @@ class FakeWorkers:
         *,
         num_free_blocks: int = 100,
         incarnation: str = "i0",
+        pid: int = 1,
         max_model_len: int = 1024,
         model_dir: str = "/m",
         wait: bool = True,
@@ -77,7 +79,8 @@ class FakeWorkers:
             pull.setsockopt(zmq.LINGER, 0)
             pull.bind("tcp://127.0.0.1:*")
             self.pulls[worker_id] = pull
-            self.decoders[worker_id] = WireDecoder(self.secret, worker_id, OPS)
+        # NOTE: like a worker, each incarnation takes only the ops addressed to it
+        self.decoders[worker_id] = WireDecoder(self.secret, peer_name(worker_id, incarnation), OPS)
         endpoint = self.pulls[worker_id].getsockopt_string(zmq.LAST_ENDPOINT)
         info = WorkerInfo(
             worker_id,
@@ -91,7 +94,7 @@ class FakeWorkers:
             512,
             model_dir,
             "cpu",
-            1,
+            pid,
         )
         self.infos[worker_id] = info
         await self.beat(worker_id, num_free_blocks=num_free_blocks)

@@ -19,7 +19,7 @@ import zmq
 
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import FrameSigner, new_secret
-from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats
+from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats, peer_name
 from cluster.router.flights import Delta
 from cluster.wire import (
     EVENTS,
@@ -56,15 +56,15 @@ class FakeRouter:
         self.push = self.ctx.socket(zmq.PUSH)
         self.encoder = WireEncoder(secret)
         self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
-        self.worker_id = ""
+        self.recipient = ""  # the worker's process: its id and incarnation, as the router addresses ops
         self._split: list[Delta] = []  # the rest of the last Deltas frame
 
     def connect(self, worker: EngineWorker) -> None:
         self.push.connect(worker.request_endpoint)
-        self.worker_id = worker.worker_id
+        self.recipient = peer_name(worker.worker_id, worker.info.incarnation)
 
     def send(self, op: Any) -> None:
-        self.push.send(self.encoder.encode(self.worker_id, op))
+        self.push.send(self.encoder.encode(self.recipient, op))
 
     def next(self, kinds: tuple[type, ...], timeout_s: float = 30.0) -> Any:
         """The next event of one of ``kinds`` (others, e.g. heartbeats, are skipped), within a bound.
@@ -146,19 +146,29 @@ def test_bad_frames_are_counted_and_dropped_while_the_worker_keeps_serving(
 ) -> None:
     worker, router, fatal = started
     signer = FrameSigner(new_secret())  # not the cluster's
-    replay = router.encoder.encode(worker.worker_id, Abort("nobody"))
+    replay = router.encoder.encode(router.recipient, Abort("nobody"))
+    predecessor = peer_name(worker.worker_id, "its-predecessor")
     frames = [
         bytes.fromhex("81910102"),
         b"\x00" * 100,
-        signer.sign(worker.worker_id, "abort", {"request_id": "x"}),
+        signer.sign(router.recipient, "abort", {"request_id": "x"}),
         replay,  # accepted (an abort of nothing)
         replay,  # rejected: seen
-        router.encoder.encode(worker.worker_id, Deltas("w", [TokenDelta("r", [1])])),  # an event: no op
+        router.encoder.encode(router.recipient, Deltas("w", [TokenDelta("r", [1])])),  # an event: no op
+        # an op meant for another process of this worker (a restart): never acted on here
+        router.encoder.encode(predecessor, Generate("for-the-predecessor", PROMPT, PARAMS, deadline=1e12)),
+        router.encoder.encode(worker.worker_id, Generate("for-no-process", PROMPT, PARAMS, deadline=1e12)),
     ]
     for frame in frames:
         router.push.send(frame)
-    assert generate(router, "after-bad-frames") == reference
-    assert worker.stats().rejected_frames == {"malformed": 2, "bad_mac": 1, "unknown_tag": 1, "replayed": 1}
+    assert generate(router, "after-bad-frames") == reference  # NOTE: no other request's delta came
+    assert worker.stats().rejected_frames == {
+        "malformed": 2,
+        "bad_mac": 1,
+        "unknown_tag": 1,
+        "replayed": 1,
+        "misaddressed": 2,
+    }
 
     # its split of the steps: every step the engine ran, its prompt and its 8 tokens; no transfer beside
     # (published with the stats after the step that streamed the last token: waited for, bounded)
