@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 from typing import Any
 
@@ -33,10 +34,37 @@ import torch
 from transfer.channel import Channel, OpLane, PendingOp, _as_bytes, _GlooOp, _PolledOp
 from transfer.peers import DECODE_RANK, PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import TransferError, TransferPairError, TransferTimeoutError
+from transfer.ring import on_stream
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
+# NOTE: ProcessGroupNCCL's watchdog defaults to tearing the process down when an op fails or times out
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, SkipCleanUp), and its heartbeat monitor may abort it too. A stuck
+# pair op must only break that pair (PairChannel.abandon): 2 (CleanUpOnly) aborts the pair's communicator,
+# which ends its stuck kernels and fails its ops, and keeps the process; the monitor is switched off. Each
+# is set only where the user set neither of its names (ProcessGroupNCCL.hpp lists the legacy alias).
+NCCL_ENV_DEFAULTS = {
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"): "2",
+    ("TORCH_NCCL_ENABLE_MONITORING",): "0",
+}
+
+
+def indexed_device(device: torch.device) -> torch.device:
+    """`device` with its index: a bare ``cuda`` is the calling thread's current device (set_device and
+    ProcessGroupNCCL refuse one without an index; the current device is per thread, so resolve it on the
+    thread that owns the device, not on a helper)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def set_nccl_env_defaults() -> None:
+    """Set `NCCL_ENV_DEFAULTS` unless the user chose them; call before the first ProcessGroupNCCL is made
+    (it reads them when it is constructed)."""
+    for names, value in NCCL_ENV_DEFAULTS.items():
+        if not any(name in os.environ for name in names):
+            os.environ[names[0]] = value
 
 
 class _Pair:
@@ -103,7 +131,8 @@ class PairChannel(Channel):
         self._store = store
         self._bind_host = bind_host
         self._timeout = datetime.timedelta(seconds=group_timeout_s)
-        self._device = device or torch.device("cpu")
+        # NOTE: resolved here, on the owner's thread: a bare "cuda" on the build thread would be its cuda:0
+        self._device = indexed_device(device) if device is not None else torch.device("cpu")
         self._lock = threading.Lock()
         self._pairs: dict[tuple[PeerId, PeerId], _Pair] = {}
         self._floor: dict[tuple[PeerId, PeerId], int] = {}  # least generation after a pair was dropped
@@ -178,20 +207,31 @@ class PairChannel(Channel):
             self._pairs.clear()
 
     def _build(self, pair: _Pair) -> None:
-        """Rendezvous on the store, then one warm-up send (prefill) / recv (decode) of the generation."""
+        """Rendezvous on the store, then one warm-up send (prefill) / recv (decode) of the generation.
+
+        NOTE: with nccl the warm-up runs on a stream of its own and is polled until the group's timeout
+        (`_PolledOp`): `work.wait()` before completion would make this thread's current stream, the
+        default one the engine's forward runs on, wait for the peer, and `torch.cuda.synchronize` would
+        wait for the whole device, the engine's forward included. Only the probe's stream is synchronized.
+        """
         try:
             group = self._new_group(pair)
-            probe = torch.full((1,), pair.key.generation, dtype=torch.int64, device=self._device)
-            if pair.rank == PREFILL_RANK:
-                work = group.send([probe], pair.peer_rank, 0)
-            else:
-                probe.fill_(-1)
-                work = group.recv([probe], pair.peer_rank, 0)
-            work.wait()  # NOTE: on this helper thread, bounded by the group's timeout
-            if self.is_nccl:
-                torch.cuda.synchronize(self._device)
-            if int(probe.item()) != pair.key.generation:
-                raise TransferPairError(f"warm-up carried {int(probe.item())}, not {pair.key.generation}")
+            stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+            with on_stream(stream):
+                probe = torch.full((1,), pair.key.generation, dtype=torch.int64, device=self._device)
+                if pair.rank == PREFILL_RANK:
+                    work = group.send([probe], pair.peer_rank, 0)
+                else:
+                    probe.fill_(-1)
+                    work = group.recv([probe], pair.peer_rank, 0)
+                if self.is_nccl:
+                    what = f"warm-up with {pair.peer.name}"
+                    _PolledOp(work, probe, what, pair.mark_broken, group).wait(self._timeout.total_seconds())
+                else:
+                    work.wait()  # NOTE: on this helper thread, bounded by the group's timeout
+                carried = int(probe.item())  # NOTE: syncs the probe's stream only
+            if carried != pair.key.generation:
+                raise TransferPairError(f"warm-up carried {carried}, not {pair.key.generation}")
             pair.group = group
         except Exception as e:  # noqa: BLE001 (the pair is marked broken and the error reported to its users)
             pair.mark_broken(f"building the pair failed: {type(e).__name__}: {e}")
@@ -257,7 +297,8 @@ def build_group(
 ) -> Any:
     """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``prefix`` of the
     TCPStore at ``store``; returns once both ranks joined (gloo) or at once (nccl: lazily, on the first
-    op). gloo's sockets listen on ``bind_host`` only."""
+    op). gloo's sockets listen on ``bind_host`` only. An nccl group first sets `NCCL_ENV_DEFAULTS`; a
+    ``device`` without an index is the calling thread's current device."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -267,7 +308,8 @@ def build_group(
     prefixed = dist.PrefixStore(prefix, client)
     if backend == "nccl":
         if device is not None:
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(indexed_device(device))
+        set_nccl_env_defaults()
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)

@@ -61,6 +61,7 @@ MAX_TAG = (1 << 31) - 1
 # NOTE: each chunk carries its own digest in an 8-byte trailer, computed while the previous chunk is on
 # the wire (a whole-transfer digest in the header would have to be computed before any byte moves). The
 # digest is XXH3-64 seeded with the transfer's nonce over (chunk index, payload); see transfer/staging.py.
+# Chunks staged on a GPU use a digest computed there instead (transfer/digest.py); the header names which.
 CHECKSUM_SCHEME = "xxh3_64-nonce-v2"
 MAX_CHUNK_BYTES = 1 << 30
 
@@ -280,8 +281,10 @@ def validate_header(
     backend: str,
     layout: KVLayout,
     num_blocks: int,
+    checksum: str = CHECKSUM_SCHEME,
 ) -> None:
-    """Raise TransferMismatchError naming the first field that differs from what the receiver expects."""
+    """Raise TransferMismatchError naming the first field that differs from what the receiver expects
+    (`checksum`: the digest scheme it verifies with)."""
     if header.generation < min_generation:
         raise TransferMismatchError(
             f"transfer header mismatch for request {header.request_id!r}: generation is "
@@ -298,7 +301,7 @@ def validate_header(
         "num_blocks": num_blocks,
         "shape": layout.layer_shape(num_blocks),
         "nbytes": layout.bytes_per_block * num_blocks,
-        "checksum": CHECKSUM_SCHEME,
+        "checksum": checksum,
         "tag": tag_for_nonce(nonce),
     }
     for name, want in expected.items():

@@ -64,7 +64,8 @@ class KVReceiver(Side):
 
     Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; the
     sender runs up to `num_slots` chunks ahead of the scatter. `me` is this process (the sender addresses
-    its frames to it); every frame is checked against `secret` (transfer/handshake.py).
+    its frames to it); every frame is checked against `secret` (transfer/handshake.py). `checksum`: the
+    digest scheme it verifies with (see Side); a header naming another is refused.
     """
 
     def __init__(
@@ -77,8 +78,9 @@ class KVReceiver(Side):
         timeout_s: float = 30.0,
         zmq_context: zmq.Context[Any] | None = None,
         num_slots: int = NUM_SLOTS,
+        checksum: str | None = None,
     ) -> None:
-        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots)
+        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum)
         self._jobs: deque[_Job] = deque()
         self._dealers: dict[str, zmq.Socket[Any]] = {}
         self._posted: dict[int, _Job] = {}  # by nonce; the transfer thread's own
@@ -344,6 +346,7 @@ class KVReceiver(Side):
                 backend=self._channel.backend,
                 layout=self.layout,
                 num_blocks=len(dst_ids),
+                checksum=self.checksum,
             )
             result.nbytes, result.generation = header.nbytes, header.generation
             key = PairKey(src, self.me, header.generation)

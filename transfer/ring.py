@@ -15,11 +15,15 @@ One code path for three cases; with a CPU KV cache every stream operation below 
   device mirror of the slot and one async copy moves the chunk between the mirror and the pinned host
   slot. The host waits for the side's stream only, never behind the engine's forward on the default
   stream, and only where it must touch the bytes (digest, or reusing a slot an async copy still reads).
-- CUDA KV cache, CUDA staging (nccl, CUDA IPC): the slot is on the GPU and the digest needs host bytes,
-  so each chunk is also copied (async, on the stream) into a pinned host mirror and hashed there.
+- CUDA KV cache, CUDA staging (nccl, CUDA IPC): the slot is on the GPU and so is its digest
+  (`DeviceDigest`, transfer/digest.py): gather, seal, send, verify and scatter all stay on the device,
+  queued on the stream. No byte of the chunk goes to the host; the receiver's host reads the two 8-byte
+  digests to decide (it waits for the side's stream there, before the scatter, as it must).
 
-NOTE: the CUDA cases have not run on a GPU yet (the CI box has none). The last one moves every chunk over
-PCIe once more; a device-side keyed digest would remove that.
+The ring seals with the transfer's agreed `scheme` (XXH3 needs host bytes, so a GPU slot must use the
+device digest; Side picks, the header carries it). With a CPU KV cache the device digest runs on CPU.
+
+NOTE: the CUDA cases are checked on a GPU only by the gpu-marked tests and bench/bench_transfer.py.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from typing import Any
 
 import torch
 
+from transfer.protocol import CHECKSUM_SCHEME
 from transfer.staging import (
     TRAILER_BYTES,
     ChunkPlan,
+    chunk_digester,
     chunk_view,
     gather_rows,
     payload_rows,
@@ -54,11 +60,11 @@ def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 
 class StagingRing:
-    """`num_slots` chunk slots of `plan` for one transfer keyed by `nonce`.
+    """`num_slots` chunk slots of `plan` for one transfer keyed by `nonce`, sealed with `scheme`.
 
-    `wire_buf` is on the channel's staging device (what the channel moves); `mirror_buf` is None for a CPU
-    KV cache, else the other side of the host/device boundary (see the module docstring). Both stay the
-    caller's: after a failed transfer it must drop them, since an abandoned channel op may still use them.
+    `wire_buf` is on the channel's staging device (what the channel moves); `mirror_buf` is the KV cache's
+    device copy of a host slot (a CUDA KV cache staged on the host), else None. Both stay the caller's:
+    after a failed transfer it must drop them, since an abandoned channel op may still use them.
     Counts the seconds spent per phase in `gather_seconds`, `hash_seconds`, `scatter_seconds`.
     """
 
@@ -70,7 +76,13 @@ class StagingRing:
         wire_buf: torch.Tensor,
         mirror_buf: torch.Tensor | None,
         stream: torch.cuda.Stream | None,
+        scheme: str = CHECKSUM_SCHEME,
     ) -> None:
+        self._digest = chunk_digester(scheme, nonce)
+        if wire_buf.is_cuda and self._digest is None:
+            raise ValueError(f"{scheme} hashes host bytes; chunks staged on a GPU need the device digest")
+        if self._digest is not None:
+            self._digest.prepare(plan.chunk_bytes, wire_buf.device)
         self.plan = plan
         self.nonce = nonce
         self.num_slots = num_slots
@@ -109,22 +121,14 @@ class StagingRing:
         wire bytes. The slot's previous send must have completed."""
         t0 = time.perf_counter()
         wire, mirror, plan = self.wire(chunk), self._mirror(chunk), self.plan
-        host = wire
-        if mirror is None:
+        if mirror is None:  # staged where the KV is: CPU, or the GPU (nothing goes to the host)
             gather_rows(rows, index, plan, chunk, payload_rows(wire, plan))
-        elif wire.is_cuda:  # device staging: a host copy to hash
-            gather_rows(rows, index, plan, chunk, payload_rows(wire, plan))
-            mirror[:-TRAILER_BYTES].copy_(wire[:-TRAILER_BYTES], non_blocking=True)
-            self._wait_stream()
-            host = mirror
         else:  # host staging: gather on the device, one copy down
             gather_rows(rows, index, plan, chunk, payload_rows(mirror, plan))
             wire[:-TRAILER_BYTES].copy_(mirror[:-TRAILER_BYTES], non_blocking=True)
             self._wait_stream()
         t1 = time.perf_counter()
-        seal_chunk(host, self.nonce, chunk)
-        if host is not wire:
-            wire[-TRAILER_BYTES:].copy_(host[-TRAILER_BYTES:], non_blocking=True)
+        seal_chunk(wire, self.nonce, chunk, self._digest)
         self.gather_seconds += t1 - t0
         self.hash_seconds += time.perf_counter() - t1
         return wire
@@ -142,15 +146,9 @@ class StagingRing:
         TransferChecksumError, naming `what`, before anything of a bad chunk is written."""
         t0 = time.perf_counter()
         wire, mirror, plan = self.wire(chunk), self._mirror(chunk), self.plan
-        host = wire
-        if mirror is not None and wire.is_cuda:
-            mirror[:-TRAILER_BYTES].copy_(wire[:-TRAILER_BYTES], non_blocking=True)
-            mirror[-TRAILER_BYTES:].copy_(wire[-TRAILER_BYTES:], non_blocking=True)
-            self._wait_stream()
-            host = mirror
-        verify_chunk(host, plan, self.nonce, chunk, what)
+        verify_chunk(wire, plan, self.nonce, chunk, what, self._digest)
         t1 = time.perf_counter()
-        if mirror is None or wire.is_cuda:
+        if mirror is None:
             scatter_rows(rows, index, plan, chunk, payload_rows(wire, plan))
         else:  # host staging: one copy up, scatter on the device
             mirror[:-TRAILER_BYTES].copy_(wire[:-TRAILER_BYTES], non_blocking=True)

@@ -29,7 +29,6 @@ from transfer.handshake import Message, MessageKind
 from transfer.parking import ParkedRequests
 from transfer.peers import PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import (
-    CHECKSUM_SCHEME,
     KVHandoff,
     TransferError,
     TransferHeader,
@@ -82,7 +81,7 @@ class KVSender(Side):
     `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`), the handshake socket, where every
     frame is checked against `secret` (transfer/handshake.py). `me` is this process (the handoff names it).
     `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds `num_slots` of
-    them whatever the transfer's size.
+    them whatever the transfer's size. `checksum`: the digest scheme (see Side).
     """
 
     def __init__(
@@ -99,8 +98,9 @@ class KVSender(Side):
         zmq_context: zmq.Context[Any] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_slots: int = NUM_SLOTS,
+        checksum: str | None = None,
     ) -> None:
-        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots)
+        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum)
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
@@ -531,7 +531,7 @@ class KVSender(Side):
             nbytes=plan.nbytes,
             num_chunks=plan.num_chunks,
             chunk_bytes=plan.chunk_bytes,
-            checksum=CHECKSUM_SCHEME,
+            checksum=self.checksum,
             tag=tag_for_nonce(req.nonce),
         )
         return header, plan, block_ids[skip:]

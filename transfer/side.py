@@ -27,7 +27,7 @@ from transfer.protocol import (
     row_bytes_of,
 )
 from transfer.ring import StagingRing, on_stream
-from transfer.staging import ChunkPlan, kv_rows
+from transfer.staging import CHECKSUM_SCHEMES, ChunkPlan, default_checksum, kv_rows
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,11 @@ class PeerAbort(Exception):
 
 class Side:
     """Base of KVSender / KVReceiver: one transfer thread, reused staging buffers, its own CUDA stream,
-    handshake frames signed with ``secret`` and addressed to ``me`` (this process), dropped peers."""
+    handshake frames signed with ``secret`` and addressed to ``me`` (this process), dropped peers.
+
+    `checksum` is the chunk digest scheme (transfer/staging.py); None picks it by where chunks are staged
+    (on a GPU: computed there). Both ends must pick the same: the receiver refuses a header naming another.
+    """
 
     def __init__(
         self,
@@ -60,6 +64,7 @@ class Side:
         timeout_s: float,
         ctx: zmq.Context[Any] | None,
         num_slots: int,
+        checksum: str | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -72,6 +77,15 @@ class Side:
         self._channel = channel
         self._frames = HandshakeFrames(secret, me.name)
         self._staging_device = channel.staging_device(kv.device)
+        self.checksum = checksum or default_checksum(self._staging_device)
+        on_gpu = self._staging_device.type == "cuda"
+        if self.checksum not in CHECKSUM_SCHEMES or (
+            on_gpu and self.checksum != default_checksum(self._staging_device)
+        ):
+            raise ValueError(
+                f"checksum {self.checksum!r} cannot seal chunks staged on {self._staging_device} "
+                f"(one of {CHECKSUM_SCHEMES}; on a GPU only the device digest)"
+            )
         self._buffers: dict[str, torch.Tensor] = {}
         # NOTE: the side's own stream: its copies never wait behind the engine's forward, and the host
         # waits on it alone (transfer/ring.py). None on CPU, where every stream operation is a no-op.
@@ -146,10 +160,9 @@ class Side:
         nbytes = StagingRing.nbytes(plan, num_slots)
         wire = self._buffer("wire", nbytes, self._staging_device)
         mirror = None
-        if self._kv.is_cuda:
-            on_host = self._staging_device.type == "cuda"
-            mirror = self._buffer("mirror", nbytes, torch.device("cpu") if on_host else self._kv.device)
-        return StagingRing(plan, nonce, num_slots, wire, mirror, self._stream)
+        if self._kv.is_cuda and self._staging_device.type == "cpu":  # NOTE: GPU staging needs no host copy
+            mirror = self._buffer("mirror", nbytes, self._kv.device)
+        return StagingRing(plan, nonce, num_slots, wire, mirror, self._stream, self.checksum)
 
     def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(name)

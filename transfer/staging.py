@@ -19,8 +19,9 @@ NOTE: XXH3 was picked by speed measured on the 2-core CPU box (bench/bench_chunk
 cache-resident chunks, like crc32c and ~5x blake3, with a 64-bit seed that keys it by the nonce for free;
 it releases the GIL, so it overlaps the channel's own threads.
 
-Digests are computed on host memory: `chunk_digest` and friends take CPU tensors (transfer/ring.py makes
-a pinned host copy first when the chunk lives on a GPU).
+That digest needs host bytes. Chunks staged on a GPU (nccl, CUDA IPC) are sealed and checked where they
+are with `DeviceDigest` instead (scheme `DEVICE_CHECKSUM_SCHEME`, transfer/digest.py): pass one to
+`seal_chunk` / `verify_chunk`. The header names the scheme, so both ends agree on it before a byte moves.
 """
 
 from __future__ import annotations
@@ -31,11 +32,26 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from transfer.protocol import TransferChecksumError
+from transfer.digest import DEVICE_CHECKSUM_SCHEME, DeviceDigest
+from transfer.protocol import CHECKSUM_SCHEME, TransferChecksumError
 
 TRAILER_BYTES = 8
 _ALIGN = 64
 _MASK64 = (1 << 64) - 1
+CHECKSUM_SCHEMES = (CHECKSUM_SCHEME, DEVICE_CHECKSUM_SCHEME)
+
+
+def default_checksum(staging_device: torch.device) -> str:
+    """The scheme for chunks staged on `staging_device`: on a GPU the device digest (the bytes never go
+    to the host), else XXH3 on the host bytes."""
+    return DEVICE_CHECKSUM_SCHEME if staging_device.type == "cuda" else CHECKSUM_SCHEME
+
+
+def chunk_digester(scheme: str, nonce: int) -> DeviceDigest | None:
+    """What `seal_chunk` / `verify_chunk` take for `scheme`: a DeviceDigest, or None (XXH3, host bytes)."""
+    if scheme not in CHECKSUM_SCHEMES:
+        raise ValueError(f"checksum must be one of {CHECKSUM_SCHEMES}, got {scheme!r}")
+    return DeviceDigest(nonce) if scheme == DEVICE_CHECKSUM_SCHEME else None
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -164,14 +180,33 @@ def read_trailer(wire: torch.Tensor) -> int:
     return int.from_bytes(_trailer(wire).numpy().tobytes(), "little")
 
 
-def seal_chunk(wire: torch.Tensor, nonce: int, chunk: int) -> None:
-    """Write the digest of `chunk`'s payload into its trailer (CPU wire bytes)."""
-    write_trailer(wire, chunk_digest(wire, nonce, chunk))
+def seal_chunk(wire: torch.Tensor, nonce: int, chunk: int, device_digest: DeviceDigest | None = None) -> None:
+    """Write the digest of `chunk`'s payload into its trailer: XXH3 (CPU wire bytes), or `device_digest`'s
+    where the bytes are (queued on the current stream; nothing waits)."""
+    if device_digest is None:
+        write_trailer(wire, chunk_digest(wire, nonce, chunk))
+        return
+    digest = device_digest(wire[: wire.numel() - TRAILER_BYTES], chunk)
+    _trailer(wire).copy_(digest.view(1).view(torch.uint8))
 
 
-def verify_chunk(wire: torch.Tensor, plan: ChunkPlan, nonce: int, chunk: int, what: str) -> None:
-    """Raise TransferChecksumError unless `chunk`'s trailer is its digest under `nonce` (CPU wire bytes)."""
-    digest, expected = chunk_digest(wire, nonce, chunk), read_trailer(wire)
+def verify_chunk(
+    wire: torch.Tensor,
+    plan: ChunkPlan,
+    nonce: int,
+    chunk: int,
+    what: str,
+    device_digest: DeviceDigest | None = None,
+) -> None:
+    """Raise TransferChecksumError unless `chunk`'s trailer is its digest under `nonce` (XXH3 on CPU wire
+    bytes, or `device_digest` where they are: then only the 16 bytes of the two digests are copied to the
+    host, which waits for the current stream)."""
+    if device_digest is None:
+        digest, expected = chunk_digest(wire, nonce, chunk), read_trailer(wire)
+    else:
+        computed = device_digest(wire[: wire.numel() - TRAILER_BYTES], chunk).view(1).view(torch.uint8)
+        both = torch.cat([computed, _trailer(wire)]).cpu().numpy().tobytes()
+        digest, expected = int.from_bytes(both[:8], "little"), int.from_bytes(both[8:], "little")
     if digest != expected:
         raise TransferChecksumError(
             f"digest of chunk {chunk}/{plan.num_chunks} ({wire.numel()} B) of {what} is {digest:#018x}, "

@@ -27,6 +27,7 @@ from cluster.frames import FrameSigner, new_secret
 from deploy.launch import KVStore
 from tests.support.cluster_utils import wait_for
 from transfer.channel import TORCH_DTYPES, Channel, CudaIpcChannel, OpLane, PendingOp
+from transfer.digest import DEVICE_CHECKSUM_SCHEME
 from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import (
@@ -208,9 +209,9 @@ def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, re
 
     def handle(cmd: str, *args: Any) -> Any:
         if cmd == "sender":
-            name, dtype, *rest = args  # then chunk_bytes, timeout_s, num_slots, group_timeout_s (optional)
-            defaults = (DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS, None)
-            chunk_bytes, timeout_s, num_slots, group_timeout_s = (*rest, *defaults[len(rest) :])
+            name, dtype, *rest = args  # then chunk_bytes, timeout_s, num_slots, group_timeout_s, checksum
+            defaults = (DEFAULT_CHUNK_BYTES, 10.0, NUM_SLOTS, None, None)
+            chunk_bytes, timeout_s, num_slots, group_timeout_s, checksum = (*rest, *defaults[len(rest) :])
             kvs[name] = make_kv(SRC_SEED, dtype)
             sides[name] = KVSender(
                 kvs[name],
@@ -221,12 +222,13 @@ def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, re
                 timeout_s=timeout_s,
                 chunk_bytes=chunk_bytes,
                 num_slots=num_slots,
+                checksum=checksum,
             )
             sides[name].start()
             return sides[name].endpoint
         if cmd == "receiver":
-            name, dtype, head_dim, timeout_s, *rest = args  # then num_slots, group_timeout_s (optional)
-            num_slots, group_timeout_s = (*rest, *(NUM_SLOTS, None)[len(rest) :])
+            name, dtype, head_dim, timeout_s, *rest = args  # then num_slots, group_timeout_s, checksum
+            num_slots, group_timeout_s, checksum = (*rest, *(NUM_SLOTS, None, None)[len(rest) :])
             kvs[name] = make_kv(DST_SEED, dtype, head_dim)
             sides[name] = KVReceiver(
                 kvs[name],
@@ -235,6 +237,7 @@ def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, re
                 secret=secret,
                 timeout_s=timeout_s,
                 num_slots=num_slots,
+                checksum=checksum,
             )
             sides[name].start()
             return None
@@ -528,6 +531,42 @@ def test_corrupted_bytes_fail_the_checksum_and_are_not_scattered(pair: Pair) -> 
     assert not out["ok"] and out["error_type"] == "TransferChecksumError"
     assert torch.equal(read_kv(pair, 1, "R-bfloat16", like), before)
     assert pair.call(0, "wait_sent", rid, 10.0) is False
+
+
+def test_the_device_digest_seals_a_gloo_transfer_on_cpu_and_both_ends_must_agree_on_it(pair: Pair) -> None:
+    """The digest the nccl / CUDA IPC path computes on the GPU, chosen here for a gloo pair on CPU: a
+    chunked transfer arrives byte identical, a corrupted chunk is caught before its scatter, and a sender
+    sealing with XXH3 is refused by the header check."""
+    pair.call(1, "receiver", "R-device", "float32", HEAD_DIM, 10.0, 4, None, DEVICE_CHECKSUM_SCHEME)
+    pair.call(0, "sender", "S-device", "float32", 3 * ROW_BYTES_F32, 10.0, 3, None, DEVICE_CHECKSUM_SCHEME)
+    like = make_kv(DST_SEED, "float32")
+    before = read_kv(pair, 1, "R-device", like)
+    rid = new_id("device-digest")
+    src_ids, dst_ids = [11, 2, 27, 6, 30], [14, 26, 3, 31, 9]  # 10 rows: 4 chunks
+    handoff = pair.call(0, "offer", "S-device", rid, src_ids, None)
+    [out] = pair.call(1, "receive", "R-device", [(handoff, dst_ids, 0)])
+    assert out["ok"] and out["nbytes"] == 5 * NUM_LAYERS * ROW_BYTES_F32
+    assert pair.call(0, "wait_sent", rid, 10.0) is True
+    after = read_kv(pair, 1, "R-device", like)
+    check_blocks(before, after, "float32", dict(zip(dst_ids, src_ids, strict=True)))
+
+    rid2 = new_id("device-digest-corrupt")
+    handoff2 = pair.call(0, "offer", "S-device", rid2, [1, 2, 3, 4], None)
+    pair.call(0, "fault", "corrupt", 1)  # chunk 1 of 3
+    [out2] = pair.call(1, "receive", "R-device", [(handoff2, [5, 6, 7, 8], 0)])
+    assert not out2["ok"] and out2["error_type"] == "TransferChecksumError" and "chunk 1/3" in out2["error"]
+    assert pair.call(0, "wait_sent", rid2, 10.0) is False
+    got, src = read_kv(pair, 1, "R-device", like), as_bytes(make_kv(SRC_SEED, "float32"))
+    assert torch.equal(got[0, [5, 6, 7]], src[0, [1, 2, 3]])  # chunk 0: verified, then scattered
+    assert torch.equal(got[0, 8], after[0, 8]) and torch.equal(got[1], after[1])  # chunks 1 and 2: not
+    assert torch.equal(got[:, :5], after[:, :5]) and torch.equal(got[:, 9:], after[:, 9:])
+
+    rid3 = new_id("device-digest-mismatch")
+    handoff3 = pair.call(0, "offer", "S-float32", rid3, [1, 2], None)  # seals with XXH3
+    [out3] = pair.call(1, "receive", "R-device", [(handoff3, [20, 21], 0)])
+    assert not out3["ok"] and out3["error_type"] == "TransferMismatchError"
+    assert f"checksum is 'xxh3_64-nonce-v2', expected '{DEVICE_CHECKSUM_SCHEME}'" in out3["error"]
+    assert pair.call(0, "wait_sent", rid3, 10.0) is False
 
 
 def test_unknown_aborted_and_expired_requests_are_rejected(pair: Pair) -> None:
