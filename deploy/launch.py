@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-import ray
-
+# NOTE: ray is imported in the functions that use it: a bare GPU machine (no Ray) imports this module too
+# (the tests of what it builds, the GPU first-contact script).
 from cluster.config import ClusterConfig, PoolConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.hub import resolve_cluster_model
@@ -142,6 +142,8 @@ class WorkerLauncher:
         self._num_created = 0
 
     def create(self, pool: str) -> tuple[str, Any]:
+        import ray
+
         from workers.worker import EngineWorker
 
         pc = self.cfg.pool(pool)
@@ -174,6 +176,8 @@ class WorkerLauncher:
         return worker_id, actor
 
     def stop(self, worker_id: str) -> None:
+        import ray
+
         actor = self.actors.pop(worker_id)
         # NOTE: a dead actor cannot shut down; it is killed regardless
         with contextlib.suppress(Exception):
@@ -318,12 +322,16 @@ class ClusterHandle:
 
     def check_leaks(self, timeout_s: float = 30.0) -> dict[str, str | None]:
         """Leak invariant on every worker that is not dead: None where clean."""
+        import ray
+
         live = {w.worker_id: self.actors[w.worker_id] for w in self.router.workers if w.state != "dead"}
         refs = {wid: a.check_leaks.remote() for wid, a in live.items()}
         return {wid: ray.get(ref, timeout=timeout_s) for wid, ref in refs.items()}
 
     def wait_until_quiet(self, timeout_s: float = 30.0) -> None:
         """Wait (bounded) until no live worker runs, waits, or waits for KV (e.g. after aborts)."""
+        import ray
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             stats: list[WorkerStats] = [
@@ -343,10 +351,14 @@ class ClusterHandle:
     def kill_worker(self, worker_id: str, *, no_restart: bool = True) -> None:
         """Failure injection: kill one worker actor (Ray restarts it if its pool allows and no_restart
         is False)."""
+        import ray
+
         ray.kill(self.actors[worker_id], no_restart=no_restart)
 
     def inject_fault(self, worker_id: str, kind: str) -> None:
         """Failure injection (``start_cluster(..., fault_injection=True)``): a worker thread dies."""
+        import ray
+
         try:
             ray.get(self.actors[worker_id].inject_fault.remote(kind), timeout=30)
         except ray.exceptions.RayActorError:
@@ -355,6 +367,8 @@ class ClusterHandle:
             logger.info("%s ended before answering the injected %s fault", worker_id, kind)
 
     def shutdown(self) -> None:
+        import ray
+
         try:
             self.run(self.router.close(), timeout=10)
         except Exception:
@@ -378,6 +392,8 @@ def _index(worker_id: str) -> int:
 
 def _init_ray(cfg: ClusterConfig) -> bool:
     """Join the given / RAY_ADDRESS cluster, else start a local one. True if we started it."""
+    import ray
+
     if ray.is_initialized():
         return False
     address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
@@ -406,6 +422,8 @@ def _init_ray(cfg: ClusterConfig) -> bool:
 
 def _bind_host(cfg: ClusterConfig) -> tuple[str, str]:
     """(worker bind mode, the router's own bind address): loopback on one host, else the node's."""
+    import ray
+
     network = cfg.network
     if network == "auto":
         network = "node" if sum(1 for n in ray.nodes() if n.get("Alive")) > 1 else "loopback"
@@ -419,6 +437,8 @@ def start_cluster(
 ) -> ClusterHandle:
     """KV store + router -> worker actors (each registers with the router). See the module docstring.
     fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
+    import ray
+
     if isinstance(config, str):
         cfg = ClusterConfig.from_yaml(config)
     elif isinstance(config, dict):

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.triton_mode import SKIP_REASON, interprets, selects_only_gpu_tests
+
 
 def _cuda_available() -> bool:
     # NOTE: no GPU device node means no CUDA; only then is torch's (seconds-long) import skipped, so the
@@ -21,10 +23,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# NOTE: without CUDA, Triton kernels run in the interpreter, and triton decides that for its own library
-# functions when it is first imported (torch imports it lazily from many places), so set it up front.
-if not _cuda_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def pytest_configure(config: pytest.Config) -> None:
+    # NOTE: triton decides interpreter or compiled for its own library functions when it is first imported
+    # (torch imports it lazily from many places), so it is settled here, before any test module is
+    # imported: tests/support/triton_mode.py says which sessions interpret.
+    env_value = os.environ.get("TRITON_INTERPRET")
+    markexpr = str(config.getoption("markexpr") or "")
+    needs_cuda_answer = env_value is None and selects_only_gpu_tests(markexpr)
+    if interprets(needs_cuda_answer and _cuda_available(), markexpr, env_value):
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a session that interprets Triton on a CUDA machine, the gpu tests say how to run them."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _cuda_available():
+        return
+    skip = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 # ---- running a test under load --------------------------------------------------------------------------

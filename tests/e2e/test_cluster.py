@@ -11,7 +11,6 @@ import signal
 from typing import Any
 
 import pytest
-import ray
 
 from cluster.protocol import FinishReason, RouterError, WorkerFailedError
 from deploy.launch import ClusterHandle, start_cluster
@@ -25,6 +24,8 @@ from tests.support.cluster_utils import (
 )
 from tests.support.hf_models import hf_greedy, make_random_hf_model
 from workers.llm import LLM
+
+ray = pytest.importorskip("ray")  # NOTE: these tests start a Ray cluster; a bare GPU machine has none
 
 pytestmark = pytest.mark.slow
 
