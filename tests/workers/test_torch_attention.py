@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 from dataclasses import dataclass
 
 import pytest
@@ -162,3 +163,27 @@ def test_bfloat16_inputs_return_bfloat16() -> None:
     # The backend computes in float32 from the bf16 values, like the naive reference.
     torch.testing.assert_close(out.float(), expected_output(batch, spec), atol=1e-2, rtol=1e-2)
     assert torch.equal(batch.kv_cache, batch.expected_cache)
+
+
+def test_decode_attention_takes_sdpa_output_in_cudas_layout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """CUDA's SDPA kernels return [n, Hkv, G, D] stored as [n, G, Hkv, D] (a `view` of it as [n, H, D]
+    failed on the first GPU run, grouped-query models only); the same values in that layout must give the
+    same tokens."""
+    from cluster.protocol import SamplingParams
+    from tests.support.hf_models import make_random_hf_model
+    from workers.llm import LLM
+
+    path = str(make_random_hf_model("llama", tmp_path))  # 4 query heads over 2 KV heads
+    prompts = [[5, 9, 11], [7] * 20, [3, 4]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, block_size=4).generate(prompts, params)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def cuda_layout_sdpa(*args: object, **kwargs: object) -> torch.Tensor:
+        out = sdpa(*args, **kwargs)  # type: ignore[arg-type]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", cuda_layout_sdpa)
+    assert [o.token_ids for o in LLM(path, block_size=4).generate(prompts, params)] == want

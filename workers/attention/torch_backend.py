@@ -304,7 +304,8 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=spec.scale,
             )
             if out is None:
-                return part.view(num_decodes, num_heads, head_dim)
+                # NOTE: reshape: the CUDA SDPA kernels return a permuted layout (view fails there; CPU is contiguous)
+                return part.reshape(num_decodes, num_heads, head_dim)
             out[bucket.start : bucket.end] = part
         if out is None:
             raise RuntimeError("a decode attention call in a step the plan saw no decodes in")
