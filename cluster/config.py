@@ -78,7 +78,8 @@ class EngineConfig:
     # from config.json alone (benchmarks; vLLM's name for it).
     load_format: str = "auto"
     # Schedule and prepare step N+1 while step N runs on the device (outputs are the same either way).
-    async_scheduling: bool = False
+    # None: on for CUDA, off on CPU (there the host is the device: nothing to overlap).
+    async_scheduling: bool | None = None
     # CPU device: glibc keeps freed memory for the next step's activations instead of returning it to
     # the kernel and faulting it back in (workers/host_memory.py; process-wide, set when the engine starts).
     retain_host_memory: bool = True
@@ -111,6 +112,10 @@ class EngineConfig:
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
         )
+
+    def uses_async_scheduling(self, device_type: str) -> bool:
+        """``async_scheduling`` as set, or (unset) whether the engine runs on CUDA."""
+        return device_type == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     def max_model_len(self, max_position_embeddings: int, num_kv_blocks: int | None = None) -> int:
         """The longest sequence (prompt + output) an engine of this config serves: ``model.max_model_len``

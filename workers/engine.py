@@ -59,7 +59,7 @@ class Engine:
         self.arch = self.runner.arch
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.max_model_len = self.runner.max_model_len  # EngineConfig.max_model_len, capped by the KV pool
-        scheduler_class = AsyncScheduler if config.async_scheduling else Scheduler
+        scheduler_class = AsyncScheduler if self.runner.is_async else Scheduler
         self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}

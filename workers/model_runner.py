@@ -104,6 +104,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        self.is_async = config.uses_async_scheduling(self.device.type)  # launch step N+1 before N is read
         if self.device.type == "cpu" and config.retain_host_memory:
             retain_freed_memory()
         self.arch = ArchConfig.from_pretrained(model_dir)
@@ -427,7 +428,7 @@ class ModelRunner:
         t_sample, c_sample = time.perf_counter(), time.thread_time()
         if forward.hidden_rows is not None:
             sampled = self._sample(forward.hidden_rows, inputs, mask)
-            if self.config.async_scheduling:
+            if self.is_async:
                 self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
             pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy())
         events = forward.events

@@ -207,3 +207,15 @@ def test_handoff_hold_release_and_prefilled_commit(model_dir: pathlib.Path) -> N
     assert seen["d"].token_ids == seen["ref"].token_ids[1:]
     # The held request was never scheduled past its first token (no block for it beyond the prompt's).
     assert held_blocks == {False: 8, True: 8}
+
+
+def test_async_scheduling_is_the_default_on_cuda_and_off_on_cpu() -> None:
+    from cluster.config import EngineConfig
+
+    unset = EngineConfig()
+    assert unset.async_scheduling is None
+    assert (unset.uses_async_scheduling("cuda"), unset.uses_async_scheduling("cpu")) == (True, False)
+    for value in (True, False):
+        set_ = EngineConfig(async_scheduling=value)
+        assert (set_.uses_async_scheduling("cuda"), set_.uses_async_scheduling("cpu")) == (value, value)
+    assert LLM(block_size=4).engine.runner.is_async is False  # the CPU engine (bundled model)
