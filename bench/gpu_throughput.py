@@ -2,7 +2,7 @@
 
     python bench/gpu_throughput.py --model bench/configs/gemma-2-2b          # the issue's H100 workload
     python bench/gpu_throughput.py --all                                     # Gemma-2-2B, Qwen3-0.6B, Llama-3-8B
-    python bench/gpu_throughput.py --async-scheduling                        # host work overlapped with the GPU
+    python bench/gpu_throughput.py --no-async-scheduling                     # host and GPU in turn (async: the CUDA default)
     python bench/gpu_throughput.py --device cpu --tiny                       # CPU smoke run (numbers meaningless)
 
 Workload: ``--num-requests`` requests, prompt lengths uniform in [32, 512], new tokens uniform in [128, 512],
@@ -29,9 +29,12 @@ run's time over the sum of the step floors. Logits traffic and sliding windows a
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -205,6 +208,18 @@ def tiny_model_dir(work_dir: Path) -> str:
     return str(work_dir)
 
 
+def print_host_profile(profiler: cProfile.Profile, num_calls: int, top: int = 25) -> None:
+    """Where the host's time goes per ``engine.step()`` call (cProfile's own overhead included): the
+    functions with the most time of their own, so a call that waits for the device stands out."""
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    print(
+        f"--- host profile over {num_calls} engine.step() calls (tottime; divide by the calls for per step)"
+    )
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-6000:])
+
+
 def run_model(args: argparse.Namespace, model: str, flops_per_s: float, bytes_per_s: float) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
@@ -257,19 +272,25 @@ def run_model(args: argparse.Namespace, model: str, flops_per_s: float, bytes_pe
     stats0 = engine.stats()
     step_walls: list[float] = []
     num_out = 0
+    profiler = cProfile.Profile() if args.cprofile else None
     t_start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     while engine.has_unfinished():
         t0 = time.perf_counter()
         num_out += len(engine.step())
         step_walls.append(time.perf_counter() - t0)
     total_s = time.perf_counter() - t_start
+    if profiler is not None:
+        profiler.disable()
+        print_host_profile(profiler, len(step_walls))
     stats = engine.stats()
     runner.launch = launch  # type: ignore[method-assign]
     new_variants = (count_compiled_variants() - variants_before) if backend == "triton" else 0
 
     # NOTE: async: call k launches step k and waits for step k-1, so step k's wait is in call k+1.
     num_steps = len(log.is_decode)
-    walls = np.array(step_walls[-num_steps:] if args.async_scheduling else step_walls[:num_steps])
+    walls = np.array(step_walls[-num_steps:] if runner.is_async else step_walls[:num_steps])
     waits = np.array(log.waits)
     if runner.forward_events is not None:
         torch.cuda.synchronize(device)
@@ -284,7 +305,7 @@ def run_model(args: argparse.Namespace, model: str, flops_per_s: float, bytes_pe
     num_prompt = sum(len(p) for p, _ in workload)
 
     print(f"\n=== {model}  ({engine.arch.architecture}, {runner.dtype}, {device}, backend {backend}, "
-          f"async scheduling {'on' if args.async_scheduling else 'off'}) ===")  # fmt: skip
+          f"async scheduling {'on' if runner.is_async else 'off'}) ===")  # fmt: skip
     if device.type == "cpu":
         print(
             "NOTE: CPU run: a smoke test of the script; the numbers below say nothing about GPU throughput."
@@ -352,8 +373,12 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
     parser.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action="store_true", help="prepare step N+1 while step N runs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepare step N+1 while step N runs (default: on for CUDA, off on CPU)")  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=16, help="steps profiled for kernel counts")
+    parser.add_argument(
+        "--cprofile", action="store_true", help="profile the host over the timed run (slower)"
+    )
     parser.add_argument("--tiny", action="store_true", help="toy Gemma-2 sizes and workload (smoke run)")
     args = parser.parse_args()
     if args.tiny:
