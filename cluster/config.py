@@ -83,9 +83,36 @@ class EngineConfig:
     # CPU device: glibc keeps freed memory for the next step's activations instead of returning it to
     # the kernel and faulting it back in (workers/host_memory.py; process-wide, set when the engine starts).
     retain_host_memory: bool = True
+    # Structured outputs (workers/structured_compile.py): grammars compile on this many helper threads,
+    # never on the step thread; a compile over the timeout fails its requests (400
+    # structured_output_too_complex); a spec over the character or rule cap fails before compiling;
+    # at most max_pending_compiles distinct specs are queued or compiling (over it: 429).
+    structured_compile_threads: int = 2
+    structured_compile_timeout_s: float = 5.0
+    structured_max_pending_compiles: int = 64
+    structured_max_spec_chars: int = 256 * 1024
+    structured_max_grammar_rules: int = 2000
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _require(
+            self.structured_compile_threads >= 1,
+            f"structured_compile_threads must be >= 1, got {self.structured_compile_threads}",
+        )
+        _require(
+            self.structured_compile_timeout_s > 0,
+            f"structured_compile_timeout_s must be > 0, got {self.structured_compile_timeout_s}",
+        )
+        _require(
+            min(
+                self.structured_max_pending_compiles,
+                self.structured_max_spec_chars,
+                self.structured_max_grammar_rules,
+            )
+            >= 1,
+            "structured_max_pending_compiles, structured_max_spec_chars and structured_max_grammar_rules "
+            "must be >= 1",
+        )
         _require(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
         _require(
             self.num_kv_blocks is None or self.num_kv_blocks >= 2,
@@ -206,6 +233,7 @@ ROUTER_MODES = ("disaggregated", "colocated", "conditional")
 ADMISSION_POLICIES = ("off", "slo")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
 FAILURE_POLICIES = ("fail", "recompute")
+TRANSFER_INTEGRITY = ("mac", "digest", "off")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD")
 NETWORKS = ("auto", "loopback", "node")
 
@@ -252,6 +280,9 @@ class TransferConfig:
     timeout_s: float = 30.0  # bound on one transfer, handshake to ack
     lease_s: float = 60.0  # prefill side frees held blocks after this long without a transfer
     failure_policy: str = "fail"  # fail: error to the client; recompute: decode worker prefills it
+    # KV chunk check: mac (keyed with the cluster secret: a peer without it cannot forge KV), digest
+    # (XXH3 / device polynomial keyed by the nonce: catches accidents only), off (no check)
+    integrity: str = "mac"
 
     def __post_init__(self) -> None:
         _require(self.backend in TRANSFER_BACKENDS, f"transfer backend must be one of {TRANSFER_BACKENDS}")
@@ -260,6 +291,10 @@ class TransferConfig:
         _require(
             self.failure_policy in FAILURE_POLICIES,
             f"failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}",
+        )
+        _require(
+            self.integrity in TRANSFER_INTEGRITY,
+            f"transfer integrity must be one of {TRANSFER_INTEGRITY}, got {self.integrity!r}",
         )
 
 
@@ -296,6 +331,9 @@ class RouterConfig:
     # early decode admission: the decode worker is chosen with the prefill worker and reserves blocks and
     # posts its KV fetch while the prefill runs, so the transfer starts the moment the KV is offered
     early_decode_admission: bool = True
+    # a request's events the router holds for a caller that has not taken them (estimated bytes, see
+    # protocol.delta_nbytes); past it the request is aborted on its workers (generation cannot pause)
+    request_buffer_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")
@@ -312,6 +350,10 @@ class RouterConfig:
         _require(self.health_interval_s > 0, "health_interval_s must be > 0")
         _require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _require(
+            self.request_buffer_bytes >= 4096,
+            f"request_buffer_bytes must be >= 4096, got {self.request_buffer_bytes}",
+        )
 
 
 @dataclass(frozen=True)
@@ -320,13 +362,50 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # NOTE: keys never appear in a repr (logs, errors); the edge keeps only their digests
+    api_key: str | None = field(default=None, repr=False)
     served_model_name: str | None = None
     max_body_bytes: int = 1 << 20
     metrics_compat: str = "none"
+    # tenants: one key per line, `name:key` or `key` (cluster/http/auth.py); each key's limits are its own
+    api_keys_file: str | None = None
+    # the admin routes (/v1/pdserve/*) take this key only; without one they answer 404
+    admin_key: str | None = field(default=None, repr=False)
+    admin_key_file: str | None = None
+    # a non-loopback host without an API key is refused unless this is set (then logged as a warning)
+    allow_unauthenticated: bool = False
+    # per tenant (API key; client address without keys): router requests in flight (n counts n) and
+    # queued tokens (prompt + max_tokens each); over: 429 naming the limit. 0: no limit
+    max_requests_per_key: int = 256
+    max_tokens_per_key: int = 1 << 22
+    # connections (cluster/http/connections.py): open-connection cap (0: none), deadlines for a request
+    # head and for its body, idle time between requests
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    # a stream's events not yet written to its client (estimated bytes): at the bound the edge stops
+    # taking the stream's tokens from the router (whose own buffer, router.request_buffer_bytes, is next)
+    stream_buffer_bytes: int = 1 << 20
+    # a stream whose client has read nothing (an ASGI send that does not return), or whose buffer has
+    # stayed at its bound, this long is aborted everywhere (its KV freed) and its connection closed
+    stream_stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"server port must be in [0, 65535], got {self.port}")
+        for name in ("max_requests_per_key", "max_tokens_per_key", "max_connections"):
+            value = getattr(self, name)
+            _require(value >= 0, f"{name} must be >= 0 (0: no limit), got {value}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _require(
+            self.stream_buffer_bytes >= 4096,
+            f"stream_buffer_bytes must be >= 4096, got {self.stream_buffer_bytes}",
+        )
+        _require(
+            0 < self.stream_stall_timeout_s <= 3600,
+            f"stream_stall_timeout_s must be in (0, 3600], got {self.stream_stall_timeout_s}",
+        )
         _require(
             self.metrics_compat in METRICS_COMPAT,
             f"metrics_compat must be one of {METRICS_COMPAT}, got {self.metrics_compat!r}",

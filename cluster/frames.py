@@ -13,9 +13,12 @@ replayed into another. Frames are decoded with caps on every size (msgpack ``max
 ``strict_map_key``; nothing here can raise anything but :class:`FrameRejected`.
 
 Trust boundary: a process that knows the secret is trusted (the secret is made at launch and handed to
-actors through Ray). The torch.distributed store and the gloo/NCCL connections are NOT authenticated
-(by design of those libraries): they carry only KV bytes whose header and checksum are agreed over
-these authenticated frames, and they bind the node's own address, never every interface.
+actors through Ray). The torch.distributed store and the gloo/NCCL connections cannot authenticate
+their clients (by design of those libraries); they bind the node's own address, never every interface.
+What travels over them is checked instead: rendezvous values are signed with a key derived from the
+secret (transfer/rendezvous.py) and KV chunks carry a MAC keyed from it (transfer.integrity `mac`,
+transfer/staging.py). Nothing is encrypted. Every receiving ZMQ socket has ZMQ_MAXMSGSIZE set to its
+verifier's cap, so libzmq drops an oversized frame unread.
 This module imports nothing of the project.
 """
 

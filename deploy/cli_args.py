@@ -26,6 +26,7 @@ from cluster.config import (
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "cpu-disagg.yaml"
 API_KEY_ENV = "PDSERVE_API_KEY"
+ADMIN_KEY_ENV = "PDSERVE_ADMIN_KEY"
 
 # (flag, YAML section, key, argparse type, help); an "engine" / "POOL.engine" key is an EngineConfig field.
 _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
@@ -84,6 +85,14 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--host", "server", "host", str, "bind address (default 127.0.0.1)"),
     ("--port", "server", "port", int, "HTTP port (default 8000)"),
     ("--served-model-name", "server", "served_model_name", str, "name clients use (default: MODEL)"),
+    ("--api-keys-file", "server", "api_keys_file", str, "tenants' keys, one a line: name:key or key"),
+    ("--admin-key-file", "server", "admin_key_file", str, "the admin routes' key (or $PDSERVE_ADMIN_KEY)"),
+    ("--max-requests-per-key", "server", "max_requests_per_key", int, "requests in flight per key (0: off)"),
+    ("--max-tokens-per-key", "server", "max_tokens_per_key", int, "queued tokens per key (0: off)"),
+    ("--max-connections", "server", "max_connections", int, "open HTTP connections (0: no cap)"),
+    ("--header-timeout", "server", "header_timeout_s", float, "seconds to receive a request head"),
+    ("--body-timeout", "server", "body_timeout_s", float, "seconds to receive a request body"),
+    ("--keep-alive-timeout", "server", "keep_alive_timeout_s", float, "idle seconds between requests"),
     (
         "--metrics-compat",
         "server",
@@ -91,6 +100,14 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
         str,
         f"{' | '.join(METRICS_COMPAT)}: also export vllm:*",
     ),
+    (
+        "--stream-stall-timeout",
+        "server",
+        "stream_stall_timeout_s",
+        float,
+        "abort a stream whose client read nothing this many seconds (default 30)",
+    ),
+    ("--stream-buffer-bytes", "server", "stream_buffer_bytes", int, "a stream's edge buffer bound (1 MiB)"),
     ("--log-level", "log", "level", str.upper, f"{' | '.join(LOG_LEVELS)}"),
     ("--log-format", "log", "format", str, f"{' | '.join(LOG_FORMATS)}"),
     ("--stats-interval", "log", "stats_interval_s", float, "seconds between worker stats lines (0: off)"),
@@ -98,6 +115,12 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
 _BOOL_FLAGS: list[tuple[str, str, str, str]] = [
     ("--enable-prefix-caching", "engine", "enable_prefix_caching", "prefix caching (--no-... turns it off)"),
     ("--enforce-eager", "engine", "enforce_eager", "no CUDA graphs"),
+    (
+        "--allow-unauthenticated",
+        "server",
+        "allow_unauthenticated",
+        "serve a non-loopback host without an API key",
+    ),
 ]
 
 
@@ -187,6 +210,9 @@ def apply_overrides(data: dict[str, Any], args: argparse.Namespace) -> dict[str,
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None:
         _section(data, "server")["api_key"] = api_key
+    admin_key = os.environ.get(ADMIN_KEY_ENV) or None  # NOTE: no flag: a flag's value shows in `ps`
+    if admin_key is not None:
+        _section(data, "server")["admin_key"] = admin_key
     if args.ray_address is not None:
         data["ray_address"] = args.ray_address
     router = data.get("router") or {}

@@ -93,7 +93,13 @@ class KVStore:
 
     NOTE: bound to ``host`` only (the router's own address): given no socket, torch's store server
     listens on every interface, so it gets one already bound and listening (``master_listen_fd``, which
-    the store owns and closes). The store is not authenticated (see the README's trust boundary).
+    the store owns and closes). torch's store cannot authenticate its clients: every value a pair's
+    rendezvous sets is signed with a key derived from the cluster secret and checked by the other end,
+    which ignores (and counts) a stranger's (transfer/rendezvous.py). What a stranger that reaches this
+    port can still do: read key names and values (worker names, gloo addresses), delete or overwrite a
+    key (that pair's build times out; it is rebuilt at its next generation), and fill this process's
+    memory: the store has no size or count cap (issue 31 measured 128 x 8 MiB sets: +1 GiB RSS). Bind it
+    to an address only the cluster reaches (the README's trust boundary).
     """
 
     def __init__(self, host: str) -> None:

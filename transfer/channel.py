@@ -26,6 +26,8 @@ import zmq
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import KVLayout, TransferError, TransferTimeoutError
 
+# NOTE: a CudaIpcChannel message names a buffer (~300 B of msgpack); its socket drops anything larger unread
+MAX_IPC_MESSAGE_BYTES = 64 << 10
 TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -152,6 +154,14 @@ class Channel(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release sockets and process groups."""
+
+    def rejected(self) -> dict[str, int]:
+        """What the channel refused from strangers (PairChannel: rendezvous values), by reason."""
+        return {}
+
+    def use_secret(self, secret: bytes) -> None:  # noqa: B027 (optional hook)
+        """The cluster secret, from the side that moves KV over this channel (PairChannel signs its pairs'
+        rendezvous with a key derived from it)."""
 
 
 def _as_bytes(buf: torch.Tensor) -> torch.Tensor:
@@ -282,6 +292,7 @@ class CudaIpcChannel(Channel):
         self._ctx = zmq_context or zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_IPC_MESSAGE_BYTES)
         self._pull.bind(self._endpoints[me.name])
         self._push: dict[str, zmq.Socket[Any]] = {}
         self._stash: dict[tuple[str, str, int], dict[str, Any]] = {}

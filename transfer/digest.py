@@ -17,8 +17,8 @@ byte changed, or any bytes of one word changed (unless by a multiple of P), or t
 changes escape with probability about 2**-62 over the keys (at most (words/P)**2 for a chosen pair).
 
 NOTE: not a MAC and not cryptographic: it is linear in the bytes, so whoever knows the nonce (it travels
-in the clear) can forge it. It catches accidents and stale or misrouted chunks, like XXH3 on the host path.
-Keying a MAC on KV bytes is a separate issue.
+in the clear) can forge it. It catches accidents and stale or misrouted chunks, like XXH3 on the host path
+(integrity `digest`). `DeviceMac` below is the keyed MAC (integrity `mac`) of GPU-staged chunks.
 
 NOTE: every product stays below 2**63 (a word < 2**32 times a power < 2**31), and sums of reduced terms
 stay far below it, so int64 math is exact on every device and both ends agree bit for bit. Powers are
@@ -32,7 +32,9 @@ import math
 
 import torch
 
-DEVICE_CHECKSUM_SCHEME = "poly31x2-nonce-v1"
+from transfer.protocol import DEVICE_CHECKSUM_SCHEME
+
+__all__ = ["DEVICE_CHECKSUM_SCHEME", "DeviceDigest", "DeviceMac", "lane_keys"]
 P = (1 << 31) - 1
 PRIMITIVE_ROOT = 7  # of P
 _BLOCK = 1024  # words per row of the power table
@@ -112,3 +114,117 @@ class DeviceDigest:
             value = (rows.sum() + chunk_term).remainder_(P)
             digest.bitwise_or_(value.bitwise_left_shift_(32 * lane))
         return digest
+
+
+_MAC_LANES = 4
+_MAC_ROW = 1024  # 16-bit words per row of the inner polynomial
+_HALF = 1 << 16
+
+
+def _field_elements(raw: bytes, count: int) -> list[int]:
+    """`count` elements of [1, P) from `raw` (8 bytes each; the bias of 2**64 mod P is below 2**-32)."""
+    return [1 + int.from_bytes(raw[8 * i : 8 * i + 8], "little") % (P - 1) for i in range(count)]
+
+
+class DeviceMac:
+    """A keyed MAC of one transfer's chunks (scheme DEVICE_MAC_SCHEME), computed by torch ops where the
+    bytes are: the tag of a GPU-staged chunk never needs its bytes on the host.
+
+    Construction (Wegman-Carter): the payload is read as little-endian signed 16-bit words (a word maps
+    to a field element injectively: |w| < P / 2), padded with zeros to rows of 1024. Each of 4 lanes is a
+    two-level polynomial over P = 2**31 - 1 with its own keys ``r1, r2`` (derived with BLAKE2b from the
+    MAC key and the nonce, so per transfer)::
+
+        row_h = sum_l w_{h,l} * r1**(l + 1)      lane = sum_h row_h * r2**(h + 1) + pad(chunk)   (mod P)
+
+    and ``pad`` is a BLAKE2b output keyed with the MAC key over (nonce, chunk, lane): a one-time pad per
+    chunk. The tag is the 4 lanes as little-endian 32-bit words (16 bytes; top bits clear, so never the
+    all-ones junk trailer).
+
+    What is claimed: for chunks of H rows, one lane's hash is (1024 + H) / P almost-Delta-universal (the
+    hashes of two different payloads of the same length differ by any given value with probability at
+    most (1024 + H) / P over r1, r2: the inner differences all vanish with probability <= 1024 / P, else
+    the outer polynomial, with no constant term, takes the value with probability <= H / P), so with the pads from a PRF, an attacker who saw any
+    number of tagged chunks forges one (other bytes, or the same bytes at another index or in another
+    transfer) with probability at most ((1024 + H) / P)**4 per try: about 2**-77 for 4 MiB chunks and
+    2**-71 for 16 MiB ones, plus BLAKE2b's PRF advantage. Chunk lengths are fixed by the signed header.
+
+    NOTE: exact arithmetic on every device: the inner sums run as one float64 matmul against the powers
+    split in 16-bit halves (every partial sum stays below 2**42 < 2**53, so the result is exact whatever
+    the order of the additions), then int64 math (each product below 2**63). Both ends agree bit for bit.
+    """
+
+    def __init__(self, mac_key: bytes, nonce: int) -> None:
+        self.nonce = nonce
+        self._key = mac_key
+        nonce_bytes = (nonce & ((1 << 64) - 1)).to_bytes(8, "little")
+        raw = hashlib.blake2b(b"poly31x4-keys" + nonce_bytes, key=mac_key, digest_size=64).digest()
+        keys = _field_elements(raw, 2 * _MAC_LANES)
+        self._r1, self._r2 = keys[:_MAC_LANES], keys[_MAC_LANES:]
+        self._nonce_bytes = nonce_bytes
+        self._inner: dict[torch.device, torch.Tensor] = {}
+        self._outer: dict[torch.device, torch.Tensor] = {}
+        self._pads: dict[torch.device, torch.Tensor] = {}
+
+    def _pad_values(self, chunk: int) -> list[int]:
+        raw = hashlib.blake2b(
+            b"poly31x4-pad" + self._nonce_bytes + chunk.to_bytes(8, "little"), key=self._key, digest_size=32
+        ).digest()
+        return [v - 1 for v in _field_elements(raw, _MAC_LANES)]
+
+    def _inner_table(self, device: torch.device) -> torch.Tensor:
+        """[1024, 8] float64: for each lane, the high and low 16 bits of r1**(l + 1)."""
+        table = self._inner.get(device)
+        if table is None:
+            columns = []
+            for r in self._r1:
+                powers = [pow(r, i + 1, P) for i in range(_MAC_ROW)]
+                columns += [[p >> 16 for p in powers], [p & (_HALF - 1) for p in powers]]
+            table = self._inner[device] = torch.tensor(columns, dtype=torch.float64).T.contiguous().to(device)
+        return table
+
+    def _outer_table(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """[num_rows, 4] int64: r2**(h + 1) per lane."""
+        table = self._outer.get(device)
+        if table is None or table.shape[0] < num_rows:
+            rows = [[pow(r, h + 1, P) for r in self._r2] for h in range(num_rows)]
+            table = self._outer[device] = torch.tensor(rows, dtype=torch.int64).to(device)
+        return table[:num_rows]
+
+    def _pad(self, chunk: int, device: torch.device) -> torch.Tensor:
+        pads = self._pads.get(device)
+        if pads is None or pads.shape[0] <= chunk:
+            self.prepare(0, device, chunk + 1)
+            pads = self._pads[device]
+        return pads[chunk]
+
+    def prepare(self, nbytes: int, device: torch.device, num_chunks: int = 0) -> None:
+        """Make the tables for chunks of up to `nbytes` and the pads of `num_chunks` chunks on `device`
+        now (their upload waits for the current stream: do it before that stream waits for the engine)."""
+        self._inner_table(device)
+        num_words = (nbytes + 1) // 2
+        self._outer_table(max(1, -(-num_words // _MAC_ROW)), device)
+        if num_chunks and (device not in self._pads or self._pads[device].shape[0] < num_chunks):
+            pads = [self._pad_values(c) for c in range(num_chunks)]
+            self._pads[device] = torch.tensor(pads, dtype=torch.int64).to(device)
+
+    def __call__(self, payload: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The 16-byte tag of `payload` (uint8, 1-d) as chunk `chunk`: a uint8 tensor on its device,
+        queued on the current stream (nothing waits for it)."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"payload must be a 1-d uint8 tensor, got {payload.dtype} {list(payload.shape)}")
+        nbytes, device = payload.numel(), payload.device
+        main = nbytes - nbytes % 2
+        if payload.storage_offset() % 2:  # NOTE: a word view needs an aligned start; slots are 64-aligned
+            payload = payload.clone()
+        num_words = main // 2 + nbytes % 2
+        num_rows = max(1, -(-num_words // _MAC_ROW))
+        words = torch.zeros(num_rows * _MAC_ROW, dtype=torch.float64, device=device)
+        words[: main // 2].copy_(payload[:main].view(torch.int16))
+        words[main // 2 : num_words].copy_(payload[main:])
+        halves = (words.view(num_rows, _MAC_ROW) @ self._inner_table(device)).to(torch.int64)
+        high, low = halves[:, 0::2], halves[:, 1::2]  # [rows, lanes] each
+        rows = high.remainder_(P).mul_(_HALF).add_(low).remainder_(P)
+        lanes = rows.mul_(self._outer_table(num_rows, device)).remainder_(P).sum(dim=0)
+        tag = lanes.add_(self._pad(chunk, device)).remainder_(P)
+        return tag.to(torch.int32).view(torch.uint8)

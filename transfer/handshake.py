@@ -26,6 +26,8 @@ from transfer.protocol import TransferError, header_from_dict, request_from_dict
 logger = logging.getLogger(__name__)
 
 # NOTE: handshake bodies are a few hundred bytes; nothing larger has a reason to reach a transfer socket.
+# It is also each handshake socket's ZMQ_MAXMSGSIZE: libzmq drops a larger frame as it reads its length
+# (closing that connection) instead of buffering it whole for the verifier to refuse.
 MAX_HANDSHAKE_FRAME_BYTES = 64 << 10
 
 

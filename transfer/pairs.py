@@ -12,8 +12,11 @@ both ranks inside it: without it the first real transfer's receive would wait fo
 for the receiver's ack. With gloo it proves the connection before any KV byte is at stake.
 
 gloo's device is created with this worker's own address (``bind_host``): its sockets listen there, never
-on every interface. The store and the groups are not authenticated (see cluster/frames.py's trust
-boundary): they only carry bytes whose header and digest were agreed over signed frames.
+on every interface. The store cannot authenticate its clients, so once a side hands the channel the
+cluster secret (`use_secret`) every rendezvous value is signed and checked (transfer/rendezvous.py): a
+peer without the secret cannot steer a pair to itself; it can still delay a pair's build (the pair is
+then rebuilt at its next generation). The gloo/NCCL connections are not authenticated either: the KV
+bytes they carry are checked with a MAC keyed from the secret (integrity `mac`, transfer/staging.py).
 
 Broken pairs: a failed op (a gloo op that outlives the group's timeout closes the pair, a dead peer
 closes it, and a closed pair fails every later op at once) or a failed build marks the pair broken. A
@@ -34,6 +37,7 @@ import torch
 from transfer.channel import Channel, OpLane, PendingOp, _as_bytes, _GlooOp, _PolledOp
 from transfer.peers import DECODE_RANK, PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import TransferError, TransferPairError, TransferTimeoutError
+from transfer.rendezvous import RejectCounter, SignedStore, rendezvous_key
 from transfer.ring import on_stream
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class _Pair:
         self.peer_rank = 1 - rank
         self.ready = threading.Event()  # the build ended (ok: `group` is set)
         self.group: Any = None
+        self.keep: list[Any] = []  # what the group needs alive (its signed store)
         self.error: str | None = None  # why it is broken (the build failed, or an op did)
 
     @property
@@ -134,12 +139,20 @@ class PairChannel(Channel):
         # NOTE: resolved here, on the owner's thread: a bare "cuda" on the build thread would be its cuda:0
         self._device = indexed_device(device) if device is not None else torch.device("cpu")
         self._lock = threading.Lock()
+        self._rendezvous_key: bytes | None = None
+        self.rejected_rendezvous = RejectCounter()
         self._pairs: dict[tuple[PeerId, PeerId], _Pair] = {}
         self._floor: dict[tuple[PeerId, PeerId], int] = {}  # least generation after a pair was dropped
 
     @property
     def is_nccl(self) -> bool:
         return self.backend == "nccl"
+
+    def use_secret(self, secret: bytes) -> None:
+        self._rendezvous_key = rendezvous_key(secret)
+
+    def rejected(self) -> dict[str, int]:
+        return self.rejected_rendezvous.snapshot()
 
     def staging_device(self, kv_device: torch.device) -> torch.device:
         if self.is_nccl:
@@ -241,8 +254,11 @@ class PairChannel(Channel):
     def _new_group(self, pair: _Pair) -> Any:
         timeout_s = self._timeout.total_seconds()
         prefix = pair.key.store_prefix()
+        args = (self._store, prefix, pair.rank, self.backend, self._bind_host, timeout_s, self._device)
+        if self._rendezvous_key is None:  # NOTE: a channel no side gave the secret (tools, tests)
+            return build_group(*args)
         return build_group(
-            self._store, prefix, pair.rank, self.backend, self._bind_host, timeout_s, self._device
+            *args, rendezvous_key=self._rendezvous_key, keep=pair.keep, rejected=self.rejected_rendezvous
         )
 
     # ---- ops ------------------------------------------------------------------------------------------
@@ -294,17 +310,30 @@ def build_group(
     bind_host: str,
     timeout_s: float,
     device: torch.device | None = None,
+    *,
+    rendezvous_key: bytes | None = None,
+    keep: list[Any] | None = None,
+    rejected: RejectCounter | None = None,
 ) -> Any:
     """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``prefix`` of the
     TCPStore at ``store``; returns once both ranks joined (gloo) or at once (nccl: lazily, on the first
     op). gloo's sockets listen on ``bind_host`` only. An nccl group first sets `NCCL_ENV_DEFAULTS`; a
-    ``device`` without an index is the calling thread's current device."""
+    ``device`` without an index is the calling thread's current device.
+
+    With ``rendezvous_key`` the group sees the store through a `SignedStore` (values signed and checked,
+    strangers' ignored and counted in ``rejected``), appended to ``keep``: the caller keeps it alive as
+    long as the group (torch calls back into it)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     # NOTE: a store client per group: a client blocks in a rendezvous wait while holding its lock, so a
     # peer that never comes must not stall the builds of every other pair.
-    client = dist.TCPStore(store[0], store[1], None, False, timeout)
+    client: Any = dist.TCPStore(store[0], store[1], None, False, timeout)
+    if rendezvous_key is not None:
+        client = SignedStore(client, rendezvous_key, timeout_s, rejected or RejectCounter())
+        if keep is None:
+            raise ValueError("a signed rendezvous needs `keep` (the store must outlive the group)")
+        keep.append(client)
     prefixed = dist.PrefixStore(prefix, client)
     if backend == "nccl":
         if device is not None:

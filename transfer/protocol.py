@@ -63,7 +63,27 @@ MAX_TAG = (1 << 31) - 1
 # digest is XXH3-64 seeded with the transfer's nonce over (chunk index, payload); see transfer/staging.py.
 # Chunks staged on a GPU use a digest computed there instead (transfer/digest.py); the header names which.
 CHECKSUM_SCHEME = "xxh3_64-nonce-v2"
+# NOTE: the keyed MACs (integrity `mac`): Poly1305 on host bytes with a one-time key per chunk derived
+# from the cluster secret and the nonce (transfer/staging.py), and a polynomial Wegman-Carter MAC where
+# GPU-staged bytes are (transfer/digest.py). A nonce seen on the wire does not let anyone forge them.
+HOST_MAC_SCHEME = "poly1305-chunk-v1"
+DEVICE_MAC_SCHEME = "poly31x4-mac-v1"
+NO_CHECKSUM_SCHEME = "none"  # integrity `off`: chunks are not checked at all
+DEVICE_CHECKSUM_SCHEME = "poly31x2-nonce-v1"
+# transfer.integrity (cluster/config.py): off < digest < mac. A receiver refuses a weaker one than its own.
+INTEGRITY_MODES = ("off", "digest", "mac")
+SCHEME_INTEGRITY = {
+    NO_CHECKSUM_SCHEME: "off",
+    CHECKSUM_SCHEME: "digest",
+    DEVICE_CHECKSUM_SCHEME: "digest",
+    HOST_MAC_SCHEME: "mac",
+    DEVICE_MAC_SCHEME: "mac",
+}
 MAX_CHUNK_BYTES = 1 << 30
+
+
+def integrity_rank(mode: str) -> int:
+    return INTEGRITY_MODES.index(mode)
 
 
 class TransferError(RuntimeError):

@@ -27,11 +27,13 @@ import torch
 import zmq
 
 from transfer.channel import Channel, OpLane, PendingOp
-from transfer.handshake import MessageKind
+from transfer.handshake import MAX_HANDSHAKE_FRAME_BYTES, MessageKind
 from transfer.peers import DECODE_RANK, PairKey, PeerId
 from transfer.protocol import (
     KVHandoff,
+    TransferChecksumError,
     TransferError,
+    TransferMismatchError,
     TransferPeerLostError,
     TransferRequest,
     TransferResult,
@@ -64,8 +66,9 @@ class KVReceiver(Side):
 
     Staging holds `num_slots` chunks (of the sender's chunk size) whatever the transfer's size; the
     sender runs up to `num_slots` chunks ahead of the scatter. `me` is this process (the sender addresses
-    its frames to it); every frame is checked against `secret` (transfer/handshake.py). `checksum`: the
-    digest scheme it verifies with (see Side); a header naming another is refused.
+    its frames to it); every frame is checked against `secret` (transfer/handshake.py). `integrity` /
+    `checksum`: what it verifies chunks with (see Side); a header naming a weaker scheme is refused, and
+    a chunk that fails its digest or MAC is counted (TransferStats.num_rejected_chunks), never scattered.
     """
 
     def __init__(
@@ -79,8 +82,9 @@ class KVReceiver(Side):
         zmq_context: zmq.Context[Any] | None = None,
         num_slots: int = NUM_SLOTS,
         checksum: str | None = None,
+        integrity: str | None = None,
     ) -> None:
-        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum)
+        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum, integrity)
         self._jobs: deque[_Job] = deque()
         self._dealers: dict[str, zmq.Socket[Any]] = {}
         self._posted: dict[int, _Job] = {}  # by nonce; the transfer thread's own
@@ -298,6 +302,7 @@ class KVReceiver(Side):
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_FRAME_BYTES)  # NOTE: libzmq drops larger unread
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
             self._poller.register(sock, zmq.POLLIN)
@@ -336,6 +341,12 @@ class KVReceiver(Side):
         ops: list[PendingOp] = []
         try:
             self._check_peer(src)
+            if header.checksum not in self.accepted_checksums:
+                raise TransferMismatchError(
+                    f"transfer header mismatch for request {header.request_id!r}: checksum is "
+                    f"{header.checksum!r}, expected {self.checksum!r} (integrity {self.integrity}: this "
+                    f"receiver accepts {list(self.accepted_checksums)})"
+                )
             validate_header(
                 header,
                 request_id=handoff.request_id,
@@ -346,7 +357,7 @@ class KVReceiver(Side):
                 backend=self._channel.backend,
                 layout=self.layout,
                 num_blocks=len(dst_ids),
-                checksum=self.checksum,
+                checksum=header.checksum,
             )
             result.nbytes, result.generation = header.nbytes, header.generation
             key = PairKey(src, self.me, header.generation)
@@ -354,7 +365,7 @@ class KVReceiver(Side):
             self._wait_op(joined, job.deadline, lambda: self._check_and_poll(sock, src, nonce))
             plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
             with self._on_stream():
-                self._receive_chunks(sock, job, key, nonce, plan, result, ops)
+                self._receive_chunks(sock, job, key, nonce, plan, header.checksum, result, ops)
             self._send(sock, src, MessageKind.DONE, nonce)
             result.ok = True
         except PeerAbort as e:
@@ -363,6 +374,8 @@ class KVReceiver(Side):
         except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad transfer)
             error = as_transfer_error(e)
             fail(result, error)
+            if isinstance(error, TransferChecksumError):
+                self._count_rejected_chunk()
             if not isinstance(error, TransferPeerLostError):
                 with contextlib.suppress(zmq.ZMQError):  # best effort: the sender times out anyway
                     sock.send(abort_frame(self._frames, src, nonce, error), zmq.NOBLOCK)
@@ -389,6 +402,7 @@ class KVReceiver(Side):
         key: PairKey,
         nonce: int,
         plan: ChunkPlan,
+        scheme: str,
         result: TransferResult,
         ops: list[PendingOp],
     ) -> None:
@@ -397,7 +411,7 @@ class KVReceiver(Side):
         Runs on the side's stream."""
         src = key.prefill
         num_slots = min(self.num_slots, plan.num_chunks)
-        ring = self._ring(plan, nonce, num_slots)
+        ring = self._ring(plan, nonce, num_slots, scheme)
         index = block_index(job.dst_block_ids, self._kv.device)
         tag = tag_for_nonce(nonce)
         lane = OpLane(f"recv-{src.worker_id}")

@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+from transfer.digest import DeviceDigest, DeviceMac
 from transfer.protocol import CHECKSUM_SCHEME
 from transfer.staging import (
+    DEVICE_SCHEMES,
     TRAILER_BYTES,
     ChunkPlan,
     chunk_digester,
@@ -60,7 +62,8 @@ def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 
 class StagingRing:
-    """`num_slots` chunk slots of `plan` for one transfer keyed by `nonce`, sealed with `scheme`.
+    """`num_slots` chunk slots of `plan` for one transfer keyed by `nonce`, sealed with `scheme` (a keyed
+    MAC scheme also needs `mac_key`, transfer/staging.py's `kv_mac_key`).
 
     `wire_buf` is on the channel's staging device (what the channel moves); `mirror_buf` is the KV cache's
     device copy of a host slot (a CUDA KV cache staged on the host), else None. Both stay the caller's:
@@ -77,11 +80,14 @@ class StagingRing:
         mirror_buf: torch.Tensor | None,
         stream: torch.cuda.Stream | None,
         scheme: str = CHECKSUM_SCHEME,
+        mac_key: bytes | None = None,
     ) -> None:
-        self._digest = chunk_digester(scheme, nonce)
-        if wire_buf.is_cuda and self._digest is None:
+        self._digest = chunk_digester(scheme, nonce, mac_key)
+        if wire_buf.is_cuda and scheme not in DEVICE_SCHEMES:
             raise ValueError(f"{scheme} hashes host bytes; chunks staged on a GPU need the device digest")
-        if self._digest is not None:
+        if isinstance(self._digest, DeviceMac):
+            self._digest.prepare(plan.chunk_bytes, wire_buf.device, plan.num_chunks)
+        elif isinstance(self._digest, DeviceDigest):
             self._digest.prepare(plan.chunk_bytes, wire_buf.device)
         self.plan = plan
         self.nonce = nonce

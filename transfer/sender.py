@@ -25,7 +25,7 @@ import zmq
 
 from cluster.frames import REASON_BAD_FIELD, REASON_MALFORMED
 from transfer.channel import Channel, OpLane, PendingOp
-from transfer.handshake import Message, MessageKind
+from transfer.handshake import MAX_HANDSHAKE_FRAME_BYTES, Message, MessageKind
 from transfer.parking import ParkedRequests
 from transfer.peers import PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import (
@@ -81,7 +81,7 @@ class KVSender(Side):
     `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`), the handshake socket, where every
     frame is checked against `secret` (transfer/handshake.py). `me` is this process (the handoff names it).
     `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds `num_slots` of
-    them whatever the transfer's size. `checksum`: the digest scheme (see Side).
+    them whatever the transfer's size. `integrity` / `checksum`: how chunks are sealed (see Side).
     """
 
     def __init__(
@@ -99,8 +99,9 @@ class KVSender(Side):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_slots: int = NUM_SLOTS,
         checksum: str | None = None,
+        integrity: str | None = None,
     ) -> None:
-        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum)
+        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum, integrity)
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
@@ -114,6 +115,7 @@ class KVSender(Side):
         self._abandoned: dict[tuple[bytes, int], tuple[PairKey, int, ChunkPlan]] = {}
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_FRAME_BYTES)  # NOTE: libzmq drops larger unread
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 

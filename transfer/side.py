@@ -20,6 +20,8 @@ from transfer.channel import Channel, PendingOp, layout_of
 from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.peers import PeerId
 from transfer.protocol import (
+    INTEGRITY_MODES,
+    SCHEME_INTEGRITY,
     TransferError,
     TransferPeerLostError,
     TransferResult,
@@ -27,7 +29,15 @@ from transfer.protocol import (
     row_bytes_of,
 )
 from transfer.ring import StagingRing, on_stream
-from transfer.staging import CHECKSUM_SCHEMES, ChunkPlan, default_checksum, kv_rows
+from transfer.staging import (
+    CHECKSUM_SCHEMES,
+    DEVICE_SCHEMES,
+    ChunkPlan,
+    accepted_checksums,
+    default_checksum,
+    kv_mac_key,
+    kv_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +61,12 @@ class Side:
     """Base of KVSender / KVReceiver: one transfer thread, reused staging buffers, its own CUDA stream,
     handshake frames signed with ``secret`` and addressed to ``me`` (this process), dropped peers.
 
-    `checksum` is the chunk digest scheme (transfer/staging.py); None picks it by where chunks are staged
-    (on a GPU: computed there). Both ends must pick the same: the receiver refuses a header naming another.
+    `integrity` (off | digest | mac; TransferConfig.integrity, whose default is mac) picks the chunk
+    scheme by where chunks are staged (transfer/staging.py; on a GPU: computed there); a receiver accepts
+    a header naming any scheme it can check at that integrity or stronger, and refuses a weaker one.
+    None keeps `digest` (tools and tests). `checksum` names the scheme itself instead: then the receiver
+    accepts exactly that one. MAC keys derive from `secret`, which also signs the channel's pair
+    rendezvous (`Channel.use_secret`).
     """
 
     def __init__(
@@ -65,6 +79,7 @@ class Side:
         ctx: zmq.Context[Any] | None,
         num_slots: int,
         checksum: str | None = None,
+        integrity: str | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -77,15 +92,22 @@ class Side:
         self._channel = channel
         self._frames = HandshakeFrames(secret, me.name)
         self._staging_device = channel.staging_device(kv.device)
-        self.checksum = checksum or default_checksum(self._staging_device)
+        if integrity is not None and integrity not in INTEGRITY_MODES:
+            raise ValueError(f"integrity must be one of {INTEGRITY_MODES}, got {integrity!r}")
+        self.checksum = checksum or default_checksum(self._staging_device, integrity or "digest")
         on_gpu = self._staging_device.type == "cuda"
-        if self.checksum not in CHECKSUM_SCHEMES or (
-            on_gpu and self.checksum != default_checksum(self._staging_device)
-        ):
+        if self.checksum not in CHECKSUM_SCHEMES or (on_gpu and self.checksum not in DEVICE_SCHEMES):
             raise ValueError(
                 f"checksum {self.checksum!r} cannot seal chunks staged on {self._staging_device} "
-                f"(one of {CHECKSUM_SCHEMES}; on a GPU only the device digest)"
+                f"(one of {CHECKSUM_SCHEMES}; on a GPU only {DEVICE_SCHEMES})"
             )
+        self.integrity = SCHEME_INTEGRITY[self.checksum]
+        # NOTE: the schemes a receiver takes from a sender's header: exactly `checksum` if one was named
+        self.accepted_checksums = (
+            (self.checksum,) if checksum else accepted_checksums(self._staging_device, self.integrity)
+        )
+        self._mac_key = kv_mac_key(secret)
+        channel.use_secret(secret)
         self._buffers: dict[str, torch.Tensor] = {}
         # NOTE: the side's own stream: its copies never wait behind the engine's forward, and the host
         # waits on it alone (transfer/ring.py). None on CPU, where every stream operation is a no-op.
@@ -147,10 +169,11 @@ class Side:
         return sorted(k.other(self.me).name for k in keys if self.me in k.ends)
 
     def rejected_frames(self) -> dict[str, int]:
-        """Handshake frames this side dropped, by reason (cluster/frames.py)."""
-        return self._frames.rejected()
+        """Handshake frames this side dropped, by reason (cluster/frames.py), and the rendezvous values its
+        channel ignored (transfer/rendezvous.py)."""
+        return {**self._frames.rejected(), **self._channel.rejected()}
 
-    def _ring(self, plan: ChunkPlan, nonce: int, num_slots: int) -> StagingRing:
+    def _ring(self, plan: ChunkPlan, nonce: int, num_slots: int, scheme: str | None = None) -> StagingRing:
         """A staging ring for one transfer, carved from buffers reused across transfers.
 
         NOTE: on CPU a fresh buffer costs more in page faults than the copy itself, so the largest buffers
@@ -162,7 +185,8 @@ class Side:
         mirror = None
         if self._kv.is_cuda and self._staging_device.type == "cpu":  # NOTE: GPU staging needs no host copy
             mirror = self._buffer("mirror", nbytes, self._kv.device)
-        return StagingRing(plan, nonce, num_slots, wire, mirror, self._stream, self.checksum)
+        scheme = scheme or self.checksum
+        return StagingRing(plan, nonce, num_slots, wire, mirror, self._stream, scheme, self._mac_key)
 
     def _buffer(self, name: str, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -211,6 +235,11 @@ class Side:
     def stats(self) -> TransferStats:
         with self._lock:
             return TransferStats(**vars(self._stats))
+
+    def _count_rejected_chunk(self) -> None:
+        """A received chunk failed its digest or MAC: counted (TransferStats.num_rejected_chunks)."""
+        with self._lock:
+            self._stats.num_rejected_chunks += 1
 
     def _record(self, result: TransferResult) -> None:
         if not result.ok:

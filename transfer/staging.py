@@ -2,7 +2,7 @@
 
 The gathered blocks are laid out layer-major, ``[L, n, 2, bs, h, d]``: row ``u = layer * n + j`` is block
 ``block_ids[j]`` of that layer (K and V, `row_bytes`). A chunk is a run of whole rows (it may span a
-layer boundary) followed by an 8-byte trailer holding its digest, so the sender can seal chunk i right
+layer boundary) followed by a 16-byte trailer holding its digest or MAC tag, so the sender can seal chunk i right
 after gathering it, while chunk i-1 is on the wire, and the receiver can verify chunk i and scatter it
 while chunk i+1 arrives. Each chunk sits at a 64-byte aligned offset of its buffer so every chunk can be
 viewed as machine words.
@@ -22,35 +22,109 @@ it releases the GIL, so it overlaps the channel's own threads.
 That digest needs host bytes. Chunks staged on a GPU (nccl, CUDA IPC) are sealed and checked where they
 are with `DeviceDigest` instead (scheme `DEVICE_CHECKSUM_SCHEME`, transfer/digest.py): pass one to
 `seal_chunk` / `verify_chunk`. The header names the scheme, so both ends agree on it before a byte moves.
+
+Integrity `mac` (transfer.integrity, the config's default) seals with a keyed MAC instead, so a peer that
+saw the nonce (or even chose it) cannot make a chunk that verifies without the cluster secret:
+`HostMac` (scheme `HOST_MAC_SCHEME`): Poly1305 over the payload with a one-time key per chunk, BLAKE2b
+keyed with the KV MAC key (`kv_mac_key(secret)`) over (nonce, chunk index); its 16-byte tag fills the
+trailer. Poly1305 under a one-time key forges with probability at most 8 * ceil(len / 16) / 2**106 per
+try (about 2**-85 for 4 MiB chunks). On a GPU: `DeviceMac` (transfer/digest.py). Integrity `off`
+(`NO_CHECKSUM_SCHEME`) writes a zero trailer and checks nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import xxhash
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from transfer.digest import DEVICE_CHECKSUM_SCHEME, DeviceDigest
-from transfer.protocol import CHECKSUM_SCHEME, TransferChecksumError
+from transfer.digest import DeviceDigest, DeviceMac
+from transfer.protocol import (
+    CHECKSUM_SCHEME,
+    DEVICE_CHECKSUM_SCHEME,
+    DEVICE_MAC_SCHEME,
+    HOST_MAC_SCHEME,
+    NO_CHECKSUM_SCHEME,
+    SCHEME_INTEGRITY,
+    TransferChecksumError,
+)
 
-TRAILER_BYTES = 8
+TRAILER_BYTES = 16
+DIGEST_BYTES = 8  # of a `digest` scheme's trailer (zero-extended); a MAC tag takes all 16
 _ALIGN = 64
 _MASK64 = (1 << 64) - 1
-CHECKSUM_SCHEMES = (CHECKSUM_SCHEME, DEVICE_CHECKSUM_SCHEME)
+CHECKSUM_SCHEMES = (
+    CHECKSUM_SCHEME,
+    DEVICE_CHECKSUM_SCHEME,
+    HOST_MAC_SCHEME,
+    DEVICE_MAC_SCHEME,
+    NO_CHECKSUM_SCHEME,
+)
+DEVICE_SCHEMES = (DEVICE_CHECKSUM_SCHEME, DEVICE_MAC_SCHEME, NO_CHECKSUM_SCHEME)  # usable on GPU staging
 
 
-def default_checksum(staging_device: torch.device) -> str:
-    """The scheme for chunks staged on `staging_device`: on a GPU the device digest (the bytes never go
-    to the host), else XXH3 on the host bytes."""
-    return DEVICE_CHECKSUM_SCHEME if staging_device.type == "cuda" else CHECKSUM_SCHEME
+def kv_mac_key(secret: bytes) -> bytes:
+    """The key KV chunk MACs derive from (never the cluster secret itself: the control plane's MAC is
+    keyed with that)."""
+    return hashlib.blake2b(b"pdserve-kv-mac-v1", key=secret, digest_size=32).digest()
 
 
-def chunk_digester(scheme: str, nonce: int) -> DeviceDigest | None:
-    """What `seal_chunk` / `verify_chunk` take for `scheme`: a DeviceDigest, or None (XXH3, host bytes)."""
+def default_checksum(staging_device: torch.device, integrity: str = "digest") -> str:
+    """The scheme for chunks staged on `staging_device` at `integrity` (off | digest | mac): on a GPU the
+    device digest or MAC (the bytes never go to the host), else XXH3 or Poly1305 on the host bytes."""
+    on_gpu = staging_device.type == "cuda"
+    if integrity == "off":
+        return NO_CHECKSUM_SCHEME
+    if integrity == "mac":
+        return DEVICE_MAC_SCHEME if on_gpu else HOST_MAC_SCHEME
+    if integrity == "digest":
+        return DEVICE_CHECKSUM_SCHEME if on_gpu else CHECKSUM_SCHEME
+    raise ValueError(f"integrity must be one of off, digest, mac; got {integrity!r}")
+
+
+def accepted_checksums(staging_device: torch.device, integrity: str) -> tuple[str, ...]:
+    """The schemes a receiver staging on `staging_device` verifies at `integrity` or stronger."""
+    usable = DEVICE_SCHEMES if staging_device.type == "cuda" else CHECKSUM_SCHEMES
+    floor = ("off", "digest", "mac").index(integrity)
+    return tuple(s for s in usable if ("off", "digest", "mac").index(SCHEME_INTEGRITY[s]) >= floor)
+
+
+class HostMac:
+    """Poly1305 tags of one transfer's chunks on host bytes (scheme HOST_MAC_SCHEME): chunk i's one-time
+    key is BLAKE2b keyed with the KV MAC key over (nonce, i), so no two chunks, of any transfer, share one."""
+
+    def __init__(self, mac_key: bytes, nonce: int) -> None:
+        nonce_bytes = (nonce & _MASK64).to_bytes(8, "little")
+        self._key = hashlib.blake2b(b"poly1305-transfer" + nonce_bytes, key=mac_key, digest_size=32).digest()
+
+    def tag(self, payload: torch.Tensor, chunk: int) -> bytes:
+        one_time = hashlib.blake2b(chunk.to_bytes(8, "little"), key=self._key, digest_size=32).digest()
+        return Poly1305.generate_tag(one_time, payload.numpy().data)
+
+
+class NoCheck:
+    """Integrity `off`: a zero trailer, never checked."""
+
+
+Sealer = DeviceDigest | DeviceMac | HostMac | NoCheck | None  # None: XXH3 on host bytes
+
+
+def chunk_digester(scheme: str, nonce: int, mac_key: bytes | None = None) -> Sealer:
+    """What `seal_chunk` / `verify_chunk` take for `scheme`: a DeviceDigest, DeviceMac, HostMac (both
+    need `mac_key`), NoCheck, or None (XXH3, host bytes)."""
     if scheme not in CHECKSUM_SCHEMES:
         raise ValueError(f"checksum must be one of {CHECKSUM_SCHEMES}, got {scheme!r}")
+    if scheme in (HOST_MAC_SCHEME, DEVICE_MAC_SCHEME):
+        if mac_key is None:
+            raise ValueError(f"checksum {scheme!r} is a keyed MAC: it needs the KV MAC key")
+        return HostMac(mac_key, nonce) if scheme == HOST_MAC_SCHEME else DeviceMac(mac_key, nonce)
+    if scheme == NO_CHECKSUM_SCHEME:
+        return NoCheck()
     return DeviceDigest(nonce) if scheme == DEVICE_CHECKSUM_SCHEME else None
 
 
@@ -177,17 +251,32 @@ def write_trailer(wire: torch.Tensor, digest: int) -> None:
 
 
 def read_trailer(wire: torch.Tensor) -> int:
-    return int.from_bytes(_trailer(wire).numpy().tobytes(), "little")
+    """The 64-bit digest in the trailer's first 8 bytes (a MAC tag fills all 16)."""
+    return int.from_bytes(_trailer(wire)[:DIGEST_BYTES].numpy().tobytes(), "little")
 
 
-def seal_chunk(wire: torch.Tensor, nonce: int, chunk: int, device_digest: DeviceDigest | None = None) -> None:
-    """Write the digest of `chunk`'s payload into its trailer: XXH3 (CPU wire bytes), or `device_digest`'s
-    where the bytes are (queued on the current stream; nothing waits)."""
+def _device_tag(sealer: DeviceDigest | DeviceMac, payload: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The trailer's 16 bytes for `payload` on its device (the 8-byte digest is zero-extended)."""
+    tag = sealer(payload, chunk)
+    if isinstance(sealer, DeviceMac):
+        return tag
+    return torch.cat([tag.view(1).view(torch.uint8), torch.zeros(8, dtype=torch.uint8, device=tag.device)])
+
+
+def seal_chunk(wire: torch.Tensor, nonce: int, chunk: int, device_digest: Sealer = None) -> None:
+    """Write the digest or MAC tag of `chunk`'s payload into its trailer: XXH3 / HostMac (CPU wire bytes),
+    or a DeviceDigest / DeviceMac where the bytes are (queued on the current stream; nothing waits)."""
+    payload = wire[: wire.numel() - TRAILER_BYTES]
     if device_digest is None:
         write_trailer(wire, chunk_digest(wire, nonce, chunk))
-        return
-    digest = device_digest(wire[: wire.numel() - TRAILER_BYTES], chunk)
-    _trailer(wire).copy_(digest.view(1).view(torch.uint8))
+    elif isinstance(device_digest, HostMac):
+        _trailer(wire).copy_(
+            torch.frombuffer(bytearray(device_digest.tag(payload, chunk)), dtype=torch.uint8)
+        )
+    elif isinstance(device_digest, NoCheck):
+        _trailer(wire).zero_()
+    else:
+        _trailer(wire).copy_(_device_tag(device_digest, payload, chunk))
 
 
 def verify_chunk(
@@ -196,17 +285,33 @@ def verify_chunk(
     nonce: int,
     chunk: int,
     what: str,
-    device_digest: DeviceDigest | None = None,
+    device_digest: Sealer = None,
 ) -> None:
-    """Raise TransferChecksumError unless `chunk`'s trailer is its digest under `nonce` (XXH3 on CPU wire
-    bytes, or `device_digest` where they are: then only the 16 bytes of the two digests are copied to the
-    host, which waits for the current stream)."""
+    """Raise TransferChecksumError unless `chunk`'s trailer is its digest or MAC tag (XXH3 / HostMac on
+    CPU wire bytes, or a DeviceDigest / DeviceMac where they are: then only the 32 bytes of the two tags
+    are copied to the host, which waits for the current stream). NoCheck: nothing is checked."""
+    payload = wire[: wire.numel() - TRAILER_BYTES]
+    if isinstance(device_digest, NoCheck):
+        return
+    if isinstance(device_digest, HostMac | DeviceMac):
+        if isinstance(device_digest, HostMac):
+            is_valid = hmac.compare_digest(device_digest.tag(payload, chunk), bytes(_trailer(wire).numpy()))
+        else:
+            both = torch.cat([device_digest(payload, chunk), _trailer(wire)]).cpu().numpy().tobytes()
+            is_valid = hmac.compare_digest(both[:TRAILER_BYTES], both[TRAILER_BYTES:])
+        if not is_valid:
+            raise TransferChecksumError(
+                f"MAC of chunk {chunk}/{plan.num_chunks} ({wire.numel()} B) of {what} does not verify "
+                "(forged without the cluster secret, corrupt, reordered, or of another transfer)"
+            )
+        return
     if device_digest is None:
         digest, expected = chunk_digest(wire, nonce, chunk), read_trailer(wire)
     else:
-        computed = device_digest(wire[: wire.numel() - TRAILER_BYTES], chunk).view(1).view(torch.uint8)
-        both = torch.cat([computed, _trailer(wire)]).cpu().numpy().tobytes()
-        digest, expected = int.from_bytes(both[:8], "little"), int.from_bytes(both[8:], "little")
+        computed = device_digest(payload, chunk).view(1).view(torch.uint8)
+        both = torch.cat([computed, _trailer(wire)[:DIGEST_BYTES]]).cpu().numpy().tobytes()
+        digest = int.from_bytes(both[:DIGEST_BYTES], "little")
+        expected = int.from_bytes(both[DIGEST_BYTES:], "little")
     if digest != expected:
         raise TransferChecksumError(
             f"digest of chunk {chunk}/{plan.num_chunks} ({wire.numel()} B) of {what} is {digest:#018x}, "

@@ -96,6 +96,7 @@ class DecodeRole:
             channel=channel,
             secret=self.ctx.secret,
             timeout_s=self.ctx.transfer_config.timeout_s,
+            integrity=self.ctx.transfer_config.integrity,
         )
         self.receiver.start()
 

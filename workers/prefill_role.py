@@ -46,6 +46,7 @@ class PrefillRole:
             endpoint=f"tcp://{self.ctx.bind_host}:*",
             timeout_s=cfg.timeout_s,
             lease_s=cfg.lease_s,
+            integrity=cfg.integrity,
         )
         self.sender.start()
 

@@ -74,6 +74,7 @@ from workers.request import RequestStatus
 from workers.role import Role, WorkerContext
 from workers.stats_log import StatsLine
 from workers.step_output import StepOutput
+from workers.structured_compile import CompileFailed
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +174,15 @@ class EngineWorker:
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(f"tcp://{self.node_ip}:*")
-        self.request_endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         incarnation = secrets.token_hex(8)
         # NOTE: ops are addressed to this process (worker id and incarnation), so none meant for a
         # predecessor (Ray restarted this worker) or a successor is ever acted on here: it is misaddressed.
         self._decoder = WireDecoder(secret, peer_name(worker_id, incarnation), OPS)
+        # NOTE: libzmq drops a larger frame while reading its length instead of buffering it whole for the
+        # verifier to refuse (the sender's connection is closed; the router's PUSH reconnects by itself)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, self._decoder.verifier.max_frame_bytes)
+        self._pull.bind(f"tcp://{self.node_ip}:*")
+        self.request_endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._encoder = WireEncoder(secret)
         # NOTE: a context of its own, so the last words can be flushed by terminating it (see _send)
         self._push_ctx: zmq.Context[Any] = zmq.Context()
@@ -358,6 +362,8 @@ class EngineWorker:
                     self._finished_transfers() - finished,
                 )
                 self._on_output(output)
+            for failure in self.engine.take_failed():  # NOTE: requests whose grammar failed to compile
+                self._fail_request(failure.request_id, failure.code, failure.message)
             problem = self._stage_problem()
             if problem is not None:
                 self._fatal(problem)  # NOTE: its tokens would never leave; the worker says so, then stops
@@ -462,7 +468,8 @@ class EngineWorker:
                 output_token_ids=op.output_token_ids,
             )
         except ValueError as e:
-            self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, str(e))
+            code = e.code if isinstance(e, CompileFailed) else ErrorCode.INVALID_REQUEST
+            self._fail_request(op.request_id, code, str(e))
 
     def _on_output(self, output: StepOutput) -> None:
         """A step's output to the router through the detokenizer stage, which builds its deltas and sends

@@ -114,6 +114,9 @@ class Router:
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        # NOTE: libzmq drops a larger frame while reading its length (the sender's connection is closed)
+        # instead of buffering it whole for the verifier to refuse: the verifier's own cap, on the socket
+        self._pull.setsockopt(zmq.MAXMSGSIZE, self.decoder.verifier.max_frame_bytes)
         self._pull.bind(f"tcp://{bind_host}:*")
         self.endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.members = Membership(
@@ -235,7 +238,7 @@ class Router:
                     if self.admission is not None and flight.attempt == 0 and flight.route is not None:
                         measured = flight.first_token_time - flight.arrival
                         self.admission.observe(flight.route.predicted_ttft_s, measured)
-                if isinstance(event, Prefilled) and attempt == flight.attempt:
+                if isinstance(event, Prefilled) and attempt == flight.attempt and not flight.is_overflowed:
                     is_handed_off = self._handoffs.hand_off(flight, event)
                     if not is_handed_off:
                         self._migrate(flight, "no healthy decode worker for the handoff")
@@ -330,7 +333,7 @@ class Router:
         # cancelled (a disconnect), swallowing the cancel, so the request would run on to its end.
         try:
             async with asyncio.timeout(left):
-                return await flight.events.get()
+                return await flight.get()
         except TimeoutError:
             raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline") from None
 
@@ -349,7 +352,7 @@ class Router:
 
     def _migrate(self, flight: Flight, why: str) -> None:
         """Dispatch the flight again (a new attempt) or, past max_migrations, fail it."""
-        if flight.done or flight.finished:
+        if flight.done or flight.finished or flight.is_overflowed:
             return
         if flight.attempt >= self.config.max_migrations:
             limit = self.config.max_migrations
@@ -464,7 +467,29 @@ class Router:
         if isinstance(event, (Delta, Prefilled)) and flight.queued_on is w:
             flight.unqueue()
         flight.put(event)
+        if flight.num_queued_bytes > self.config.request_buffer_bytes and not flight.finished:
+            self._abort_overflowed(flight)
         return True
+
+    def _abort_overflowed(self, flight: Flight) -> None:
+        """The flight's caller has left ``request_buffer_bytes`` of its events untaken (a stalled stream):
+        a worker cannot pause one request, so it is aborted on its workers now (its KV freed, nothing
+        more queued) and the caller finds the error after the events already queued."""
+        limit = self.config.request_buffer_bytes
+        flight.is_overflowed = True
+        self._release(flight, abort=True)
+        flight.put(
+            RequestAbortedError(
+                f"stream_stalled: the caller left {flight.num_queued_bytes} bytes of this request's "
+                f"output untaken (router request_buffer_bytes {limit}); generation aborted"
+            )
+        )
+        logger.warning(
+            "router: aborted %s: its caller left %d bytes untaken (request_buffer_bytes %d)",
+            flight.req.request_id,
+            flight.num_queued_bytes,
+            limit,
+        )
 
     def _on_request_failed(self, w: WorkerRef, event: RequestFailed) -> None:
         flight = self._flights.of(w, event.request_id)
