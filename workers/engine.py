@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import EngineConfig
-from cluster.protocol import EngineStats, SamplingParams, TokenDelta
+from cluster.protocol import EngineStats, ErrorCode, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
 from workers.detokenizer import (
@@ -25,10 +26,25 @@ from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerOutput
 from workers.step_output import StepItem, StepOutput
 from workers.structured import StructuredRequests
+from workers.structured_compile import CompileFailed, CompileLimits, RequestFailure
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL = str(Path(__file__).resolve().parent / "assets" / "pdserve-tiny")
+# NOTE: an engine whose only work is requests waiting for their grammars sleeps this long per step
+# (woken early when a compile ends) instead of spinning
+_GRAMMAR_WAIT_S = 0.005
+
+
+@dataclass
+class _AwaitingGrammar:
+    """A request whose grammar is still compiling: outside the batch until it is active.
+    ``is_reserved``: the decode side of a handoff, reserved and committed (its KV landed), whose
+    scheduler commit waits for the grammar."""
+
+    request: Request
+    output_token_ids: list[int]
+    is_reserved: bool
 
 
 class Engine:
@@ -45,6 +61,12 @@ class Engine:
     step's token, so under asynchronous scheduling a step that samples a constrained request whose
     previous token is still on the device is launched in two halves: the forward before waiting for
     the previous step, the mask and the sampling after resolving it.
+
+    Grammars compile on helper threads (``StructuredRequests``): a request whose grammar is not compiled
+    yet waits outside the scheduler (the batch never waits for it) and joins once it is; one whose
+    grammar fails (too complex, over the time budget, rejected) ends without a delta and is reported by
+    ``take_failed()`` (a worker sends it as RequestFailed). A failure known at admission (a size cap, a
+    spec known to be too complex, a full compile queue) is raised there instead (CompileFailed).
 
     ``detokenize=False`` leaves the text of most requests to a ``DetokenizerStage`` on another thread:
     their deltas carry token ids and ``text=""``; the engine still detokenizes the requests whose text
@@ -65,8 +87,14 @@ class Engine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stage: DetokenizerStage | None = None  # see use_stage
         self.structured = StructuredRequests(
-            self.tokenizer, self.vocab_size, self.eos_token_ids, self.runner.device
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.runner.device,
+            CompileLimits.from_config(config),
         )
+        self._awaiting: dict[str, _AwaitingGrammar] = {}
+        self._failed: list[RequestFailure] = []
         self._stats = EngineStats()
 
     @property
@@ -91,7 +119,14 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; nothing is queued."""
+        """Raise ValueError naming the field and the limit; nothing is queued. Compiles the request's
+        grammar, blocking (bounded by the compile budget): for callers that validate before queueing
+        (the offline API); admission itself never waits for a compile."""
+        self._check(prompt_token_ids, params)
+        if params.structured is not None:
+            self.structured.compile(params.structured)
+
+    def _check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least 1 token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -104,8 +139,6 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
-        if params.structured is not None:
-            self.structured.compile(params.structured)
 
     def _new_request(
         self,
@@ -116,13 +149,19 @@ class Engine:
         output_token_ids: list[int] | None = None,
     ) -> Request:
         """A request with its per-request state (detokenizer, grammar matcher advanced over
-        ``output_token_ids``); ValueError before anything is kept."""
-        self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests:
+        ``output_token_ids``, if its grammar is compiled already); ValueError before anything is kept."""
+        self._check(prompt_token_ids, params)
+        if request_id in self.scheduler.requests or request_id in self._awaiting:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, hold)
         if params.structured is not None:
-            self.structured.add(request_id, params.structured, output_token_ids or [])
+            self.structured.start(request_id, params.structured)
+            if output_token_ids is not None:
+                try:
+                    self.structured.activate(request_id, output_token_ids)
+                except ValueError:
+                    self.structured.remove(request_id)
+                    raise
         if self.tokenizer is not None and (self.detokenize or detokenizes_on_step_thread(params, hold)):
             self.detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.stop
@@ -142,8 +181,11 @@ class Engine:
         and keeps its blocks in SENDING_KV until ``release`` (or ``abort``). ``output_token_ids``: tokens
         already generated elsewhere (a handoff recomputed here); they are computed, not re-sampled."""
         request = self._new_request(
-            request_id, prompt_token_ids, params, hold_after_prefill, output_token_ids
+            request_id, prompt_token_ids, params, hold_after_prefill, output_token_ids or []
         )
+        if params.structured is not None and not self.structured.is_active(request_id):
+            self._awaiting[request_id] = _AwaitingGrammar(request, list(output_token_ids or []), False)
+            return
         if output_token_ids:
             self._resume(request, output_token_ids)
         self.scheduler.add_request(request)
@@ -198,16 +240,67 @@ class Engine:
             request = self.scheduler.requests[request_id]
             if request.output_token_ids:
                 raise RuntimeError(f"commit_prefilled({request_id!r}): its first token is known already")
-            if request.params.structured is not None:
+            spec = request.params.structured
+            if spec is not None and self.structured.is_active(request_id):
+                # NOTE: its matcher was built before the first token was known: built again over it below
                 self.structured.remove(request_id)
-                self.structured.add(request_id, request.params.structured, [first_token_id])
+                self.structured.start(request_id, spec)
             self._resume(request, [first_token_id])
             self._to_stage(request, [first_token_id])
+        request = self.scheduler.requests[request_id]
+        if request.params.structured is not None and not self.structured.is_active(request_id):
+            # NOTE: its KV has landed, so failing it here frees nothing a transfer still writes
+            waiting = _AwaitingGrammar(request, list(request.output_token_ids), True)
+            try:
+                is_active = self.structured.activate(request_id, waiting.output_token_ids)
+            except ValueError as e:
+                self._fail_waiting(waiting, e)
+                return
+            if not is_active:
+                self._awaiting[request_id] = waiting
+                return
         self.scheduler.commit_prefilled(request_id)
+
+    # ---- requests waiting for their grammar ----------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is now compiled join the scheduler (or commit); failed ones end."""
+        for request_id, waiting in list(self._awaiting.items()):
+            try:
+                if not self.structured.activate(request_id, waiting.output_token_ids):
+                    continue
+            except ValueError as e:
+                del self._awaiting[request_id]
+                self._fail_waiting(waiting, e)
+                continue
+            del self._awaiting[request_id]
+            request = waiting.request
+            if waiting.is_reserved:
+                self.scheduler.commit_prefilled(request_id)
+                continue
+            if waiting.output_token_ids:
+                self._resume(request, waiting.output_token_ids)
+            self.scheduler.add_request(request)
+            self._to_stage(request, waiting.output_token_ids)
+
+    def _fail_waiting(self, waiting: _AwaitingGrammar, error: ValueError) -> None:
+        request_id = waiting.request.request_id
+        if waiting.is_reserved:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            if self.stage is not None:
+                self.stage.drop(request_id)
+        self._drop(request_id)
+        code = error.code if isinstance(error, CompileFailed) else ErrorCode.INVALID_REQUEST
+        logger.info("request %s: structured output failed: %s", request_id, error)
+        self._failed.append(RequestFailure(request_id, code, str(error)))
+
+    def take_failed(self) -> list[RequestFailure]:
+        """The requests ended since the last call because their grammar failed (no delta says so)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     # ---- stepping ----------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight or self._awaiting)
 
     def step(self) -> list[TokenDelta]:
         """Schedule, run one forward, sample; returns one delta per request that got a token."""
@@ -216,6 +309,11 @@ class Engine:
     def step_output(self) -> StepOutput:
         """``step()`` with its deltas left to build (``StepOutput.deltas()``, on any thread, any time
         later): what a worker's step thread calls."""
+        if self._awaiting:
+            self._admit_compiled()
+            if self._awaiting and not (self.scheduler.waiting or self.scheduler.running or self._in_flight):
+                self.structured.wait(_GRAMMAR_WAIT_S)
+                self._admit_compiled()
         if isinstance(self.scheduler, AsyncScheduler):
             return self._step_async(self.scheduler)
         t0 = time.perf_counter()
@@ -351,7 +449,9 @@ class Engine:
     # ---- endings -----------------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
         """Cancel a request in any state and free its blocks; False if it is not (or no longer) here."""
+        waiting = self._awaiting.pop(request_id, None)
         found = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+        found = found or waiting is not None
         self._drop(request_id)
         if self.stage is not None:
             self.stage.drop(request_id)  # NOTE: after this request's deltas already submitted to it
@@ -401,6 +501,8 @@ class Engine:
                 "a launched step was never resolved (step() until has_unfinished() is false)"
             )
         self.scheduler.check_no_leaks()
+        if self._awaiting:
+            raise AssertionError(f"requests left waiting for their grammar: {sorted(self._awaiting)}")
         if (
             self.detokenizers
             or self.runner.generators

@@ -85,6 +85,9 @@ class LLM:
                     stage.submit(self.engine.step_output())  # NOTE: the stage builds the deltas
                     if stage.error is not None:
                         stage.flush(_DRAIN_TIMEOUT_S)  # raises the stage's error
+                failed = self.engine.take_failed()
+                if failed:  # NOTE: a grammar that validate() compiled, evicted and then failed to recompile
+                    raise ValueError("; ".join(f"{f.request_id}: {f.message}" for f in failed))
             if stage is not None:
                 stage.flush(_DRAIN_TIMEOUT_S)
         finally:

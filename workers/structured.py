@@ -13,7 +13,10 @@ Compiled grammars depend only on the spec and the tokenizer, so one :class:`Gram
 keeps the most recently used ones (LRU, ``max_entries``); matchers are per request and cheap.
 xgrammar (and with it torch) is imported when the first cache is built, never at module import.
 :class:`StructuredRequests` is the engine's side of it: the lazily built cache, every live request's
-state, and the :class:`StepMask` of a step's sampled rows.
+state, and the :class:`StepMask` of a step's sampled rows. Compiles (and building the cache) run on a
+bounded pool of helper threads (workers/structured_compile.py), never on the engine's thread: a
+request whose grammar is not compiled yet waits outside the batch (``start``, then ``activate`` until
+it returns True or raises).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from cluster.protocol import StructuredOutput
 from cluster.tokenizer import Tokenizer
 from workers.request import RequestStatus
+from workers.structured_compile import CompileLimits, CompilePool, CompileTicket
 
 DEFAULT_MAX_ENTRIES = 128
 
@@ -84,24 +88,37 @@ class GrammarCache:
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar for ``spec`` (an xgrammar CompiledGrammar), from the cache when there.
-        Raises ValueError naming the spec's kind when xgrammar rejects it."""
+        Raises ValueError naming the spec's kind when xgrammar rejects it. Blocks for the whole compile
+        (tests, tools): an engine compiles through its :class:`CompilePool` instead."""
+        compiled = self.lookup(spec)
+        if compiled is None:
+            compiled = self.compile_uncached(spec)
+            self.put(spec, compiled)
+        return compiled
+
+    def lookup(self, spec: StructuredOutput) -> Any | None:
+        """The cached compile of ``spec`` (counted as a hit), or None."""
         key = spec.cache_key
         with self._lock:
             compiled = self._entries.get(key)
             if compiled is not None:
                 self._entries.move_to_end(key)
                 self.num_hits += 1
-                return compiled
-        compiled = self._compile(spec)
+            return compiled
+
+    def put(self, spec: StructuredOutput, compiled: Any) -> None:
+        """Cache a fresh compile of ``spec`` (counted as a miss), evicting the least recently used."""
+        key = spec.cache_key
         with self._lock:
             self.num_misses += 1
             self._entries[key] = compiled
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
-        return compiled
 
-    def _compile(self, spec: StructuredOutput) -> Any:
+    def compile_uncached(self, spec: StructuredOutput) -> Any:
+        """Compile ``spec`` (any thread: xgrammar releases the GIL while it compiles); ValueError naming
+        its kind when xgrammar rejects it."""
         spec.validate()
         try:
             if spec.kind == "json":
@@ -123,11 +140,12 @@ class GrammarCache:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"invalid {spec.kind} for structured output: {first}"[:500]) from None
 
-    def matcher(self, spec: StructuredOutput) -> GrammarState:
-        """A fresh per-request state. JSON kinds also forbid tokens holding raw control characters:
-        xgrammar's JSON strings admit them, JSON (RFC 8259) does not (they must be escaped)."""
+    def matcher(self, spec: StructuredOutput, compiled: Any | None = None) -> GrammarState:
+        """A fresh per-request state (over ``compiled``, else ``spec`` compiled here). JSON kinds also
+        forbid tokens holding raw control characters: xgrammar's JSON strings admit them, JSON
+        (RFC 8259) does not (they must be escaped)."""
         extra = self._printable_row if spec.kind in ("json", "json_object") else None
-        return GrammarState(self.compile(spec), self.vocab_size, extra)
+        return GrammarState(self.compile(spec) if compiled is None else compiled, self.vocab_size, extra)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -228,12 +246,15 @@ class StepMask:
 
 
 class StructuredRequests:
-    """The engine's structured-output state: one :class:`GrammarCache`, built on first use (importing
-    xgrammar and reading the vocabulary takes seconds, so an engine that never sees a spec never pays
-    it), and the :class:`GrammarState` of every live request that has a spec.
+    """The engine's structured-output state: one :class:`GrammarCache`, built on first use on a compile
+    thread (importing xgrammar and reading the vocabulary takes seconds, so an engine that never sees
+    a spec never pays it), the :class:`CompilePool`, and the :class:`GrammarState` of every live
+    request that has a spec.
 
-    Lifecycle (the engine's contract): ``add`` at admission, advanced over the tokens the request
-    already has (the first token sampled on the prefill side of a handoff, a migrated request's tokens);
+    Lifecycle (the engine's contract): ``start`` at admission (submits the compile, never blocks);
+    ``activate`` until it returns True (the matcher exists, advanced over the tokens the request already
+    has: the first token sampled on the prefill side of a handoff, a migrated request's tokens) or
+    raises (CompileFailed: the grammar failed; ValueError: a token does not fit it; nothing is kept);
     ``advance`` once per sampled token, in order; ``remove`` when the request ends (finish, abort,
     release, a failed reservation). Preemption keeps the state: a preempted request keeps its output
     tokens and recomputes them, and its matcher already stands after them.
@@ -245,45 +266,104 @@ class StructuredRequests:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         device: torch.device,
+        limits: CompileLimits | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.device = device
+        self.limits = limits or CompileLimits()
         self._cache: GrammarCache | None = None
+        self._cache_lock = threading.Lock()
+        self._pool: CompilePool | None = None
         self._states: dict[str, GrammarState] = {}
+        self._waiting: dict[str, tuple[CompileTicket, StructuredOutput]] = {}  # started, not active
 
     @property
     def cache(self) -> GrammarCache:
-        if self._cache is None:
-            if self._tokenizer is None:
-                raise ValueError("structured outputs need the model's tokenizer.json")
-            self._cache = GrammarCache(self._tokenizer, self.vocab_size, self.stop_token_ids)
-            _warm_up_apply(self.vocab_size, self.device)
-        return self._cache
+        """The cache, built here on first use (blocking: compile threads and tests)."""
+        with self._cache_lock:
+            if self._cache is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer.json")
+                cache = GrammarCache(self._tokenizer, self.vocab_size, self.stop_token_ids)
+                _warm_up_apply(self.vocab_size, self.device)
+                self._cache = cache
+            return self._cache
+
+    @property
+    def pool(self) -> CompilePool:
+        if self._pool is None:
+            self._pool = CompilePool(
+                lambda spec: self.cache.compile_uncached(spec),
+                self.limits,
+                on_compiled=lambda spec, compiled: self.cache.put(spec, compiled),
+            )
+        return self._pool
+
+    def _ticket(self, spec: StructuredOutput) -> CompileTicket:
+        spec.validate()
+        cache = self._cache  # NOTE: not built here: building it blocks for seconds (a compile thread does)
+        compiled = cache.lookup(spec) if cache is not None else None
+        if compiled is not None:
+            return CompileTicket.done(spec.cache_key, compiled)
+        return self.pool.submit(spec)
 
     def compile(self, spec: StructuredOutput) -> None:
-        """Compile (or find cached) ``spec``; ValueError naming its kind when xgrammar rejects it."""
-        self.cache.compile(spec)
+        """Compile (or find cached) ``spec``, blocking up to the pool's bounds (the offline API validates
+        every prompt before queueing any); ValueError naming its kind or the limit when it fails."""
+        self.pool.result(self._ticket(spec))
 
-    def add(self, request_id: str, spec: StructuredOutput, output_token_ids: Sequence[int]) -> None:
-        """A matcher for a new request, advanced over ``output_token_ids``; ValueError (nothing kept)
-        when the spec does not compile or a token does not fit it."""
-        state = self.cache.matcher(spec)
-        state.accept_all(output_token_ids)
+    def start(self, request_id: str, spec: StructuredOutput) -> None:
+        """Submit ``request_id``'s compile (or find it cached); never blocks."""
+        self._waiting[request_id] = (self._ticket(spec), spec)
+
+    def activate(self, request_id: str, output_token_ids: Sequence[int]) -> bool:
+        """Build the started request's matcher, advanced over ``output_token_ids``, if its grammar is
+        compiled: True once active (also when it already was), False while it compiles. Raises
+        CompileFailed (its grammar failed) or ValueError (a token does not fit it), keeping nothing."""
+        waiting = self._waiting.get(request_id)
+        if waiting is None:
+            return request_id in self._states
+        ticket, spec = waiting
+        try:
+            compiled = self.pool.poll(ticket)
+            if compiled is None:
+                return False
+            state = self.cache.matcher(spec, compiled)
+            state.accept_all(output_token_ids)
+        except ValueError:
+            del self._waiting[request_id]
+            raise
+        del self._waiting[request_id]
         self._states[request_id] = state
+        return True
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` until a waiting request's compile ends (nothing else to run)."""
+        if self._waiting and self._pool is not None:
+            self._pool.wait([ticket for ticket, _ in self._waiting.values()], timeout_s)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._states or request_id in self._waiting
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._states) + len(self._waiting)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._states)
+        yield from self._states
+        yield from self._waiting
 
     def step_mask(self, sample_ids: Sequence[str]) -> StepMask | None:
         """The mask of a step whose sampled rows belong to ``sample_ids`` (in row order), filled from each

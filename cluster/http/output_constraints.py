@@ -18,10 +18,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cluster.protocol import StructuredOutput
+from cluster.protocol import ErrorCode, StructuredOutput
 
 MAX_CHOICES = 256
 MAX_SPEC_CHARS = 256 * 1024
+# NOTE: the defaults of EngineConfig's structured_max_spec_chars / structured_max_grammar_rules, which the
+# worker checks again: refused here, a grammar bomb never reaches a queue (compile time grows with rules)
+MAX_GRAMMAR_RULES = 2000
 
 # Fields of OpenAI's or vLLM's request bodies that pdserve does not implement, with the values that
 # mean "not used" (accepted); any other value is a 400 naming the field.
@@ -65,13 +68,14 @@ _STRUCTURED_OUTPUTS_NEUTRAL: dict[str, tuple[Any, ...]] = {
 class ConstraintError(ValueError):
     """A 400: ``param`` names the field."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
-def _fail(message: str, param: str) -> ConstraintError:
-    return ConstraintError(message[:500], param)
+def _fail(message: str, param: str, code: str | None = None) -> ConstraintError:
+    return ConstraintError(message[:500], param, code)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,17 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
+def _grammar(value: Any, param: str) -> StructuredOutput:
+    spec = StructuredOutput("grammar", _text(value, param))
+    if spec.num_grammar_rules > MAX_GRAMMAR_RULES:
+        raise _fail(
+            f"{param} has {spec.num_grammar_rules} rules, over the limit of {MAX_GRAMMAR_RULES}",
+            param,
+            ErrorCode.STRUCTURED_OUTPUT_TOO_COMPLEX.value,
+        )
+    return spec
+
+
 def _response_format(value: Any) -> StructuredOutput | None:
     param = "response_format"
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
@@ -174,6 +189,8 @@ def _structured_outputs(value: Any) -> StructuredOutput:
         return StructuredOutput("json_object")
     if key == "choice":
         return _choices(value[key], where)
+    if key == "grammar":
+        return _grammar(value[key], where)
     return StructuredOutput(key, _text(value[key], where))
 
 
@@ -191,9 +208,7 @@ def parse_structured(raw: dict[str, Any]) -> tuple[StructuredOutput | None, str 
     if raw.get("guided_choice") is not None:
         found.append((_choices(raw["guided_choice"], "guided_choice"), "guided_choice"))
     if raw.get("guided_grammar") is not None:
-        found.append(
-            (StructuredOutput("grammar", _text(raw["guided_grammar"], "guided_grammar")), "guided_grammar")
-        )
+        found.append((_grammar(raw["guided_grammar"], "guided_grammar"), "guided_grammar"))
     if raw.get("structured_outputs") is not None:
         found.append((_structured_outputs(raw["structured_outputs"]), "structured_outputs"))
     backend = raw.get("guided_decoding_backend")

@@ -201,6 +201,7 @@ def test_handoff_and_recompute_continue_the_grammar(is_async: bool) -> None:
     first = drive(prefill)["r"]
     assert first.token_ids == ref.token_ids[:1] and prefill.request_status("r") == RequestStatus.SENDING_KV
     bad = prefill.tokenizer.encode("x", add_special_tokens=False)[0]
+    decode.validate(prompt, params)  # NOTE: compiles the grammar (blocking), so the token is checked now
     with pytest.raises(ValueError, match=f"token {bad} .output position 0. does not fit"):
         decode.add_prefilled_request("r", prompt, bad, params)
     decode.check_no_leaks()
@@ -234,6 +235,7 @@ def test_preempted_requests_resume_their_grammar(is_async: bool) -> None:
         prompt = engine.tokenizer.encode(PROMPT)
         for i in range(6):
             params = SamplingParams(max_tokens=160, temperature=1.0, seed=i, structured=json_spec(SCHEMAS[i]))
+            engine.validate(prompt, params)  # NOTE: compiled now, so all six join the same first step
             engine.add_request(f"s{i}", prompt, params)
         seen = drive(engine)
         for i in range(6):
@@ -254,7 +256,7 @@ def test_bad_specs_are_value_errors_and_aborts_free_the_matcher() -> None:
     good = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "a+"))
     bad = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "(unclosed"))
     with pytest.raises(ValueError, match="invalid regex for structured output"):
-        engine.add_request("bad", prompt, bad)
+        engine.validate(prompt, bad)
     with pytest.raises(ValueError, match="invalid regex"):
         llm.generate([prompt, prompt], [good, bad])  # validated (compiled) before anything is queued
     engine.check_no_leaks()
