@@ -6,20 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
-from cluster.http.errors import ApiError
+from cluster.http.auth import KeyRing
 from cluster.http.json_body import parse_body, read_body
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Edge, Plan
+from cluster.http.quotas import Lease, TenantQuotas
 from cluster.protocol import GenerateRequest, ModelInfo, TokenDelta, WorkerStats
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """How much of one answer the edge holds for its client and how long it waits on it (ServerConfig's
+    ``stream_buffer_bytes`` and ``stream_stall_timeout_s``)."""
+
+    buffer_bytes: int = 1 << 20
+    stall_timeout_s: float = 30.0
 
 
 class RouterLike(Protocol):
@@ -64,7 +73,8 @@ class ServerState:
     router: RouterLike
     edge: Edge
     metrics: Metrics
-    expected_auth: bytes | None
+    keys: KeyRing
+    quotas: TenantQuotas  # NOTE: per tenant (API key, or client address without keys) fairness
     max_body_bytes: int
     # NOTE: validation, tokenization and chat templates run here, off the event loop, so a huge prompt
     # does not stall every other stream's tokens (the tokenizer releases the GIL while it works).
@@ -73,22 +83,42 @@ class ServerState:
     # NOTE: one scale operation at a time; a second one while it runs is a 409, never queued.
     scaling: asyncio.Lock = field(default_factory=asyncio.Lock)
     advisor: AdvisorLike | None = None  # live advice (/v1/pdserve/advice, the advice gauges)
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)  # a stream's buffer and stall bounds
+    # NOTE: a body past large_body_bytes is parsed and tokenized on its own one-thread lane, so huge
+    # prompts queue behind each other, never in front of a small request (issue 31 row 8).
+    large_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pdserve-edge-large"
+        )
+    )
+    large_body_bytes: int = 16 << 10
 
-    def authorize(self, request: Request) -> None:
-        if self.expected_auth is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, self.expected_auth):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+    def authorize(self, request: Request) -> str:
+        """The tenant the request counts against (its key's name, or its client address when the server
+        has no keys); ApiError 401 for a missing or unknown key."""
+        client = request.client.host if request.client is not None else None
+        return self.keys.tenant(request.headers.get("authorization", ""), client)
+
+    def authorize_admin(self, request: Request) -> None:
+        """The admin routes (/v1/pdserve/*): 404 when off (no admin key), 401 / 403 otherwise."""
+        self.keys.check_admin(request.headers.get("authorization", ""))
+
+    def admit(self, tenant: str, plan: Plan) -> Lease:
+        """Count ``plan`` against ``tenant``'s limits (429 / 400 when over); the caller must release the
+        lease once the answer is done or abandoned."""
+        tokens = sum(len(req.prompt_token_ids) + req.params.max_tokens for _, req in plan.jobs)
+        return self.quotas.acquire(tenant, len(plan.jobs), tokens)
 
     async def plan(self, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]) -> Plan:
         return await self.run_on_pool(request, planner)
 
     async def run_on_pool(self, request: Request, handler: Callable[[dict[str, Any], Edge], T]) -> T:
-        """Read the body (413 past the limit) and run ``handler(json, edge)`` on the edge's pool."""
+        """Read the body (413 past the limit) and run ``handler(json, edge)`` on the edge's pool (a body
+        past large_body_bytes: on the large lane)."""
         body = await read_body(request, self.max_body_bytes)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, lambda: handler(parse_body(body), self.edge))
+        pool = self.pool if len(body) <= self.large_body_bytes else self.large_pool
+        return await loop.run_in_executor(pool, lambda: handler(parse_body(body), self.edge))
 
 
 def state_of(request: Request) -> ServerState:

@@ -1,9 +1,11 @@
 """The SSE answer of a streamed plan: :func:`sse_stream` renders a :class:`Fanout`'s deltas as OpenAI
 chunks (keep-alive comments while idle, the usage chunk, ``[DONE]``); :class:`ClosingStreamingResponse`
-closes the fanout however the response ends."""
+bounds every write by the stall timeout and closes the fanout however the response ends."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,7 +13,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 
 from cluster.http.errors import as_api_error, error_body
-from cluster.http.fanout import Fanout
+from cluster.http.fanout import Fanout, stalled_error
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Plan
 from cluster.http.responses import ChoiceBuilder, envelope, sse_event, usage
@@ -20,9 +22,22 @@ from cluster.tokenizer import Tokenizer
 
 KEEPALIVE_S = 15.0  # an SSE comment while idle, so a vanished client is noticed on the next send
 
+logger = logging.getLogger(__name__)
+
+
+class _ClientStalled(Exception):
+    """A write to the client did not complete within the stall timeout."""
+
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that runs ``on_close`` however the response ends (done, client gone, error).
+    """A StreamingResponse that runs ``on_close`` however the response ends (done, client gone, stalled,
+    error).
+
+    A stalled client: uvicorn's ``send`` waits while the connection's write buffer is above its
+    high-water mark (flow control), so a client that reads nothing shows up as a send that does not
+    return; after ``stream_stall_timeout_s`` of that the response ends and ``on_close`` aborts the
+    stream's requests everywhere. NOTE: uvicorn then closes the transport, which waits to flush: a
+    client that never reads keeps its socket (and at most its ~64 KiB write buffer) until it goes away.
 
     NOTE: a generator's own ``finally`` never runs if the response fails before its first iteration.
     """
@@ -32,8 +47,21 @@ class ClosingStreamingResponse(StreamingResponse):
         self.fanout = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        stall_s = self.fanout.limits.stall_timeout_s
+
+        async def bounded_send(message: Any) -> None:
+            try:
+                async with asyncio.timeout(stall_s):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded_send)
+        except _ClientStalled:
+            error = stalled_error(self.fanout.limits, "its client read nothing")
+            self.fanout.metrics.observe_error(error.status, error.code)
+            logger.warning("%s (%d choices)", error.message, len(self.fanout.tasks))
         finally:
             with anyio.move_on_after(30, shield=True):
                 await self.fanout.close()

@@ -1,5 +1,5 @@
 """Flights: the router's state of each request it carries (across its migrations): which workers hold it,
-the queue of events its ``generate()`` reads, its timings and deadline, and the worker counters it adds
+the queue of events its ``generate()`` reads (and its size in bytes, which the router bounds), its timings and deadline, and the worker counters it adds
 to while it is on them.
 
 Each attempt of a request has its own wire id (``<request id>~<attempt>``), so late events of an
@@ -14,7 +14,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from cluster.protocol import GenerateRequest, RequestTimings, RouteInfo, RouterError, TokenDelta
+from cluster.protocol import (
+    GenerateRequest,
+    RequestTimings,
+    RouteInfo,
+    RouterError,
+    TokenDelta,
+    delta_nbytes,
+)
 from cluster.router.membership import WorkerRef, WorkerState
 from cluster.wire import Prefilled, Transferred
 
@@ -55,6 +62,9 @@ class Flight:
     queued_on: WorkerRef | None = None  # the worker whose prefill queue holds the current attempt
     queued_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of the tokens the current attempt prefills
+    num_queued_bytes: int = 0  # of the deltas in ``events`` (protocol.delta_nbytes)
+    # its caller left request_buffer_bytes of events untaken: aborted on its workers, the error queued
+    is_overflowed: bool = False
 
     @property
     def wire_id(self) -> str:
@@ -66,7 +76,15 @@ class Flight:
         if isinstance(event, (Delta, Prefilled)):
             self.token_ids += event.delta.token_ids
             self.finished = self.finished or event.delta.finish_reason is not None
+            self.num_queued_bytes += delta_nbytes(event.delta)
         self.events.put_nowait((self.attempt, event))
+
+    async def get(self) -> tuple[int, FlightEvent]:
+        """The next queued (attempt, event) for generate(); its bytes leave ``num_queued_bytes``."""
+        attempt, event = await self.events.get()
+        if isinstance(event, (Delta, Prefilled)):
+            self.num_queued_bytes -= delta_nbytes(event.delta)
+        return attempt, event
 
     @property
     def is_handed_off(self) -> bool:
