@@ -48,12 +48,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from deploy.cli_args import build_config
-    from deploy.http_host import serve_on_loop
+    from deploy.http_host import check_exposure, serve_on_loop
     from deploy.launch import start_cluster
     from deploy.logs import configure_logging
 
     cfg = build_config(args)
     configure_logging(cfg.log)
+    # NOTE: before the cluster starts: refusing an unauthenticated public bind must cost nothing
+    check_exposure(cfg.server, cfg.server.host)
     handle = start_cluster(cfg)
     try:
         serve_on_loop(handle, cfg.server.host, cfg.server.port)
@@ -186,8 +188,8 @@ def _scale(args: argparse.Namespace) -> int:
     """POST /v1/pdserve/scale on a running server; prints the pool's workers, or the server's error."""
     import httpx
 
-    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    admin_key = args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY")
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     body = {"pool": args.pool, "num_workers": args.workers}
     # NOTE: a scale-down waits for the drain (router.drain_timeout_s) before it answers.
     timeout = httpx.Timeout(args.timeout, connect=10.0)
@@ -210,7 +212,9 @@ def _add_scale(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     scale.add_argument("--pool", required=True, help="prefill, decode, or colocated")
     scale.add_argument("--workers", type=int, required=True, help="the pool's new number of workers")
     scale.add_argument("--url", default=os.environ.get("PDSERVE_BASE_URL", "http://127.0.0.1:8000"))
-    scale.add_argument("--api-key", default=None, help="the server's API key (default: $PDSERVE_API_KEY)")
+    scale.add_argument(
+        "--admin-key", default=None, help="the server's admin key (default: $PDSERVE_ADMIN_KEY)"
+    )
     scale.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     scale.set_defaults(func=_scale)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import logging
 import signal
 import socket
@@ -23,8 +24,13 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from cluster.config import ServerConfig
 from cluster.heap import freeze_startup_heap
 from cluster.http.app import create_app, create_server
+from cluster.http.auth import load_keys_file, read_key_file
+from cluster.http.connections import ConnectionLimits
+from cluster.http.fanout import StreamLimits
+from cluster.http.quotas import TenantLimits
 from cluster.tokenizer import Tokenizer
 from deploy.planner.advice import Advisor
 
@@ -58,6 +64,9 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         handle.router,
         Tokenizer.from_pretrained(handle.model_info.model_dir),
         api_key=cfg.api_key,
+        api_keys=load_keys_file(cfg.api_keys_file) if cfg.api_keys_file else None,
+        admin_key=admin_key(cfg),
+        tenant_limits=TenantLimits(cfg.max_requests_per_key, cfg.max_tokens_per_key),
         max_body_bytes=cfg.max_body_bytes,
         served_model_name=cfg.served_model_name,
         max_timeout_s=handle.config.router.request_timeout_s,
@@ -65,6 +74,47 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         structured_outputs=True,
         scaler=handle,
         advisor=advisor,
+        stream_limits=StreamLimits(cfg.stream_buffer_bytes, cfg.stream_stall_timeout_s),
+    )
+
+
+def admin_key(cfg: ServerConfig) -> str | None:
+    """The admin key: ``server.admin_key`` ($PDSERVE_ADMIN_KEY), else ``server.admin_key_file``'s."""
+    if cfg.admin_key:
+        return cfg.admin_key
+    return read_key_file(cfg.admin_key_file, "server.admin_key_file") if cfg.admin_key_file else None
+
+
+def connection_limits(cfg: ServerConfig) -> ConnectionLimits:
+    return ConnectionLimits(
+        cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s, cfg.keep_alive_timeout_s
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` reaches this machine only (``localhost`` or a loopback address)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # NOTE: any other name may resolve to a public address: treat it as public
+
+
+def check_exposure(cfg: ServerConfig, host: str) -> None:
+    """Refuse (ValueError) to serve a non-loopback ``host`` without an API key unless
+    ``allow_unauthenticated``; when allowed, say so in the log. Never names a key."""
+    if is_loopback(host) or cfg.api_key or cfg.api_keys_file:
+        return
+    if not cfg.allow_unauthenticated:
+        raise ValueError(
+            f"server.host {host!r} is not a loopback address and no API key is set: anyone who reaches "
+            "it could use the model. Set --api-key / $PDSERVE_API_KEY or --api-keys-file, or pass "
+            "--allow-unauthenticated (server.allow_unauthenticated) to serve it open"
+        )
+    logger.warning(
+        "serving %s WITHOUT an API key (--allow-unauthenticated): anyone who can reach it can generate",
+        host,
     )
 
 
@@ -153,8 +203,15 @@ def start_http(
 ) -> HttpServerHandle:
     """Serve the cluster's API on ``handle.loop`` without blocking; port 0 picks a free port. Returns
     once /health answers 200 (bounded by ``ready_timeout_s``). The caller must ``stop()`` it."""
+    check_exposure(handle.config.server, host)
     sock = _listen(host, port)
-    server = create_server(create_cluster_app(handle), host, int(sock.getsockname()[1]), log_level)
+    server = create_server(
+        create_cluster_app(handle),
+        host,
+        int(sock.getsockname()[1]),
+        log_level,
+        connection_limits(handle.config.server),
+    )
     future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
     http = HttpServerHandle(server, future, sock)
     try:
@@ -169,8 +226,14 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
     """Serve the cluster's API on ``handle.loop`` and block until Ctrl-C / SIGTERM (then a graceful
     stop). host/port default to ``handle.config.server``. The caller still owns ``handle.shutdown()``."""
     cfg = handle.config.server
+    check_exposure(cfg, host or cfg.host)
     sock = _listen(host or cfg.host, cfg.port if port is None else port)
-    server = create_server(create_cluster_app(handle), host or cfg.host, int(sock.getsockname()[1]))
+    server = create_server(
+        create_cluster_app(handle),
+        host or cfg.host,
+        int(sock.getsockname()[1]),
+        limits=connection_limits(cfg),
+    )
     future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
     http = HttpServerHandle(server, future, sock)
 

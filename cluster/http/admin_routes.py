@@ -1,5 +1,8 @@
 """The routes for whoever runs the server: GET /health, /version and /metrics, and pdserve's admin routes
-POST /v1/pdserve/scale (grow or shrink a pool) and GET /v1/pdserve/advice (the planner's live advice)."""
+POST /v1/pdserve/scale (grow or shrink a pool) and GET /v1/pdserve/advice (the planner's live advice).
+
+The admin routes take the admin key only (``server.admin_key``), never an inference key; a server
+without one answers them 404 (they are off). /metrics takes the inference key, like the API."""
 
 from __future__ import annotations
 
@@ -63,9 +66,9 @@ def parse_scale(body: dict[str, Any], pools: list[str]) -> tuple[str, int]:
 @routes.post("/v1/pdserve/scale")
 async def scale(request: Request) -> dict[str, Any]:
     """Admin: grow or shrink a pool (``pdserve scale``); answers once the pool has its new size. Needs
-    the API key when one is set; 409 while another scale runs."""
+    the admin key (404 when the server has none); 409 while another scale runs."""
     state = state_of(request)
-    state.authorize(request)
+    state.authorize_admin(request)
     scaler = state.scaler
     if scaler is None:
         raise ApiError(
@@ -83,9 +86,10 @@ async def scale(request: Request) -> dict[str, Any]:
 @routes.get("/v1/pdserve/advice")
 async def advice(request: Request) -> Response:
     """The planner's recommended split for the traffic of the last ``window_s`` seconds (query
-    parameter; default and limit: the router's ``advice_window_s``) and the SLO attainment it predicts."""
+    parameter; default and limit: the router's ``advice_window_s``) and the SLO attainment it predicts.
+    Needs the admin key (it describes every tenant's traffic); 404 when the server has none."""
     state = state_of(request)
-    state.authorize(request)
+    state.authorize_admin(request)
     advisor = state.advisor
     if advisor is None:
         raise ApiError(

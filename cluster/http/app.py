@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Mapping
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,9 +38,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.http import admin_routes, completion_routes, model_routes
+from cluster.http.auth import DEFAULT_TENANT, KeyRing
+from cluster.http.connections import ConnectionLimits, bounded_protocol
 from cluster.http.errors import RETRY_AFTER_S, ApiError, as_api_error, error_body
+from cluster.http.fanout import StreamLimits
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Edge
+from cluster.http.quotas import TenantLimits, TenantQuotas
 from cluster.http.server_state import AdvisorLike, RouterLike, Scaler, ServerState, state_of
 from cluster.protocol import RouterError
 from cluster.tokenizer import Tokenizer
@@ -82,6 +87,9 @@ def create_app(
     tokenizer: Tokenizer | None,
     *,
     api_key: str | None = None,
+    api_keys: Mapping[str, str] | None = None,
+    admin_key: str | None = None,
+    tenant_limits: TenantLimits | None = None,
     max_body_bytes: int = 1 << 20,
     served_model_name: str | None = None,
     default_timeout_s: float | None = None,
@@ -91,6 +99,7 @@ def create_app(
     metrics_compat: str = "none",
     scaler: Scaler | None = None,
     advisor: AdvisorLike | None = None,
+    stream_limits: StreamLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
 
@@ -100,7 +109,18 @@ def create_app(
     metrics_compat "vllm" also exports the ``vllm:*`` metric names. scaler: enables the admin route
     ``POST /v1/pdserve/scale`` (a cluster's handle). advisor: serves /v1/pdserve/advice and the advice
     gauges (None: that route answers 404).
+
+    Keys: ``api_key`` (one tenant, named ``default``) and/or ``api_keys`` (tenant name -> key); none:
+    inference is open and each client address is its own tenant. ``admin_key`` guards the admin routes
+    (/v1/pdserve/*; without it they answer 404). ``tenant_limits``: what one tenant may hold in flight
+    (``cluster/http/quotas.py``; default :class:`TenantLimits`). ``stream_limits``: a stream's buffer
+    and stall bounds (ServerConfig's stream_buffer_bytes and stream_stall_timeout_s).
     """
+    tenants = dict(api_keys or {})
+    if api_key is not None:
+        if DEFAULT_TENANT in tenants:
+            raise ValueError(f"tenant name {DEFAULT_TENANT!r} is taken by the single API key; rename it")
+        tenants[DEFAULT_TENANT] = api_key
     info = router.model_info
     names = list(dict.fromkeys([served_model_name or info.name, info.name]))
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -117,11 +137,13 @@ def create_app(
         router=router,
         edge=Edge(info, tokenizer, names, default_timeout_s, max_timeout_s, structured_outputs),
         metrics=metrics,
-        expected_auth=f"Bearer {api_key}".encode() if api_key is not None else None,
+        keys=KeyRing.create(tenants, admin_key),
+        quotas=TenantQuotas(tenant_limits or TenantLimits()),
         max_body_bytes=max_body_bytes,
         pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),
         scaler=scaler,
         advisor=advisor,
+        stream_limits=stream_limits or StreamLimits(),
     )
     app.include_router(completion_routes.routes)
     app.include_router(model_routes.routes)
@@ -135,10 +157,23 @@ def create_app(
 
 
 def create_server(
-    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    limits: ConnectionLimits | None = None,
 ) -> uvicorn.Server:
-    """A uvicorn server for ``app``; ``await server.serve()`` runs it inside an existing event loop."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    """A uvicorn server for ``app``; ``await server.serve()`` runs it inside an existing event loop.
+    ``limits``: head / body / keep-alive timeouts and the connection cap (``cluster/http/connections.py``;
+    default :class:`ConnectionLimits`)."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        http=bounded_protocol(limits or ConnectionLimits()),
+    )
     return uvicorn.Server(config)
 
 

@@ -1,6 +1,7 @@
 """The generation routes: POST /v1/completions and /v1/chat/completions.
 
-Each validates and plans its body off the event loop (``ServerState.plan``), runs the plan through a
+Each validates and plans its body off the event loop (``ServerState.plan``), counts it against its
+tenant's limits (``cluster/http/quotas.py``: 429 naming the limit), runs the plan through a
 :class:`Fanout` and answers one JSON body or an SSE stream (``cluster/http/streaming.py``). A request may
 carry ``x-pdserve-ttft-slo-ms`` (its TTFT SLO for SLO-aware admission: a request predicted to miss it is a
 429 with Retry-After).
@@ -17,10 +18,12 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from cluster.http.errors import ApiError, as_api_error
 from cluster.http.fanout import Fanout
 from cluster.http.planning import Edge, Plan, plan_chat, plan_completion
+from cluster.http.quotas import Lease
 from cluster.http.responses import ChoiceBuilder, envelope, usage
 from cluster.http.server_state import ServerState, state_of
 from cluster.http.streaming import ClosingStreamingResponse, sse_stream
@@ -64,8 +67,28 @@ async def _collect(fanout: Fanout, plan: Plan, tokenizer: Tokenizer | None) -> d
     return choices
 
 
-async def _run(state: ServerState, plan: Plan, request: Request, arrival: float) -> Response:
-    fanout = Fanout(state.router, state.metrics, plan, arrival)
+class _LeasedResponse(Response):
+    """Delegates to ``inner`` (a streamed answer) and releases the tenant's ``lease`` once it has ended,
+    however it ends (the inner response closes its fanout, aborting what did not finish, first).
+
+    NOTE: not ``background=``: Starlette skips a response's background task when the stream fails.
+    """
+
+    def __init__(self, inner: Response, lease: Lease) -> None:
+        # NOTE: no super().__init__: this response renders nothing itself; ``inner`` does.
+        self.inner, self.lease = inner, lease
+        self.status_code, self.background = inner.status_code, None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.lease.release()
+
+
+async def _run(state: ServerState, plan: Plan, request: Request, arrival: float, lease: Lease) -> Response:
+    """Run ``plan`` and answer it; ``lease`` (the tenant's quota) is released once the answer ends."""
+    fanout = Fanout(state.router, state.metrics, plan, arrival, state.stream_limits)
     handed_off = False
     try:
         if plan.stream:
@@ -76,7 +99,7 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float)
                 raise as_api_error(first[1])
             handed_off = True
             stream = sse_stream(plan, fanout, first, state.edge.tokenizer, state.metrics)
-            return ClosingStreamingResponse(stream, fanout)
+            return _LeasedResponse(ClosingStreamingResponse(stream, fanout), lease)
         work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
         choices = await _until_disconnected(request, work)
         response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}
@@ -85,6 +108,7 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float)
         if not handed_off:
             with anyio.move_on_after(30, shield=True):
                 await fanout.close()
+            lease.release()
 
 
 def _ttft_slo_s(request: Request) -> float | None:
@@ -105,26 +129,23 @@ def _ttft_slo_s(request: Request) -> float | None:
     return value / 1e3
 
 
-async def _planned(
-    state: ServerState, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]
-) -> Plan:
+async def _serve(request: Request, planner: Callable[[dict[str, Any], Edge], Plan]) -> Response:
+    arrival, state = time.perf_counter(), state_of(request)
+    tenant = state.authorize(request)
     slo_s = _ttft_slo_s(request)
+    state.quotas.check_room(tenant)  # NOTE: a tenant already at its limit is refused before planning
     plan = await state.plan(request, planner)
     if slo_s is not None:
         for _, req in plan.jobs:
             req.ttft_slo_s = slo_s
-    return plan
+    return await _run(state, plan, request, arrival, state.admit(tenant, plan))
 
 
 @routes.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    arrival, state = time.perf_counter(), state_of(request)
-    state.authorize(request)
-    return await _run(state, await _planned(state, request, plan_completion), request, arrival)
+    return await _serve(request, plan_completion)
 
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    arrival, state = time.perf_counter(), state_of(request)
-    state.authorize(request)
-    return await _run(state, await _planned(state, request, plan_chat), request, arrival)
+    return await _serve(request, plan_chat)

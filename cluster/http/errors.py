@@ -15,6 +15,7 @@ RETRY_AFTER_S = 1  # NOTE: 429 (queue full) and 503 (no healthy worker) are wort
 # NOTE: the one place an error code becomes an HTTP status.
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.STRUCTURED_OUTPUT_TOO_COMPLEX: 400,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.SLO_UNATTAINABLE: 429,
     ErrorCode.DEADLINE_EXCEEDED: 504,

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from cluster.http.errors import ApiError
 
@@ -14,7 +15,8 @@ MAX_JSON_DEPTH = 32
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
-    """The raw body; 413 past max_body_bytes, checked before anything is parsed."""
+    """The raw body; 413 past max_body_bytes, checked before anything is parsed; 499 (quietly) when the
+    client disconnects before the body is complete."""
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -22,10 +24,17 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
         if int(length) > max_body_bytes:
             raise ApiError(413, f"request body ({length} bytes) exceeds max_body_bytes ({max_body_bytes})")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_body_bytes:  # NOTE: chunked bodies have no Content-Length to trust.
-            raise ApiError(413, f"request body exceeds max_body_bytes ({max_body_bytes})")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:  # NOTE: chunked bodies have no Content-Length to trust.
+                raise ApiError(413, f"request body exceeds max_body_bytes ({max_body_bytes})")
+    except ClientDisconnect:
+        # NOTE: a client gone mid-body (or cut off by the body timeout) is routine, not a server fault:
+        # a 499 nobody reads, counted in the error metrics, never an ERROR traceback.
+        raise ApiError(
+            499, "client disconnected before its request body was complete", code="client_disconnected"
+        ) from None
     return bytes(body)
 
 

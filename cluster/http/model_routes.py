@@ -17,12 +17,14 @@ routes = APIRouter()
 
 def _model_card(edge: Edge) -> dict[str, Any]:
     info = edge.info
+    # NOTE: "root" is the served name, never the checkpoint's directory: a filesystem path tells a
+    # client nothing it can use and tells an attacker about the host.
     return {
         "id": edge.names[0],
         "object": "model",
         "created": 0,
         "owned_by": "pdserve",
-        "root": info.model_dir,
+        "root": edge.names[0],
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,
     }

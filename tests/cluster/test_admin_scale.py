@@ -17,7 +17,7 @@ from cluster.http.app import create_app
 from deploy.cli import main as cli_main
 from tests.support.stub_router import ServerThread, StubRouter, make_tokenizer
 
-KEY = "adm1n"
+KEY = "adm1n"  # the admin key (issue 31 row 10: the admin routes take it, never the inference key)
 
 
 class FakeScaler:
@@ -45,7 +45,9 @@ def scaler() -> FakeScaler:
 @pytest.fixture
 def server(scaler: FakeScaler) -> Iterator[ServerThread]:
     with ServerThread(
-        create_app(StubRouter(max_model_len=64), make_tokenizer(), api_key=KEY, scaler=scaler)
+        create_app(
+            StubRouter(max_model_len=64), make_tokenizer(), api_key="inference", admin_key=KEY, scaler=scaler
+        )
     ) as s:
         yield s
 
@@ -115,15 +117,15 @@ def test_a_second_scale_while_one_runs_is_a_409(server: ServerThread, scaler: Fa
 
 
 def test_a_server_without_a_cluster_cannot_scale() -> None:
-    with ServerThread(create_app(StubRouter(max_model_len=64), make_tokenizer())) as s:
-        reply = post(s, {"pool": "decode", "num_workers": 1}, key=None)
+    with ServerThread(create_app(StubRouter(max_model_len=64), make_tokenizer(), admin_key=KEY)) as s:
+        reply = post(s, {"pool": "decode", "num_workers": 1})
     assert reply.status_code == 404 and "cannot scale" in reply.json()["error"]["message"]
 
 
 def test_cli_prints_the_pool_or_the_error(
     server: ServerThread, scaler: FakeScaler, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["scale", "--url", f"{server.url}/v1", "--api-key", KEY]
+    base = ["scale", "--url", f"{server.url}/v1", "--admin-key", KEY]
     assert cli_main([*base, "--pool", "decode", "--workers", "2"]) == 0
     assert capsys.readouterr().out == "decode: 2 workers: decode-0 decode-1\n"
     assert cli_main([*base, "--pool", "other", "--workers", "2"]) == 1

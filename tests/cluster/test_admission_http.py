@@ -110,8 +110,10 @@ async def _http_scenario() -> dict[str, Any]:
             router=config,
         )
         advisor = Advisor(router, cluster, CONSTANT, vocab_size=512, max_model_len=128)
-        app = create_app(router, None, api_key=KEY, advisor=advisor)
+        # NOTE: live advice is an admin route (issue 31 row 10): it takes the admin key only
+        app = create_app(router, None, api_key=KEY, admin_key=f"{KEY}-admin", advisor=advisor)
         auth = {"Authorization": f"Bearer {KEY}"}
+        admin = {"Authorization": f"Bearer {KEY}-admin"}
         body = {"model": "fake", "prompt": list(range(10, 18)), "max_tokens": 1}
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://pdserve", timeout=30) as http:
@@ -138,8 +140,8 @@ async def _http_scenario() -> dict[str, Any]:
             out["first_op"] = await worker.serve_one()
             out["admitted"] = await admitted
             out["advice_no_key"] = await http.get("/v1/pdserve/advice")
-            out["advice_bad_window"] = await http.get("/v1/pdserve/advice?window_s=0", headers=auth)
-            out["advice"] = await http.get("/v1/pdserve/advice", headers=auth)
+            out["advice_bad_window"] = await http.get("/v1/pdserve/advice?window_s=0", headers=admin)
+            out["advice"] = await http.get("/v1/pdserve/advice", headers=admin)
             out["metrics"] = (await http.get("/metrics", headers=auth)).text
         advisor.close()
     finally:

@@ -220,7 +220,7 @@ def test_error_and_request_counters_read_zero_before_any_traffic() -> None:
     assert errors[(("code", "queue_full"), ("status", "429"))] == 0.0
     assert errors[(("code", "slo_unattainable"), ("status", "429"))] == 0.0
     assert errors[(("code", "internal_error"), ("status", "500"))] == 0.0
-    assert len(errors) == 14 and set(errors.values()) == {0.0}
+    assert len(errors) == 18 and set(errors.values()) == {0.0}
     requests = {labels: v for (name, labels), v in got.items() if name == "pdserve_requests_total"}
     assert requests == {
         (("finish_reason", r), ("mode", "colocated")): 0.0 for r in ("stop", "length", "abort", "error")

@@ -275,8 +275,10 @@ def test_serve_a_repo_id_from_the_hub_cache_offline(tmp_path: Path) -> None:
                 return False
 
         wait_for(healthy, timeout_s=240, what="pdserve serve healthy")
-        models = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
-        assert [m["id"] for m in models] == [REPO_ID] and models[0]["root"] == str(snapshot)
+        listing = httpx.get(f"{url}/v1/models", headers=auth)
+        models = listing.json()["data"]
+        assert [m["id"] for m in models] == [REPO_ID] and models[0]["root"] == REPO_ID
+        assert str(snapshot) not in listing.text  # issue 31 row 10: no filesystem path
         body = {
             "model": REPO_ID,
             "prompt": [5, 17, 42, 99],

@@ -1,0 +1,140 @@
+"""Bounded HTTP connections: the uvicorn h11 protocol with a request-head deadline, a request-body
+deadline and a cap on open connections, so slow or stalled clients cannot hold sockets forever.
+
+uvicorn itself bounds only the idle time between requests (``timeout_keep_alive``); a client that sends
+half a request head, or a head and then part of its body, keeps its connection (and a file descriptor)
+open indefinitely, and ``limit_concurrency`` answers 503 only once a full head has arrived. Here:
+
+* head: a connection must deliver each complete request head within ``header_timeout_s`` of the moment
+  the server starts waiting for it (the connection opening, or the previous response ending); else the
+  connection is answered 408 and closed;
+* body: a request's body must arrive in full within ``body_timeout_s`` of its head; else 408 and close
+  (the route reading it sees a disconnect, which the edge answers quietly);
+* cap: a connection beyond ``max_connections`` open ones is answered 503 (Retry-After) and closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-connection bounds of the edge (``server:`` config); 0 turns ``max_connections`` off."""
+
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+
+
+def _plain_response(status_line: bytes, extra_headers: bytes, message: str) -> bytes:
+    body = message.encode()
+    return (
+        b"HTTP/1.1 "
+        + status_line
+        + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        + extra_headers
+        + b"connection: close\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the bounds of ``limits`` (a class attribute: uvicorn builds one
+    protocol per connection from the class; :func:`bounded_protocol` makes a class per server).
+
+    Lifecycle: at most one head timer and one body timer are armed; both are cancelled when the
+    connection is lost, so a closed connection leaves no timer behind."""
+
+    limits = ConnectionLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout_keep_alive = self.limits.keep_alive_timeout_s  # type: ignore[assignment]
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        cap = self.limits.max_connections
+        if cap and len(self.connections) > cap:
+            # NOTE: answered before any byte is read; a client at the cap learns why and when to retry,
+            # and the socket is freed now rather than after a head timeout.
+            transport.write(
+                _plain_response(
+                    b"503 Service Unavailable", b"retry-after: 1\r\n", "too many open connections to pdserve"
+                )
+            )
+            transport.close()
+            return
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._track()
+
+    def _track(self) -> None:
+        """Arm or cancel the head and body timers for where the client now is in its request."""
+        if self.transport is None or self.transport.is_closing():
+            self._cancel_timers()
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+        elif self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if state is h11.SEND_BODY:
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+        elif self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        self._close_with_408("request head not received within header_timeout_s\n")
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            # NOTE: the route still waits for the body: it sees a disconnect (answered quietly) and its
+            # own response goes nowhere; the client gets this 408 instead.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._close_with_408("request body not received within body_timeout_s\n")
+        else:
+            self.transport.close()
+
+    def _close_with_408(self, message: str) -> None:
+        self.transport.write(_plain_response(b"408 Request Timeout", b"", message))
+        self.transport.close()
+
+
+def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
+    """A :class:`BoundedH11Protocol` class bound to ``limits`` (uvicorn's ``http=`` setting)."""
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits})
