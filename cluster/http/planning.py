@@ -19,7 +19,7 @@ from typing import Any, Literal, cast
 
 from pydantic import ValidationError
 
-from cluster.http.chat import template_message
+from cluster.http.chat import encode_messages
 from cluster.http.errors import ApiError
 from cluster.http.output_constraints import ConstraintError, Constraints, ToolCalls, parse_constraints
 from cluster.http.schema import (
@@ -29,6 +29,7 @@ from cluster.http.schema import (
     CompletionBody,
     check,
     check_common,
+    check_prompt_chars,
     check_prompt_ids,
     validation_message,
 )
@@ -76,7 +77,7 @@ class Edge:
         try:
             constraints = parse_constraints(raw, chat=chat)
         except ConstraintError as e:
-            raise ApiError(400, str(e), e.param) from None
+            raise ApiError(400, str(e), e.param, code=e.code) from None
         if constraints.structured is not None and not self.structured_outputs:
             raise ApiError(
                 400,
@@ -91,6 +92,26 @@ class Edge:
         if t is not None and self.max_timeout_s is not None:
             t = min(t, self.max_timeout_s)
         return None if t is None else time.time() + t
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt may have: max_model_len x the tokenizer's longest token, so a
+        longer text cannot fit the context however it tokenizes. It is refused before tokenizing."""
+        return self.info.max_model_len * self._chars_per_token
+
+    @property
+    def max_prompt_chars_reason(self) -> str:
+        return (
+            f"max_model_len {self.info.max_model_len} x {self._chars_per_token} characters per token, "
+            "the longest token of the model's tokenizer"
+        )
+
+    @property
+    def _chars_per_token(self) -> int:
+        # NOTE: a tokenizer-like object that does not know its longest token (a test double) gets a bound
+        # no text can reach, never an AttributeError.
+        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        return per_token if isinstance(per_token, int) else 1 << 40
 
 
 def _context_error(chat: bool, limit: int, prompt_len: int, max_tokens: int | None) -> ApiError:
@@ -205,6 +226,8 @@ def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
                 "prompt",
             )
             check(item != "", "prompt must not be empty", "prompt")
+            what = "the prompt" if single else f"prompt[{len(prompts)}]"
+            check_prompt_chars(len(item), edge.max_prompt_chars, edge.max_prompt_chars_reason, "prompt", what)
             ids = tokenizer.encode(item) if tokenizer is not None else []
         else:
             ids = list(item)
@@ -236,22 +259,18 @@ def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
         f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
         "top_logprobs",
     )
-    check(
-        tokenizer is not None, "chat needs a tokenizer with a chat template; this model has none", "messages"
-    )
+    if tokenizer is None:
+        raise ApiError(400, "chat needs a tokenizer with a chat template; this model has none", "messages")
     constraints = edge.constraints(raw, chat=True)
-    messages = [template_message(i, m) for i, m in enumerate(body.messages)]
-    kwargs = dict(body.chat_template_kwargs or {})
-    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
-    check(not reserved, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
-    try:
-        ids = (
-            tokenizer.encode_chat(messages, body.add_generation_prompt, tools=constraints.tools, **kwargs)
-            if tokenizer is not None
-            else []
-        )
-    except ValueError as e:
-        raise ApiError(400, str(e), "messages") from None
+    ids = encode_messages(
+        tokenizer,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        tools=constraints.tools,
+        template_kwargs=body.chat_template_kwargs,
+        max_chars=edge.max_prompt_chars,
+        max_chars_reason=edge.max_prompt_chars_reason,
+    )
     check_prompt_ids(ids, info, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -7,11 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.http.chat import template_message
+from cluster.http.chat import encode_messages
 from cluster.http.errors import ApiError
 from cluster.http.output_constraints import ConstraintError, parse_constraints
 from cluster.http.planning import Edge
-from cluster.http.schema import ChatMessage, check, check_model, validation_message
+from cluster.http.schema import ChatMessage, check, check_model, check_prompt_chars, validation_message
 
 
 class _TokenizeBody(BaseModel):
@@ -44,23 +44,28 @@ def tokenize_body(raw: dict[str, Any], edge: Edge) -> dict[str, Any]:
         (body.prompt is None) != (body.messages is None), "give exactly one of prompt or messages", "prompt"
     )
     tokenizer = edge.tokenizer
-    check(tokenizer is not None, "this model has no tokenizer", "prompt")
-    assert tokenizer is not None
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer", "prompt")
     if body.prompt is not None:
+        check_prompt_chars(
+            len(body.prompt), edge.max_prompt_chars, edge.max_prompt_chars_reason, "prompt", "the prompt"
+        )
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     else:
-        messages = [template_message(i, m) for i, m in enumerate(body.messages or [])]
         try:
             tools = parse_constraints({"tools": body.tools, "tool_choice": "none"}, chat=True).tools
         except ConstraintError as e:
             raise ApiError(400, str(e), e.param) from None
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, tools, **(body.chat_template_kwargs or {})
-            )
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        ids = encode_messages(
+            tokenizer,
+            body.messages or [],
+            add_generation_prompt=body.add_generation_prompt,
+            tools=tools,
+            template_kwargs=body.chat_template_kwargs,
+            max_chars=edge.max_prompt_chars,
+            max_chars_reason=edge.max_prompt_chars_reason,
+            add_special_tokens=bool(body.add_special_tokens),
+        )
     return {
         "count": len(ids),
         "max_model_len": edge.info.max_model_len,
@@ -76,12 +81,12 @@ def detokenize_body(raw: dict[str, Any], edge: Edge) -> dict[str, Any]:
     except ValidationError as e:
         raise ApiError(400, *validation_message(e)) from None
     check_model(body.model, edge.names)
-    check(edge.tokenizer is not None, "this model has no tokenizer", "tokens")
+    if edge.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer", "tokens")
     for t in body.tokens:
         check(
             0 <= t < edge.info.vocab_size,
             f"tokens: id {t} is outside the vocabulary [0, {edge.info.vocab_size})",
             "tokens",
         )
-    assert edge.tokenizer is not None
     return {"prompt": edge.tokenizer.decode(body.tokens, skip_special_tokens=False)}
