@@ -126,7 +126,9 @@ def start(transfer: TransferConfig, engine: EngineConfig) -> Harness:
             sent[rid] = ok
 
     kv = prefill.runner.kv_cache
-    sender = KVSender(kv, me=PREFILL, channel=channel, secret=secret, on_sent=on_sent, timeout_s=10.0)
+    # NOTE: the integrity the decode worker's config asks for (a receiver refuses a weaker one)
+    sender = KVSender(kv, me=PREFILL, channel=channel, secret=secret, on_sent=on_sent, timeout_s=10.0,
+                      integrity=TransferConfig().integrity)  # fmt: skip
     sender.start()
     return Harness(worker, router, prefill, sender, channel, store, fatal, sent, lock)
 

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 1229  # the bundled model's
 NUM_STREAMS = 32
+ADMIN_KEY = "sk-admin-elastic"  # NOTE: the admin routes are off without an admin key
 HEALTH = {"health_interval_s": 0.2, "health_timeout_s": 2.0, "request_timeout_s": 300.0}
 
 
@@ -135,7 +136,9 @@ def test_killed_prefill_worker_then_no_decode_worker_left_lose_no_request(offlin
 
 def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
     prompts, params, reference = workload(12, offline)
-    handle = start_cluster(cluster_config("", router={**HEALTH, "drain_timeout_s": 60.0}))
+    handle = start_cluster(
+        cluster_config("", router={**HEALTH, "drain_timeout_s": 60.0}, server={"admin_key": ADMIN_KEY})
+    )
     http = start_http(handle, port=0)
     try:
         for steps in ((("decode", 2), ("prefill", 2)), (("decode", 1), ("prefill", 1))):
@@ -149,7 +152,20 @@ def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
                     out = io.StringIO()
                     with contextlib.redirect_stdout(out):
                         assert (
-                            cli_main(["scale", "--url", http.url, "--pool", pool, "--workers", str(n)]) == 0
+                            cli_main(
+                                [
+                                    "scale",
+                                    "--url",
+                                    http.url,
+                                    "--admin-key",
+                                    ADMIN_KEY,
+                                    "--pool",
+                                    pool,
+                                    "--workers",
+                                    str(n),
+                                ]
+                            )
+                            == 0
                         )
                     sizes.append(out.getvalue().split(": ", 2)[2].split())
 
