@@ -60,7 +60,7 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device", p.name, f"{p.total_memory / 2**30:.1f} GiB", "sm", f"{p.major}.{p.minor}", "SMs", p.multi_processor_count)
-for name in ("triton", "transformers", "zmq", "ray", "xgrammar", "fastapi"):
+for name in ("triton", "transformers", "zmq", "ray", "xgrammar", "fastapi", "cryptography"):
     try:
         print(name, getattr(__import__(name), "__version__", "present"))
     except ImportError as e:

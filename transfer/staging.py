@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
-from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from transfer.digest import DeviceDigest, DeviceMac
 from transfer.protocol import (
@@ -99,12 +98,17 @@ class HostMac:
     key is BLAKE2b keyed with the KV MAC key over (nonce, i), so no two chunks, of any transfer, share one."""
 
     def __init__(self, mac_key: bytes, nonce: int) -> None:
+        # NOTE: imported here: only host-staged chunks need it, and a bare GPU machine (GPU-staged chunks,
+        # the device MAC) may not have the package: a GPU run found every module importing transfer/ failing.
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+        self._poly1305 = Poly1305
         nonce_bytes = (nonce & _MASK64).to_bytes(8, "little")
         self._key = hashlib.blake2b(b"poly1305-transfer" + nonce_bytes, key=mac_key, digest_size=32).digest()
 
     def tag(self, payload: torch.Tensor, chunk: int) -> bytes:
         one_time = hashlib.blake2b(chunk.to_bytes(8, "little"), key=self._key, digest_size=32).digest()
-        return Poly1305.generate_tag(one_time, payload.numpy().data)
+        return self._poly1305.generate_tag(one_time, payload.numpy().data)
 
 
 class NoCheck:
