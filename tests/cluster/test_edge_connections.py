@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -22,6 +21,7 @@ from fastapi import FastAPI
 
 from cluster.http.app import create_app, create_server
 from cluster.http.connections import ConnectionLimits
+from tests.support.cluster_utils import wait_for
 from tests.support.stub_router import ServerThread, StubRouter, make_tokenizer
 
 WAIT_S = 20.0  # NOTE: the bound of every client-side wait; the server's deadlines are well below it
@@ -68,6 +68,13 @@ def read_until_closed(sock: socket.socket) -> bytes:
     return data
 
 
+def _health_ok(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=WAIT_S).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def test_issue31_row7_a_half_sent_head_is_answered_408_and_closed(server: LimitedServerThread) -> None:
     with connect(server) as sock:
         sock.sendall(HEAD)  # the blank line that ends the head never comes
@@ -108,16 +115,7 @@ def test_issue31_row7_connections_beyond_the_cap_get_503_and_are_closed(router: 
             first.close()
             second.close()
         # NOTE: the closed ones free their places (the server notices a close on its own loop: poll)
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                reply_ok = httpx.get(f"{server.url}/health", timeout=WAIT_S)
-                if reply_ok.status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the cap never freed a place"
-            time.sleep(0.02)
+        wait_for(lambda: _health_ok(server.url), WAIT_S, "a place freed under the connection cap")
 
 
 def test_issue31_row7_an_idle_keep_alive_connection_is_closed(router: StubRouter) -> None:
@@ -137,11 +135,12 @@ def test_issue31_rows7_and_10_a_disconnect_mid_body_is_quiet(
             sock.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
             # the server has the head (it would answer a bad one at once); then the client goes away
             sock.shutdown(socket.SHUT_RDWR)
-        deadline = time.monotonic() + WAIT_S
         needle = 'code="client_disconnected",model_name="stub-model",status="499"} 1.0'
-        while needle not in httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text:
-            assert time.monotonic() < deadline, "the disconnect was never counted as a 499"
-            time.sleep(0.02)
+        wait_for(
+            lambda: needle in httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text,
+            WAIT_S,
+            "the disconnect counted as a 499",
+        )
     finally:
         uvicorn_logger.removeHandler(caplog.handler)
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
