@@ -15,26 +15,9 @@ import pytest
 from cluster.http.admin_routes import MAX_POOL_WORKERS
 from cluster.http.app import create_app
 from deploy.cli import main as cli_main
-from tests.support.stub_router import ServerThread, StubRouter, make_tokenizer
+from tests.support.stub_router import FakeScaler, ServerThread, StubRouter, make_tokenizer
 
 KEY = "adm1n"  # the admin key (issue 31 row 10: the admin routes take it, never the inference key)
-
-
-class FakeScaler:
-    """Records calls; ``gate`` (when set) holds a call until the test releases it."""
-
-    def __init__(self) -> None:
-        self.pools = ["prefill", "decode"]
-        self.calls: list[tuple[str, int]] = []
-        self.gate: threading.Event | None = None
-        self.entered = threading.Event()
-
-    def scale(self, pool: str, num_workers: int) -> list[str]:
-        self.calls.append((pool, num_workers))
-        self.entered.set()
-        if self.gate is not None and not self.gate.wait(30):
-            raise TimeoutError("the test never released the gate")
-        return [f"{pool}-{i}" for i in range(num_workers)]
 
 
 @pytest.fixture

@@ -21,19 +21,9 @@ from deploy.cli import build_parser
 from deploy.cli import main as cli_main
 from deploy.cli_args import build_config
 from deploy.http_host import admin_key, check_exposure
-from tests.support.stub_router import ServerThread, StubRouter, make_tokenizer
+from tests.support.stub_router import FakeScaler, ServerThread, StubRouter, make_tokenizer
 
 API_KEY, ADMIN_KEY = "sk-inference-123", "sk-admin-456"
-
-
-class FakeScaler:
-    def __init__(self) -> None:
-        self.pools = ["prefill", "decode"]
-        self.calls: list[tuple[str, int]] = []
-
-    def scale(self, pool: str, num_workers: int) -> list[str]:
-        self.calls.append((pool, num_workers))
-        return [f"{pool}-{i}" for i in range(num_workers)]
 
 
 @pytest.fixture

@@ -183,6 +183,24 @@ class StubRouter:
         return list(self.stats)
 
 
+class FakeScaler:
+    """A scaler for the admin route (``ClusterHandle.scale``'s shape): records calls; ``gate`` (when set)
+    holds a call until the test releases it."""
+
+    def __init__(self) -> None:
+        self.pools = ["prefill", "decode"]
+        self.calls: list[tuple[str, int]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def scale(self, pool: str, num_workers: int) -> list[str]:
+        self.calls.append((pool, num_workers))
+        self.entered.set()
+        if self.gate is not None and not self.gate.wait(30):
+            raise TimeoutError("the test never released the gate")
+        return [f"{pool}-{i}" for i in range(num_workers)]
+
+
 class ServerThread:
     """Runs ``app`` with uvicorn on a free 127.0.0.1 port in a daemon thread (context manager).
 
