@@ -30,6 +30,11 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# NOTE: the structured-output caps' defaults: the engine checks them before compiling, and the HTTP edge
+# refuses a spec over them before queueing (cluster/http/output_constraints.py), so a bomb reaches no queue.
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+MAX_GRAMMAR_RULES = 2000
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint to serve and how.
@@ -90,8 +95,8 @@ class EngineConfig:
     structured_compile_threads: int = 2
     structured_compile_timeout_s: float = 5.0
     structured_max_pending_compiles: int = 64
-    structured_max_spec_chars: int = 256 * 1024
-    structured_max_grammar_rules: int = 2000
+    structured_max_spec_chars: int = MAX_STRUCTURED_SPEC_CHARS
+    structured_max_grammar_rules: int = MAX_GRAMMAR_RULES
 
     def __post_init__(self) -> None:
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")

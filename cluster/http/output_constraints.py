@@ -18,13 +18,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cluster.config import MAX_GRAMMAR_RULES, MAX_STRUCTURED_SPEC_CHARS
 from cluster.protocol import ErrorCode, StructuredOutput
 
 MAX_CHOICES = 256
-MAX_SPEC_CHARS = 256 * 1024
-# NOTE: the defaults of EngineConfig's structured_max_spec_chars / structured_max_grammar_rules, which the
-# worker checks again: refused here, a grammar bomb never reaches a queue (compile time grows with rules)
-MAX_GRAMMAR_RULES = 2000
+MAX_SPEC_CHARS = MAX_STRUCTURED_SPEC_CHARS  # EngineConfig's defaults, which the worker checks again
 
 # Fields of OpenAI's or vLLM's request bodies that pdserve does not implement, with the values that
 # mean "not used" (accepted); any other value is a 400 naming the field.
