@@ -9,27 +9,14 @@ link it guards (NVLink: ~450 GB/s per direction on an H100 SXM) or it, not the l
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_throughput import seconds_per_call
 from transfer.digest import DeviceDigest
-
-
-def _seconds(call: Callable[[], object], device: torch.device, iters: int) -> float:
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / iters
 
 
 def main() -> None:
@@ -41,8 +28,8 @@ def main() -> None:
         chunk = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
         digest.prepare(nbytes, device)
         dst = torch.empty_like(chunk)
-        t_digest = _seconds(lambda c=chunk: digest(c, 0), device, iters)
-        t_copy = _seconds(lambda c=chunk, d=dst: d.copy_(c), device, iters)
+        t_digest = seconds_per_call(lambda c=chunk: digest(c, 0), device, iters)
+        t_copy = seconds_per_call(lambda c=chunk, d=dst: d.copy_(c), device, iters)
         print(f"{device.type} chunk {mib:2d} MiB: digest {nbytes / t_digest / 1e9:8.1f} GB/s "
               f"({t_digest * 1e6:8.1f} us), copy {2 * nbytes / t_copy / 1e9:8.1f} GB/s read+write")  # fmt: skip
 

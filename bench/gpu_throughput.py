@@ -67,7 +67,7 @@ TINY_WORKLOAD = {"num_requests": 12, "max_num_seqs": 4, "num_kv_tokens": 4096, "
                  "min_prompt": 8, "max_prompt": 40, "min_new": 4, "max_new": 16, "profile_steps": 4}  # fmt: skip
 
 
-def _timed(fn: Any, device: torch.device, iters: int) -> float:
+def seconds_per_call(fn: Any, device: torch.device, iters: int) -> float:
     """Seconds per call of ``fn`` after two warm-up calls."""
     for _ in range(2):
         fn()
@@ -85,7 +85,7 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _timed(lambda: torch.matmul(a, b), device, 20 if device.type == "cuda" else 3)
+    return 2 * n**3 / seconds_per_call(lambda: torch.matmul(a, b), device, 20 if device.type == "cuda" else 3)
 
 
 def copy_bytes_per_s(device: torch.device) -> float:
@@ -93,7 +93,7 @@ def copy_bytes_per_s(device: torch.device) -> float:
     numel = (1 << 30) if device.type == "cuda" else (1 << 24)
     src = torch.empty(numel, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    return 2 * numel / _timed(lambda: dst.copy_(src), device, 20 if device.type == "cuda" else 3)
+    return 2 * numel / seconds_per_call(lambda: dst.copy_(src), device, 20 if device.type == "cuda" else 3)
 
 
 @dataclass
