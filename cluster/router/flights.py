@@ -45,7 +45,8 @@ class Flight:
     req: GenerateRequest
     arrival: float
     deadline: float
-    events: asyncio.Queue[tuple[int, FlightEvent]] = field(default_factory=asyncio.Queue)  # (attempt, event)
+    # (attempt, event, its delta_nbytes): the size is counted once, when queued
+    events: asyncio.Queue[tuple[int, FlightEvent, int]] = field(default_factory=asyncio.Queue)
     attempt: int = 0
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
@@ -73,17 +74,18 @@ class Flight:
 
     def put(self, event: FlightEvent) -> None:
         """Queue an event of the current attempt for generate()."""
+        num_bytes = 0
         if isinstance(event, (Delta, Prefilled)):
             self.token_ids += event.delta.token_ids
             self.finished = self.finished or event.delta.finish_reason is not None
-            self.num_queued_bytes += delta_nbytes(event.delta)
-        self.events.put_nowait((self.attempt, event))
+            num_bytes = delta_nbytes(event.delta)
+            self.num_queued_bytes += num_bytes
+        self.events.put_nowait((self.attempt, event, num_bytes))
 
     async def get(self) -> tuple[int, FlightEvent]:
         """The next queued (attempt, event) for generate(); its bytes leave ``num_queued_bytes``."""
-        attempt, event = await self.events.get()
-        if isinstance(event, (Delta, Prefilled)):
-            self.num_queued_bytes -= delta_nbytes(event.delta)
+        attempt, event, num_bytes = await self.events.get()
+        self.num_queued_bytes -= num_bytes
         return attempt, event
 
     @property
