@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+# Caps on the sampling fields a request may carry (each a 400 at the edge, a ValueError offline).
+MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries
+MAX_BAD_WORDS = 256  # bad_words entries (each tokenized into at most MAX_BAD_WORD_TOKENS ids)
+MAX_BAD_WORD_TOKENS = 64
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -66,6 +72,19 @@ class SamplingParams:
     seed makes the request's random draws independent of whatever else shares the batch.
     logprobs None returns none; k >= 0 returns the chosen token's logprob plus the top k.
     structured: constrain the output (JSON schema, regex, choice, grammar); None: free text.
+
+    Logits processors, as vLLM defines them (applied to the logits before temperature and the filters;
+    the reported logprobs stay those of the raw distribution, as vLLM's default ``raw_logprobs``):
+    presence_penalty / frequency_penalty (OpenAI's, over the output tokens: ``logit -= frequency *
+    count + presence * (count > 0)``); repetition_penalty (transformers' / vLLM's, over prompt and
+    output tokens: a positive logit is divided by it, a negative one multiplied); logit_bias (token id
+    -> value added); min_tokens (EOS and stop_token_ids masked until that many tokens are out);
+    bad_words (strings, as the user gave them) resolve to bad_words_token_ids (each a token sequence
+    whose last token is masked when the output ends with the rest, as transformers'
+    ``NoBadWordsLogitsProcessor``); allowed_token_ids (None: every token); prompt_logprobs (None: none;
+    k: each prompt token's logprob plus the top k, computed where the prompt is prefilled).
+    Detokenization: include_stop_str_in_output keeps a matched stop string in the text;
+    skip_special_tokens False keeps special tokens in the text.
     """
 
     max_tokens: int = 16
@@ -79,6 +98,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +117,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the three penalties is on (they read the request's token history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Any logits processor is on: penalties, logit_bias, min_tokens, bad words, allowed ids."""
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or bool(self.bad_words_token_ids)
+            or self.allowed_token_ids is not None
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the offending field and its limit."""
@@ -106,10 +152,47 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.structured is not None:
             self.structured.validate()
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}"
+            )
+        for value in self.logit_bias.values():
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value}"
+                )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if len(self.bad_words) > MAX_BAD_WORDS or len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} entries, got {len(self.bad_words)}")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        if any(not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS for ids in self.bad_words_token_ids):
+            raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must hold at least one token id (None allows every token)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"stop_token_ids entries must be in [0, {vocab_size}), got {t}")
+            for name, ids in (
+                ("logit_bias", list(self.logit_bias)),
+                ("allowed_token_ids", self.allowed_token_ids or []),
+                ("bad_words", [t for word in self.bad_words_token_ids for t in word]),
+            ):
+                for t in ids:
+                    if not 0 <= t < vocab_size:
+                        raise ValueError(f"{name} token ids must be in [0, {vocab_size}), got {t}")
 
 
 @dataclass
@@ -137,6 +220,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
+    # one entry per prompt token (the first None: nothing precedes it), when ``prompt_logprobs`` was asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
@@ -162,6 +247,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.logprobs is not None and self.logprobs is not None:
             self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.finish_time = now
@@ -191,6 +278,10 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [to_dict(x) for x in obj]
     if isinstance(obj, dict):
+        if obj and all(type(k) is int for k in obj):
+            # NOTE: msgpack maps on our sockets take str keys only (strict_map_key): an int-keyed map
+            # (logit_bias) travels as [key, value] pairs; cluster/wire.py decodes dict[int, V] from them.
+            return [[k, to_dict(v)] for k, v in obj.items()]
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
 
@@ -213,6 +304,9 @@ class TokenDelta:
     error: str | None = None
     timings: RequestTimings | None = None  # set by the router on the final delta
     scheduled_time: float | None = None  # engine: when the request was first scheduled (first delta only)
+    # the prompt's logprobs (SamplingParams.prompt_logprobs), on the delta of the first token only: one
+    # entry per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def delta_nbytes(delta: TokenDelta) -> int:
@@ -222,6 +316,8 @@ def delta_nbytes(delta: TokenDelta) -> int:
     num_bytes = 400 + 40 * len(delta.token_ids) + len(delta.text) + len(delta.request_id)
     if delta.logprobs:
         num_bytes += sum(350 + 72 * len(lp.top_token_ids) for lp in delta.logprobs)
+    if delta.prompt_logprobs:
+        num_bytes += sum(350 + 72 * len(lp.top_token_ids) for lp in delta.prompt_logprobs if lp is not None)
     return num_bytes
 
 

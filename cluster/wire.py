@@ -298,6 +298,8 @@ def _build_decoder(tp: Any) -> Decoder:
     if origin is dict:
         key_tp, value_tp = typing.get_args(tp)
         key, value = _decoder_for(key_tp), _decoder_for(value_tp)
+        if key_tp is int:
+            return _int_keyed(value)
 
         def decode_dict(v: Any, path: str) -> dict[Any, Any]:
             if type(v) is not dict:
@@ -317,6 +319,20 @@ def _build_decoder(tp: Any) -> Decoder:
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _dataclass_decoder(tp)
     raise TypeError(f"no wire decoder for {tp!r}")
+
+
+def _int_keyed(value: Decoder) -> Decoder:
+    """dict[int, V] arrives as [key, value] pairs (``protocol.to_dict``; msgpack maps here take str keys
+    only); an empty one may also arrive as an empty map."""
+
+    def decode(v: Any, path: str) -> dict[int, Any]:
+        if type(v) is dict and not v:
+            return {}
+        if type(v) is not list or not all(type(p) is list and len(p) == 2 and type(p[0]) is int for p in v):
+            raise _bad(path, "expected a list of [int, value] pairs")
+        return {k: value(x, path) for k, x in v}
+
+    return decode
 
 
 def _decode_int_list(v: Any, path: str) -> list[int]:
