@@ -9,6 +9,11 @@ ended inside a multi-byte character, so we emit nothing and wait for the bytes t
 With ``skip_special_tokens`` the special tokens never enter the window: they render as nothing, and a run
 of them (a model repeating ``<|im_start|>``) would otherwise widen the window by one token a step, every
 step decoding it all again.
+
+The request's text options follow vLLM's detokenizer: the token that ends a request (EOS, a stop token
+id) is not rendered unless ``include_stop_str_in_output``, which also keeps a matched stop string (the
+text then ends where the stop string ends); stop strings are looked for only once more than
+``min_tokens`` tokens are out.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cluster.protocol import SamplingParams, TokenDelta
+from cluster.protocol import FinishReason, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.step_output import StepOutput
 
@@ -33,10 +38,13 @@ class IncrementalDetokenizer:
     """Turns a request's generated ids into text as they arrive and watches for stop strings.
 
     ``update`` appends ids and returns the stop string it matched (None if none); on a match
-    ``output_text`` is cut just before the stop string and later updates do nothing. ``get_delta``
-    returns the text not yet handed out, holding back the last ``len(longest stop) - 1`` characters
-    until ``finished`` (or a stop matched), so a streaming client never sees part of a stop string that
-    is later trimmed.
+    ``output_text`` is cut just before the stop string (just after it with
+    ``include_stop_str_in_output``) and later updates do nothing. ``stop_terminated``: the last id
+    ended the request (EOS, a stop token id); it is left out of the text unless
+    ``include_stop_str_in_output``. ``get_delta`` returns the text not yet handed out, holding back the
+    last ``len(longest stop) - 1`` characters until ``finished`` (or a stop matched), so a streaming
+    client never sees part of a stop string that is later trimmed (nothing is trimmed, so nothing is
+    held back, when the stop string stays in the text).
     """
 
     def __init__(
@@ -45,11 +53,17 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
         self.stop = [s for s in stop if s]
-        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        longest = max((len(s) for s in self.stop), default=1)
+        self._holdback = 0 if include_stop_str_in_output else longest - 1
+        self._num_generated = 0  # every generated id, the skipped ones included (min_tokens counts them)
         self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         # Only the prompt's tail is kept: the window never reaches further back than this.
         context = self._rendered(prompt_token_ids)[-_PROMPT_CONTEXT_TOKENS:]
@@ -60,6 +74,20 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.stop_matched: str | None = None
         self._num_returned = 0
+
+    @classmethod
+    def for_request(
+        cls, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """The detokenizer of a request: its stop strings and text options (the one place they are read)."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+        )
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -75,17 +103,22 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append generated ids; return the stop string now found in the output, else None."""
-        windows = self._extend(new_token_ids)
+        windows = self._extend(new_token_ids, stop_terminated)
         if windows is None:
             return None
         return self._take(self._decode(windows[0]), self._decode(windows[1]))
 
-    def _extend(self, new_token_ids: list[int]) -> tuple[list[int], list[int]] | None:
+    def _extend(
+        self, new_token_ids: list[int], stop_terminated: bool = False
+    ) -> tuple[list[int], list[int]] | None:
         """Append generated ids; the two windows ``_take`` wants decoded (None: nothing to decode)."""
         if self.stop_matched is not None:
             return None
+        self._num_generated += len(new_token_ids)
+        if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
+            new_token_ids = new_token_ids[:-1]  # NOTE: vLLM's: the ending token is not text
         new_token_ids = self._rendered(new_token_ids)
         if not new_token_ids:
             return None
@@ -101,7 +134,7 @@ class IncrementalDetokenizer:
         self.output_text += full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        if self.stop:
+        if self.stop and self._num_generated > self.min_tokens:
             return self._find_stop(old_len)
         return None
 
@@ -114,7 +147,8 @@ class IncrementalDetokenizer:
                 best = (idx, stop)
         if best is None:
             return None
-        self.output_text = self.output_text[: best[0]]
+        end = best[0] + len(best[1]) if self.include_stop_str_in_output else best[0]
+        self.output_text = self.output_text[:end]
         self.stop_matched = best[1]
         return best[1]
 
@@ -129,10 +163,14 @@ class IncrementalDetokenizer:
 
 
 def update_all(
-    tokenizer: Tokenizer, detokenizers: Sequence[IncrementalDetokenizer], new_token_ids: Sequence[list[int]]
+    tokenizer: Tokenizer,
+    detokenizers: Sequence[IncrementalDetokenizer],
+    new_token_ids: Sequence[list[int]],
+    stop_terminated: Sequence[bool] | None = None,
 ) -> list[str | None]:
-    """``detokenizers[i].update(new_token_ids[i])`` for every i, with every window decoded by one call
-    to the tokenizer: the same results and state as updating one by one (``detokenizers`` are distinct).
+    """``detokenizers[i].update(new_token_ids[i], stop_terminated[i])`` for every i, with every window
+    decoded by one call to the tokenizer: the same results and state as updating one by one
+    (``detokenizers`` are distinct).
 
     NOTE: the tokenizer's batch decode releases the GIL while it decodes (its single decode does not),
     so the step thread of the process runs meanwhile; it also costs less per window (~1 us against
@@ -140,7 +178,7 @@ def update_all(
     results: list[str | None] = [None] * len(detokenizers)
     pending: dict[bool, tuple[list[int], list[list[int]]]] = {}
     for i, (detok, ids) in enumerate(zip(detokenizers, new_token_ids, strict=True)):
-        windows = detok._extend(ids)
+        windows = detok._extend(ids, stop_terminated is not None and stop_terminated[i])
         if windows is not None:
             owners, flat = pending.setdefault(detok.skip_special_tokens, ([], []))
             owners.append(i)
@@ -257,7 +295,7 @@ class DetokenizerStage:
             self._emit(deltas)
         elif kind == "add":
             _, request_id, prompt_token_ids, params, output_token_ids = item
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params)
             if output_token_ids:
                 detok.update(output_token_ids)
                 detok.get_delta(finished=False)  # that text was streamed before (a resumed request)
@@ -277,12 +315,14 @@ class DetokenizerStage:
         # Python passes (~0.2 ms at 256 deltas). Handing it over more often (time.sleep(0) every 16
         # deltas, as before batching) cost the stage 20 us of CPU each and bought the step thread
         # nothing measurable (bench.offline's host overhead at 256 running).
+        # NOTE: a request owned here has no stop strings, so a STOP is its stop token (EOS, a stop id)
+        ended = [d.finish_reason is FinishReason.STOP for d, _ in owned]
         batched = len({id(detok) for _, detok in owned}) == len(owned)
         if batched:
-            update_all(self.tokenizer, [detok for _, detok in owned], [d.token_ids for d, _ in owned])
-        for delta, detok in owned:
+            update_all(self.tokenizer, [detok for _, detok in owned], [d.token_ids for d, _ in owned], ended)
+        for (delta, detok), stop_terminated in zip(owned, ended, strict=True):
             if not batched:  # two deltas of one request: each update, then its text, in order
-                detok.update(delta.token_ids)
+                detok.update(delta.token_ids, stop_terminated)
             finished = delta.finish_reason is not None
             delta.text = detok.get_delta(finished=finished)
             if finished:

@@ -23,7 +23,7 @@ from workers.detokenizer import (
 )
 from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
-from workers.scheduler import Scheduler, SchedulerOutput
+from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
 from workers.step_output import StepItem, StepOutput
 from workers.structured import StructuredRequests
 from workers.structured_compile import CompileFailed, CompileLimits, RequestFailure
@@ -60,7 +60,8 @@ class Engine:
     request ends (STOP) once the grammar takes a stop token. The mask of a step depends on the previous
     step's token, so under asynchronous scheduling a step that samples a constrained request whose
     previous token is still on the device is launched in two halves: the forward before waiting for
-    the previous step, the mask and the sampling after resolving it.
+    the previous step, the mask and the sampling after resolving it. Logits processors
+    (workers/logits_processors.py) that read the output tokens (penalties, bad words) take the same path.
 
     Grammars compile on helper threads (``StructuredRequests``): a request whose grammar is not compiled
     yet waits outside the scheduler (the batch never waits for it) and joins once it is; one whose
@@ -163,9 +164,11 @@ class Engine:
                     self.structured.remove(request_id)
                     raise
         if self.tokenizer is not None and (self.detokenize or detokenizes_on_step_thread(params, hold)):
-            self.detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop
+            self.detokenizers[request_id] = IncrementalDetokenizer.for_request(
+                self.tokenizer, request.prompt_token_ids, params
             )
+        if params.has_logits_processors:
+            self.runner.logits_processors.add(request)
         return request
 
     def add_request(
@@ -323,6 +326,8 @@ class Engine:
             return StepOutput()
         sampled = self.runner.execute(out, self.structured.step_mask)
         t2 = time.perf_counter()
+        if sampled.prompt_logprobs:
+            self._add_prompt_logprobs(sampled)
         updated = self.scheduler.update_from_output(out, sampled)
         t3 = time.perf_counter()
         output = self._output([(r, len(r.output_token_ids) - 1) for r in updated])
@@ -340,7 +345,7 @@ class Engine:
         previous, self._in_flight = self._in_flight, None
         deferred: ForwardStep | None = None
         if not out.is_empty:
-            if previous is not None and self._needs_resolved_grammar(out):
+            if previous is not None and self._needs_resolved_history(out):
                 deferred = self.runner.forward(out)  # sampled below, once `previous` is resolved
             else:
                 self._in_flight = (out, self.runner.launch(out, self.structured.step_mask))
@@ -352,6 +357,8 @@ class Engine:
             return StepOutput()
         sampled = previous[1].result()
         t3 = time.perf_counter()
+        if sampled.prompt_logprobs:
+            self._add_prompt_logprobs(sampled)
         resolved = scheduler.resolve(previous[0], sampled)
         t4 = time.perf_counter()
         output = self._output(resolved)
@@ -369,14 +376,29 @@ class Engine:
         self._count_times(t1 - t0 + t4 - t3, launch_s + t3 - t2, t5 - t4)
         return output
 
-    def _needs_resolved_grammar(self, out: SchedulerOutput) -> bool:
-        """A constrained request samples in ``out`` while its previous token is still unresolved (its
-        input is that token's placeholder, always the newest token of a sampling row)."""
-        structured = self.structured
-        if not len(structured):
+    def _add_prompt_logprobs(self, sampled: SampledTokens) -> None:
+        """A step's prompt logprobs to their requests, before its tokens (the first token's delta carries
+        them, and a request may end with that token)."""
+        requests = self.scheduler.requests
+        for request_id, (start_position, entries) in sampled.prompt_logprobs.items():
+            request = requests.get(request_id)
+            if request is not None:  # NOTE: None: it ended (an abort) while the step ran
+                request.add_prompt_logprobs(start_position, entries)
+
+    def _needs_resolved_history(self, out: SchedulerOutput) -> bool:
+        """A request that needs its token history on the host to sample (a grammar's mask; penalties or
+        bad words) samples in ``out`` while its previous token is still unresolved (its input is that
+        token's placeholder, always the newest token of a sampling row). NOTE: min_tokens reads only the
+        number of outputs, which counts the placeholder, so it needs no resolved history."""
+        structured, processors = self.structured, self.runner.logits_processors
+        if not len(structured) and not processors.num_needing_history:
             return False
+        needs_history = processors.needs_history
         return any(
-            s.needs_sample and s.token_ids[-1] < 0 and s.request_id in structured for s in out.scheduled
+            s.needs_sample
+            and s.token_ids[-1] < 0
+            and (s.request_id in structured or needs_history(s.request_id))
+            for s in out.scheduled
         )
 
     def _count_launch(self, out: SchedulerOutput) -> None:
@@ -436,8 +458,12 @@ class Engine:
         if tokenizer is None:
             raise RuntimeError("a detokenizer without a tokenizer")
         owned = [(r, i, d) for r, i in items if (d := detokenizers.get(r.request_id)) is not None]
+        # NOTE: a request already STOPPED here ended on its stop token (EOS, a stop id, its grammar's end)
         matches = update_all(
-            tokenizer, [d for _, _, d in owned], [[r.output_token_ids[i]] for r, i, _ in owned]
+            tokenizer,
+            [d for _, _, d in owned],
+            [[r.output_token_ids[i]] for r, i, _ in owned],
+            [r.status is RequestStatus.FINISHED_STOPPED for r, _, _ in owned],
         )
         texts: dict[str, str] = {}
         for (request, _, detok), matched in zip(owned, matches, strict=True):
@@ -508,9 +534,11 @@ class Engine:
             or self.runner.generators
             or len(self.structured)
             or self.runner.block_tables.num_requests
+            or len(self.runner.logits_processors)
         ):
             raise AssertionError(
                 f"per-request state left: detokenizers {sorted(self.detokenizers)}, "
                 f"generators {sorted(self.runner.generators)}, grammars {sorted(self.structured)}, "
-                f"block-table rows {self.runner.block_tables.num_requests}"
+                f"block-table rows {self.runner.block_tables.num_requests}, "
+                f"logits processors {len(self.runner.logits_processors)}"
             )

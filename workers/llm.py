@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ class LLM:
         param_list = [params] * len(token_prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(token_prompts):
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(token_prompts)} prompts")
+        param_list = [self._with_bad_words(p) for p in param_list]
         for tokens, p in zip(token_prompts, param_list, strict=True):
             self.engine.validate(tokens, p)
 
@@ -102,6 +104,18 @@ class LLM:
                 raise ValueError("text prompts need a tokenizer.json in the model directory; pass token ids")
             return self.engine.tokenizer.encode(prompt)
         return list(prompt)
+
+    def _with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its ``bad_words`` resolved to token ids as the HTTP edge resolves them
+        (``Tokenizer.bad_words_token_ids``: vLLM's rule); the caller's object is left as it was."""
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        if self.engine.tokenizer is None:
+            raise ValueError(
+                "bad_words need a tokenizer.json in the model directory; pass bad_words_token_ids"
+            )
+        token_ids = self.engine.tokenizer.bad_words_token_ids(params.bad_words)
+        return dataclasses.replace(params, bad_words_token_ids=token_ids)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

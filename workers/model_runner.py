@@ -34,8 +34,11 @@ from workers.cuda_graphs import (
 from workers.forward_context import ForwardContext, forward_context
 from workers.host_memory import retain_freed_memory
 from workers.kv_sizing import ProfiledModel, size_kv_cache_cuda
+from workers.logits_processors import LogitsProcessors
+from workers.mock_runner import build_mock_model
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
+from workers.prompt_logprobs import PromptLogprobsCopy, score_prompt_rows
 from workers.sampler import (
     CounterStream,
     HostCopy,
@@ -53,6 +56,7 @@ from workers.step_inputs import (
     StepInputs,
     build_step_arrays,
     placeholder_sources,
+    prompt_row_inputs,
     sort_decodes_by_length,
 )
 from workers.structured import StepMask
@@ -103,7 +107,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        # NOTE: a mock engine (load_format mock) stands for a device but runs on the host
+        self.device = resolve_device("cpu" if config.load_format == "mock" else config.device)
         self.is_async = config.uses_async_scheduling(self.device.type)  # launch step N+1 before N is read
         if self.device.type == "cpu" and config.retain_host_memory:
             retain_freed_memory()
@@ -116,6 +121,10 @@ class ModelRunner:
         self.fused_ops = config.attention_backend == "triton"
         if config.load_format == "dummy":
             self.model = build_random_model(self.arch, self.dtype, self.device, seed=config.seed)
+        elif config.load_format == "mock":
+            # NOTE: "auto" is the dtype the model has on the GPU the mock stands for (its KV bytes too)
+            self.dtype = resolve_dtype(config.model.dtype, self.arch, torch.device("cuda"))
+            self.model = build_mock_model(config, self.arch, model_dir)
         else:
             self.model, _ = load_model(model_dir, self.dtype, self.device)
         self.block_size = config.block_size
@@ -123,6 +132,8 @@ class ModelRunner:
         # launch per seeded row); on CPU the torch path keeps the historical per-request generators.
         self.sampler = Sampler(use_triton=self.device.type == "cuda")
         self.generators: dict[str, torch.Generator] = {}
+        # The live requests with logits processors (the engine adds them; ``remove`` drops them).
+        self.logits_processors = LogitsProcessors(self.arch.vocab_size)
         # Rows of the last launched step's sampled tokens (device tensor) by request: the source of the
         # next step's placeholder tokens under asynchronous scheduling.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
@@ -279,7 +290,12 @@ class ModelRunner:
         if self.config.attention_backend == "torch":
             out = sort_decodes_by_length(out)  # NOTE: the torch backend pads decodes per length bucket
         arrays = build_step_arrays(
-            out.scheduled, self.block_size, self.block_tables, out.num_batched_tokens, out.num_sampling
+            out.scheduled,
+            self.block_size,
+            self.block_tables,
+            out.num_batched_tokens,
+            out.num_sampling,
+            out.prompt_logprob_rows,
         )
         buffers = self.buffers
         num_seqs, num_tokens = len(arrays.seq_lens), len(arrays.input_ids)
@@ -375,6 +391,8 @@ class ModelRunner:
             sample_params=list(map(_params, sampled)),
             sample_num_outputs=list(map(_num_output_tokens, sampled)),
             graph_size=graph_size,
+            # NOTE: a fresh upload, not a staged buffer: only steps with prompt-scoring rows have it
+            prompt_rows=prompt_row_inputs(arrays, out.prompt_logprob_rows, self._upload_fresh),
         )
 
     def execute(self, out: SchedulerOutput, mask_for: MaskSource | None = None) -> SampledTokens:
@@ -415,9 +433,10 @@ class ModelRunner:
             # An eager decode-only step samples every row, in order: its hidden states are the rows.
             every_row = len(inputs.sample_ids) == hidden.shape[0] and inputs.graph_size is None
             hidden_rows = hidden if every_row else hidden[inputs.logits_indices]
+        prompt_rows = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows.logits_indices]
         self.forward_time_total_s += time.perf_counter() - t_forward
         self.forward_cpu_total_s += time.thread_time() - c_forward
-        return ForwardStep(inputs, hidden_rows, events)
+        return ForwardStep(inputs, hidden_rows, events, prompt_rows)
 
     @torch.inference_mode()
     def sample(self, forward: ForwardStep, mask: StepMask | None = None) -> PendingStep:
@@ -426,11 +445,17 @@ class ModelRunner:
         inputs = forward.inputs
         pending = PendingStep([], [], None)
         t_sample, c_sample = time.perf_counter(), time.thread_time()
+        prompt_copy = None
+        if forward.prompt_rows is not None and inputs.prompt_rows is not None:
+            prompt_copy = score_prompt_rows(
+                forward.prompt_rows, inputs.prompt_rows, self._prompt_logits, self.config.max_num_seqs
+            )
+            pending.prompt_copy = prompt_copy
         if forward.hidden_rows is not None:
             sampled = self._sample(forward.hidden_rows, inputs, mask)
             if self.is_async:
                 self._last_sampled = ({rid: i for i, rid in enumerate(inputs.sample_ids)}, sampled.token_ids)
-            pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy())
+            pending = PendingStep(inputs.sample_ids, inputs.sample_params, sampled.start_copy(), prompt_copy)
         events = forward.events
         self.forward_time_total_s += time.perf_counter() - t_sample
         self.forward_cpu_total_s += time.thread_time() - c_sample
@@ -441,9 +466,12 @@ class ModelRunner:
 
     def _sample(self, hidden_rows: torch.Tensor, inputs: StepInputs, mask: StepMask | None) -> SamplerOutput:
         params = inputs.sample_params
-        if mask is None and is_argmax_only(params):
+        processors = None
+        if len(self.logits_processors):
+            processors = self.logits_processors.prepare(inputs.sample_ids, inputs.sample_num_outputs)
+        if mask is None and processors is None and is_argmax_only(params, has_processors=False):
             # NOTE: no fp32 copy and no soft-cap (monotonic) when only the argmax is wanted.
-            return SamplerOutput(self.model.compute_logits(hidden_rows, raw=True).argmax(dim=-1))
+            return SamplerOutput(self.model.argmax_tokens(hidden_rows))
         logits = self.model.compute_logits(hidden_rows, fused=self.fused_ops)
         if mask is not None:
             # NOTE: before the sampler, as vLLM does: greedy rows, the random race and the reported
@@ -453,7 +481,19 @@ class ModelRunner:
         generators = [
             self._generator(r, p, n) for r, p, n in zip(inputs.sample_ids, params, nums, strict=True)
         ]
-        return self.sampler(logits, params, generators)
+        if processors is None:
+            return self.sampler(logits, params, generators)
+        # NOTE: greedy rows and the random race see the processed logits; the reported logprobs stay the
+        # raw distribution's (after the structured-output mask: vLLM's default raw_logprobs), so the
+        # processors work on a copy when a row asks for logprobs.
+        asks_logprobs = any(p.logprobs is not None for p in params)
+        processed = logits.clone() if asks_logprobs or not logits.is_contiguous() else logits
+        processors.apply(processed)
+        return self.sampler(processed, params, generators, raw_logits=logits if asks_logprobs else None)
+
+    def _prompt_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of prompt-scoring rows: the model's own (final soft-cap included), no processor."""
+        return self.model.compute_logits(hidden_rows, fused=self.fused_ops)
 
     def _generator(self, request_id: str, params: SamplingParams, num_sampled: int) -> RowGenerator:
         """A seeded request's random stream, a function of (seed, tokens sampled so far), so the same
@@ -472,17 +512,20 @@ class ModelRunner:
 
     def remove(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.logits_processors.remove(request_id)
         self.block_tables.remove(request_id)
 
 
 @dataclass
 class ForwardStep:
     """A step whose forward is enqueued and whose sampling is not (``ModelRunner.sample`` finishes it).
-    hidden_rows: the hidden states of the rows to sample (None: the step samples nothing)."""
+    hidden_rows: the hidden states of the rows to sample (None: the step samples nothing); prompt_rows:
+    those of the rows that score prompt tokens (None: none)."""
 
     inputs: StepInputs
     hidden_rows: torch.Tensor | None
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    prompt_rows: torch.Tensor | None = None
 
     @property
     def sample_ids(self) -> list[str]:
@@ -491,18 +534,23 @@ class ForwardStep:
 
 @dataclass
 class PendingStep:
-    """A launched step; ``result()`` waits for its sampled tokens (the step's one device sync)."""
+    """A launched step; ``result()`` waits for its sampled tokens (the step's one device sync) and its
+    prompt logprobs (``prompt_copy``: a second copy, only in a step that scores prompt tokens)."""
 
     sample_ids: list[str]
     sample_params: list[SamplingParams]
     copy: HostCopy | None
+    prompt_copy: PromptLogprobsCopy | None = None
 
     def result(self) -> SampledTokens:
         if self.copy is None:
-            return SampledTokens({})
-        token_ids, logprobs = self.copy.wait(self.sample_params)
-        ids = self.sample_ids
-        sampled = SampledTokens(dict(zip(ids, token_ids, strict=True)))
-        if self.copy.has_logprobs:
-            sampled.logprobs = {r: lp for r, lp in zip(ids, logprobs, strict=True) if lp is not None}
+            sampled = SampledTokens({})
+        else:
+            token_ids, logprobs = self.copy.wait(self.sample_params)
+            ids = self.sample_ids
+            sampled = SampledTokens(dict(zip(ids, token_ids, strict=True)))
+            if self.copy.has_logprobs:
+                sampled.logprobs = {r: lp for r, lp in zip(ids, logprobs, strict=True) if lp is not None}
+        if self.prompt_copy is not None:
+            sampled.prompt_logprobs = self.prompt_copy.wait()
         return sampled

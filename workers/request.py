@@ -59,6 +59,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs asked: entry i scores prompt token i (entry 0 None: nothing precedes
+    # it), filled chunk by chunk (``add_prompt_logprobs``) and complete once the first token is sampled;
+    # the delta of that token carries it. None: not asked.
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
@@ -79,10 +83,33 @@ class Request:
         if not params.ignore_eos:
             ids.update(self.eos_token_ids)
         self.stop_ids = frozenset(ids)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def is_scoring_prompt(self) -> bool:
+        """Its prompt chunks score the prompt (prompt logprobs asked, no token sampled yet): they take no
+        prefix-cache hit, for a cached position has no logits. A request that has tokens (sampled here,
+        or streamed elsewhere before a migration or a handoff) sent its prompt logprobs already, if ever."""
+        return self.prompt_logprobs is not None and not self.output_token_ids
+
+    def add_prompt_logprobs(self, start_position: int, entries: list[TokenLogprobs]) -> None:
+        """The entries of one computed prompt chunk: those of prompt tokens ``start_position + 1`` on.
+
+        NOTE: written at their place, over whatever an earlier computation of the same positions left
+        (a preemption before the first token recomputes the prompt from position 0, and under
+        asynchronous scheduling a chunk launched before the preemption may resolve after it): the list
+        always ends with the newest chunk. Entries that would leave a gap are dropped (a stale chunk whose
+        predecessors the recompute has not reached yet; it computes them again)."""
+        scored = self.prompt_logprobs
+        if scored is None or start_position + 1 > len(scored):
+            return
+        del scored[start_position + 1 :]
+        scored.extend(entries)
 
     @property
     def num_tokens(self) -> int:

@@ -35,10 +35,15 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _MIN_TEMPERATURE or params.top_k == 1
 
 
-def is_argmax_only(params: Sequence[SamplingParams]) -> bool:
-    """Every row greedy and none asks for logprobs: the winner is the argmax of the raw logits (a
-    monotonic soft-cap and an fp32 upcast cannot change it), so the logits need no further work."""
-    return all(is_greedy(p) and p.logprobs is None for p in params)
+def is_argmax_only(params: Sequence[SamplingParams], has_processors: bool | None = None) -> bool:
+    """Every row greedy, none asks for logprobs and none has logits processors: the winner is the argmax
+    of the raw logits (a monotonic soft-cap and an fp32 upcast cannot change it), so the logits need no
+    further work. ``has_processors``: whether any row has a logits processor to apply, when the caller
+    knows it already (the runner's registry of such requests: it spares a pass over every row, ~50 us
+    per step at 256 rows); None: read from each row's params."""
+    if has_processors is None:
+        has_processors = any(p.has_logits_processors for p in params)
+    return not has_processors and all(is_greedy(p) and p.logprobs is None for p in params)
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,10 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: Sequence[RowGenerator],
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """``raw_logits``: what the logprobs are reported from, when ``logits`` went through logits
+        processors (None: ``logits`` itself)."""
         num_rows = logits.shape[0]
         if len(params) != num_rows or len(generators) != num_rows:
             raise ValueError(
@@ -231,7 +239,7 @@ class Sampler:
             if any(greedy):
                 is_greedy_row = _to_device(greedy, torch.bool, logits.device)
                 token_ids = torch.where(is_greedy_row, logits.argmax(dim=-1), token_ids)
-        return self._with_logprobs(logits, token_ids, params)
+        return self._with_logprobs(logits if raw_logits is None else raw_logits, token_ids, params)
 
     def _sample(
         self,

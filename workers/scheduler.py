@@ -31,6 +31,19 @@ class ScheduledRequest:
     num_output_tokens: int  # tokens sampled before this step (a seeded generator skips that many draws)
 
 
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """The rows of one prompt chunk that score the prompt (``SamplingParams.prompt_logprobs``): the
+    chunk's first ``len(target_ids)`` tokens, from position ``start_position`` on, each scored at the
+    prompt token after it (``target_ids``), with the top ``num_top``. A chunk that ends the prompt leaves
+    its last row out: that row's logits sample the first token."""
+
+    request_id: str
+    start_position: int
+    target_ids: list[int]
+    num_top: int
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # sequences with one query token first
@@ -41,6 +54,8 @@ class SchedulerOutput:
     num_one_token_seqs: int | None = None
     num_decode_seqs: int | None = None
     num_sampling_seqs: int | None = None
+    # the prompt chunks whose rows score the prompt (requests asking for prompt logprobs), if any
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
 
     @property
     def num_single_token_seqs(self) -> int:
@@ -89,6 +104,9 @@ class SampledTokens:
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # the prompt logprobs the step's prompt chunks computed: request id -> (the chunk's start position,
+    # one entry per row of its PromptLogprobRows)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -160,6 +178,7 @@ class Scheduler:
         num_decode_seqs = 0
         num_sampling = 0
         preempted: list[str] = []
+        prompt_rows: list[PromptLogprobRows] = []
 
         i = 0
         kv = self.kv
@@ -207,6 +226,8 @@ class Scheduler:
                 (ones if num_new == 1 else others).append(s)
                 num_decode_seqs += s.is_decode
                 num_sampling += s.needs_sample
+                if request.prompt_logprobs is not None:
+                    self._score_prompt(request, s, prompt_rows)
             budget -= num_new
             i += 1
 
@@ -214,9 +235,10 @@ class Scheduler:
             num_seats = self.config.max_num_seqs - self._num_waiting_for_kv()
             while self.waiting and budget > 0 and len(self.running) < num_seats:
                 request = self.waiting[0]
+                # NOTE: a request scoring its prompt takes no hit (as in vLLM): a cached position has no logits
                 hit = (
                     self.kv.get_computed_blocks(request)
-                    if request.num_computed_tokens == 0
+                    if request.num_computed_tokens == 0 and not request.is_scoring_prompt
                     else PrefixHit([])
                 )
                 num_hit_tokens = hit.num_tokens(self.kv.block_size)
@@ -235,6 +257,8 @@ class Scheduler:
                 (ones if num_new == 1 else others).append(s)
                 num_decode_seqs += s.is_decode
                 num_sampling += s.needs_sample
+                if request.prompt_logprobs is not None:
+                    self._score_prompt(request, s, prompt_rows)
                 budget -= num_new
 
         return SchedulerOutput(
@@ -244,6 +268,7 @@ class Scheduler:
             num_one_token_seqs=len(ones),
             num_decode_seqs=num_decode_seqs,
             num_sampling_seqs=num_sampling,
+            prompt_logprob_rows=prompt_rows,
         )
 
     @staticmethod
@@ -266,6 +291,18 @@ class Scheduler:
             request.params,
             num_output,
         )
+
+    @staticmethod
+    def _score_prompt(request: Request, s: ScheduledRequest, rows: list[PromptLogprobRows]) -> None:
+        """Add the rows of ``s`` that score ``request``'s prompt (none once it has a token)."""
+        num_top = request.params.prompt_logprobs
+        if num_top is None or not request.is_scoring_prompt:
+            return
+        start = s.start_position
+        prompt = request.prompt_token_ids
+        targets = prompt[start + 1 : min(start + len(s.token_ids) + 1, len(prompt))]
+        if targets:
+            rows.append(PromptLogprobRows(request.request_id, start, targets, num_top))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)

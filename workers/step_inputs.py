@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from cluster.protocol import SamplingParams
 from workers.attention import AttentionMetadata
-from workers.scheduler import ScheduledRequest, SchedulerOutput
+from workers.scheduler import PromptLogprobRows, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -34,6 +35,10 @@ class StepArrays:
     logits_indices: np.ndarray  # [N] int64: rows of the hidden states to sample from
     sample_rows: list[int]  # which sequences those N rows belong to
     max_query_len: int
+    # the rows that score prompt tokens (SchedulerOutput.prompt_logprob_rows, in that order) and the
+    # prompt token each scores: [P] int64 each; None when the step scores none
+    prompt_logits_indices: np.ndarray | None = None
+    prompt_target_ids: np.ndarray | None = None
 
 
 _token_ids = operator.attrgetter("token_ids")
@@ -41,6 +46,7 @@ _start_position = operator.attrgetter("start_position")
 _block_ids = operator.attrgetter("block_ids")
 _needs_sample = operator.attrgetter("needs_sample")
 _first = operator.itemgetter(0)
+_target_ids = operator.attrgetter("target_ids")
 
 
 class PersistentBlockTables:
@@ -116,12 +122,14 @@ def build_step_arrays(
     tables: PersistentBlockTables | None = None,
     num_tokens: int | None = None,
     num_sampling: int | None = None,
+    prompt_rows: list[PromptLogprobRows] | None = None,
 ) -> StepArrays:
     """Flat ragged batch of ``sched`` with numpy: no per-token Python loop. With ``tables`` the block
     tables come from its persistent rows (updated in place) instead of being flattened again.
     ``num_tokens`` / ``num_sampling``: the step's token count and its number of sequences that sample,
     when the caller knows them (``SchedulerOutput``): a decode-only step then reads neither the query
-    lengths nor the ``needs_sample`` flags.
+    lengths nor the ``needs_sample`` flags. ``prompt_rows``: the prompt chunks whose rows score the
+    prompt (apart from ``logits_indices``, which stay the sampling rows).
 
     NOTE: every per-sequence column is read with ``map`` over attrgetters (C-level iteration): at 256
     sequences a step does several such passes, and generator expressions cost ~2x as much."""
@@ -166,7 +174,7 @@ def build_step_arrays(
         needs = np.fromiter(map(_needs_sample, sched), np.bool_, num_seqs)
         sample_rows = np.flatnonzero(needs).tolist()
         logits_indices = cu_q[1:][needs] - 1
-    return StepArrays(
+    arrays = StepArrays(
         input_ids,
         positions,
         slots,
@@ -177,6 +185,31 @@ def build_step_arrays(
         sample_rows,
         max_query_len,
     )
+    if prompt_rows:
+        arrays.prompt_logits_indices, arrays.prompt_target_ids = _prompt_rows(sched, cu_q, prompt_rows)
+    return arrays
+
+
+def _prompt_rows(
+    sched: list[ScheduledRequest], cu_q: np.ndarray, prompt_rows: list[PromptLogprobRows]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows of the hidden states, the prompt token each scores) of ``prompt_rows``, in their order.
+    NOTE: found by request id: the runner may reorder the step's one-token sequences (a one-token
+    prompt chunk among them)."""
+    seq_of = {s.request_id: i for i, s in enumerate(sched)}
+    indices = []
+    for rows in prompt_rows:
+        i = seq_of.get(rows.request_id)
+        num_rows = len(rows.target_ids)
+        if i is None or sched[i].start_position != rows.start_position or num_rows > len(sched[i].token_ids):
+            raise RuntimeError(
+                f"prompt logprob rows of {rows.request_id!r} (position {rows.start_position}, {num_rows} "
+                "rows) match no chunk of the step"
+            )
+        indices.append(np.arange(cu_q[i], cu_q[i] + num_rows))
+    num_targets = sum(len(rows.target_ids) for rows in prompt_rows)
+    targets = np.fromiter(itertools.chain.from_iterable(map(_target_ids, prompt_rows)), np.int64, num_targets)
+    return np.concatenate(indices), targets
 
 
 def _flat_block_tables(sched: list[ScheduledRequest], num_blocks: np.ndarray, width: int) -> np.ndarray:
@@ -193,6 +226,28 @@ def _flat_block_tables(sched: list[ScheduledRequest], num_blocks: np.ndarray, wi
 
 
 @dataclass
+class PromptRowInputs:
+    """The rows of a step that score prompt tokens, on the device: ``logits_indices`` [P] (rows of the
+    hidden states), ``target_ids`` [P] (the prompt token each scores); ``chunks``: whose rows they are,
+    in order; ``num_top``: the most top logprobs a chunk asks for."""
+
+    logits_indices: torch.Tensor
+    target_ids: torch.Tensor
+    chunks: list[PromptLogprobRows]
+    num_top: int
+
+
+def prompt_row_inputs(
+    arrays: StepArrays, chunks: list[PromptLogprobRows], upload: Callable[[str, np.ndarray], torch.Tensor]
+) -> PromptRowInputs | None:
+    """The step's prompt-scoring rows on the device (one upload), or None when it has none."""
+    if arrays.prompt_logits_indices is None or arrays.prompt_target_ids is None:
+        return None
+    both = upload("prompt_rows", np.stack([arrays.prompt_logits_indices, arrays.prompt_target_ids]))
+    return PromptRowInputs(both[0], both[1], chunks, max(c.num_top for c in chunks))
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -202,6 +257,7 @@ class StepInputs:
     sample_params: list[SamplingParams]
     sample_num_outputs: list[int]
     graph_size: int | None = None  # the captured batch size this step is padded to
+    prompt_rows: PromptRowInputs | None = None  # the rows scoring prompt tokens (None: none)
 
 
 def sort_decodes_by_length(out: SchedulerOutput) -> SchedulerOutput:

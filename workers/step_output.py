@@ -30,7 +30,8 @@ class StepOutput:
 
     ``deltas()`` may run on another thread, after later steps: everything a later step could change is
     in the items; the rest is fixed once the request runs (its prefix-cache hit, when it was first
-    scheduled) or once it ended (its error).
+    scheduled), once it has its first token (its prompt logprobs: the first token's delta carries them)
+    or once it ended (its error).
     """
 
     items: list[StepItem] = field(default_factory=list)
@@ -53,6 +54,7 @@ class StepOutput:
                 None if finish_reason is None else request.error,
                 None,
                 request.first_scheduled_time if index == 0 else None,
+                request.prompt_logprobs if index == 0 else None,
             )
             for request, index, token_id, finish_reason, logprobs in self.items
         ]
