@@ -2,16 +2,18 @@
 
     pdserve bench offline [--num-requests 128] [--prompt-len 16 128] [--output-len 16 128] [--seed 0]
                           [--repeats 3] [--threads N] [--variant NAME:key=value,...] [--load-format dummy]
+    pdserve bench offline --model bench/configs/llama-3-8b --load-format mock --gpu h100   # mock engine
 
 Requests: prompt and output lengths drawn uniformly from the ranges with the seed, random token ids,
 EOS ignored (every request produces exactly its output length). Printed, all measured in this process:
 
 * the CPU roofline: model FLOPs of the workload (``bench/roofline.py``) and the fp32 matmul rate at
   2048^3 and at the model's own weight shapes;
-* pdserve: each ``--variant`` (LLM options; default: one variant with the defaults) ``--repeats`` times,
-  variants interleaved round-robin so load drifts hit them alike; a fresh LLM per run (no prefix-cache
-  hits from an earlier run), warmed up with a few other requests; median output tok/s and % of roofline;
-  each run's minor page faults (the process's; see workers/host_memory.py);
+* pdserve: each ``--variant`` (LLM options, and SamplingParams fields such as ``repetition_penalty``;
+  default: one variant with the defaults; ``--penalties``: each also with the three penalties on)
+  ``--repeats`` times, variants interleaved round-robin so load drifts hit them alike; a fresh LLM per
+  run (no prefix-cache hits from an earlier run), warmed up with a few other requests; median output
+  tok/s and % of roofline; each run's minor page faults (the process's; see workers/host_memory.py);
 * transformers (``bench/hf_peer.py``): static ``generate`` batches of every ``--hf-batch-sizes``, in
   arrival order and sorted by output length, then the best of them ``--repeats`` times in all (median);
   its continuous-batching manager when the installed version has one. It runs in this process after
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import gc
 import itertools
 import json
@@ -41,6 +44,7 @@ import torch
 from bench import hf_peer
 from bench.roofline import ModelFlops, measure_rates, workload_flops
 from cluster.protocol import SamplingParams
+from deploy.mock_profile import GPU_NAMES, write_gpu_profile
 from workers.engine import BUNDLED_MODEL
 from workers.llm import LLM
 from workers.models.arch import ArchConfig
@@ -59,8 +63,12 @@ class Workload:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    def params(self) -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in self.output_lens]
+    def params(self, **sampling: Any) -> list[SamplingParams]:
+        """Greedy, EOS ignored; ``sampling``: more SamplingParams fields (a variant's, e.g. penalties)."""
+        return [
+            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, **sampling)
+            for m in self.output_lens
+        ]
 
 
 def make_workload(
@@ -75,6 +83,7 @@ def make_workload(
 class Variant:
     name: str
     options: dict[str, Any]
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields of every request
     seconds: list[float] = field(default_factory=list)  # wall
     cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU time, every thread
     minor_faults: list[int] = field(default_factory=list)  # this process's page faults, every thread
@@ -82,28 +91,40 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``NAME:key=value,key=value`` (values are Python literals; bare words are strings)."""
+    """``NAME:key=value,key=value`` (values are Python literals; bare words are strings). A key that names
+    a SamplingParams field (``repetition_penalty``, ``presence_penalty``, ...) sets it on every request;
+    any other is an LLM option."""
     name, _, rest = text.partition(":")
     options: dict[str, Any] = {}
+    sampling: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
+        key = key.strip()
+        target = sampling if key in _SAMPLING_FIELDS else options
         try:
-            options[key.strip()] = ast.literal_eval(raw.strip())
+            target[key] = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):
-            options[key.strip()] = raw.strip()
-    return Variant(name, options)
+            target[key] = raw.strip()
+    return Variant(name, options, sampling)
 
 
-def run_pdserve(model: str, options: dict[str, Any], w: Workload, seed: int) -> tuple[float, float, int, int]:
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# NOTE: ``--penalties``: all three on, at values an API client would send
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+
+
+def run_pdserve(
+    model: str, options: dict[str, Any], w: Workload, seed: int, sampling: dict[str, Any] | None = None
+) -> tuple[float, float, int, int]:
     """(wall seconds, CPU seconds, engine steps, minor page faults) of one generate() over the
-    workload on a fresh, warmed-up LLM."""
+    workload (its requests with the ``sampling`` fields) on a fresh, warmed-up LLM."""
     llm = LLM(model, **options)
     warm = make_workload(4, (8, 16), (4, 8), llm.engine.vocab_size, seed + 1000)
     llm.generate(warm.prompts, warm.params())
     steps_before = llm.stats().num_steps
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(w.prompts, w.params())
+    outs = llm.generate(w.prompts, w.params(**(sampling or {})))
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     produced = sum(len(o.token_ids) for o in outs)
@@ -148,6 +169,7 @@ def host_overhead(
     num_steps: int,
     seed: int,
     null_forward: bool = False,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Per decode-only step with ``num_running`` requests running, on the step thread, in ms:
 
@@ -158,6 +180,7 @@ def host_overhead(
       objects where detokenization runs on the step thread; with a stage, ``Engine.step_output()``, as
       a worker's step thread runs it: the stage builds the deltas), the engine's bookkeeping, and
       detokenization where it runs on the step thread. Medians, and the CPU minimum;
+    * ``forward``: the runner's forward, logits and sampling (logits processors included), wall median;
     * ``schedule+update``, ``prepare``, ``detokenize``: the engine's own split (EngineStats);
     * ``stage``: with detokenization off the step thread, a ``DetokenizerStage`` thread is fed each
       step's output as a worker and the offline LLM do: its CPU time per step, building the deltas and
@@ -173,10 +196,11 @@ def host_overhead(
         from workers.detokenizer import DetokenizerStage
 
         stage = DetokenizerStage(engine.tokenizer, lambda deltas: None, name="bench-detokenizer")
+    params = w.params(**(sampling or {}))
     for i, p in enumerate(w.prompts):
-        engine.add_request(f"h{i}", p, w.params()[i])
+        engine.add_request(f"h{i}", p, params[i])
         if stage is not None:
-            stage.add_request(f"h{i}", p, w.params()[i])
+            stage.add_request(f"h{i}", p, params[i])
     for _ in range(2):  # every prefill in one step, then one decode step
         deltas = engine.step()
         if stage is not None:
@@ -187,7 +211,7 @@ def host_overhead(
         runner.model = NullModel(engine.arch.hidden_size, engine.vocab_size, opts["max_num_batched_tokens"])
     stage_before = stage.busy_time_s if stage is not None else 0.0
     split: dict[str, list[float]] = {
-        k: [] for k in ("host", "host_cpu", "schedule+update", "prepare", "detokenize")
+        k: [] for k in ("host", "host_cpu", "forward", "schedule+update", "prepare", "detokenize")
     }
     for _ in range(num_steps):
         before = engine.stats()
@@ -206,6 +230,7 @@ def host_overhead(
         after = engine.stats()
         if hasattr(runner, "forward_time_total_s"):
             split["host"].append(wall - (runner.forward_time_total_s - fwd))
+            split["forward"].append(runner.forward_time_total_s - fwd)
             split["host_cpu"].append(cpu - (runner.forward_cpu_total_s - fwd_cpu))
         else:  # an engine without the runner's counters: its forward_time_s includes more than forward
             split["host"].append(wall - (after.forward_time_s - before.forward_time_s))
@@ -231,7 +256,9 @@ def _pct(flops: ModelFlops, seconds: float, gflops: float) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=BUNDLED_MODEL)
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy", "mock"])
+    ap.add_argument("--cost-profile", default="", help="--load-format mock: the profile its steps wait by")
+    ap.add_argument("--gpu", default=None, choices=GPU_NAMES, help="--load-format mock: this GPU's estimate")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 128))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
@@ -239,6 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...")
+    ap.add_argument(
+        "--penalties",
+        action="store_true",
+        help=f"also run each variant with {PENALTIES} on every request (the cost of the penalties)",
+    )
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-cb", action="store_true")
@@ -259,16 +291,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dummy = args.load_format == "dummy"
+    dummy, mock = args.load_format == "dummy", args.load_format == "mock"
     variants = [parse_variant(v) for v in args.variant] or [Variant("pdserve", {})]
+    if args.penalties:  # NOTE: interleaved with the variants they copy, so load drifts hit both alike
+        variants += [
+            Variant(f"{v.name}+penalties", dict(v.options), {**v.sampling, **PENALTIES}) for v in variants
+        ]
+    mock_profile = str(write_gpu_profile(args.gpu, args.model)) if args.gpu else args.cost_profile
     for v in variants:
         if dummy:
             v.options.setdefault("load_format", "dummy")
+        if mock:
+            v.options.setdefault("load_format", "mock")
+            v.options.setdefault("mock_cost_profile", mock_profile)
+    if mock:  # NOTE: no weights: no transformers peer; this CPU's matmul rate says nothing of a mock
+        args.skip_hf = args.no_roofline = True
     arch = ArchConfig.from_pretrained(args.model)
     w = make_workload(args.num_requests, args.prompt_len, args.output_len, arch.vocab_size, args.seed)
     flops = workload_flops(arch, [len(p) for p in w.prompts], w.output_lens)
     print(
-        f"model {args.model} ({arch.architecture}, {'random' if dummy else 'checkpoint'} weights); "
+        f"model {args.model} ({arch.architecture}, {'random' if dummy else 'no' if mock else 'checkpoint'} "
+        f"weights{f'; mock steps wait {mock_profile or 0}' if mock else ''}); "
         f"torch threads {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} CPUs"
     )
@@ -287,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_out = w.num_output_tokens
     for _ in range(args.repeats):
         for v in variants:
-            seconds, cpu, v.steps, faults = run_pdserve(args.model, v.options, w, args.seed)
+            seconds, cpu, v.steps, faults = run_pdserve(args.model, v.options, w, args.seed, v.sampling)
             v.seconds.append(seconds)
             v.cpu_seconds.append(cpu)
             v.minor_faults.append(faults)
@@ -305,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [n_out / s for s in v.seconds]
         results["variants"][v.name] = {
             "options": v.options,
+            "sampling": v.sampling,
             "tok_s": runs,
             "cpu_tok_s": [n_out / s for s in v.cpu_seconds],
             "minor_faults": v.minor_faults,
@@ -312,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"pdserve {v.name:20s}: {statistics.median(runs):8.1f} [{' '.join(f'{r:.0f}' for r in runs)}]  "
             f"CPU {n_out / statistics.median(v.cpu_seconds):8.1f}  "
-            f"{_pct(flops, statistics.median(v.seconds), roof):5.1f}% of roofline  ({v.steps} steps; {v.options})"
+            f"{_pct(flops, statistics.median(v.seconds), roof):5.1f}% of roofline  ({v.steps} steps; {v.options}"
+            f"{f'; sampling {v.sampling}' if v.sampling else ''})"
         )
     if args.repeats and not args.skip_hf:
         best_pd = min(statistics.median(v.seconds) for v in variants)
@@ -364,13 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.collect()
 
     for v, n, fwd in itertools.product(variants, args.overhead_running, args.overhead_forward):
-        o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed, fwd == "null")
+        o = host_overhead(args.model, v.options, n, args.overhead_steps, args.seed, fwd == "null", v.sampling)
         key = f"host_ms_{n}" if fwd == "model" else f"host_ms_{n}_null_forward"
         results["variants"].setdefault(v.name, {})[key] = o
         cpu_note = (
             f"; thread CPU {o['host_cpu']:.3f} median, {o['host_cpu_min']:.3f} min" if "host_cpu" in o else ""
         )
         stage = f"; detokenizer thread {o['stage']:.3f} ms/step of its own CPU" if "stage" in o else ""
+        if "forward" in o:
+            stage += f"; forward, logits and sampling {o['forward']:.3f} ms/step wall median"
         print(
             f"host overhead {v.name}, {n:3d} running, {fwd} forward: {o['host']:.3f} ms/step wall median{cpu_note}, forward "
             f"excluded (engine split: schedule+update {o['schedule+update']:.3f}, input prep "

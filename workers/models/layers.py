@@ -325,6 +325,10 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N] int64: each row's most likely token (the raw head's argmax)."""
+        return self.compute_logits(hidden, raw=True).argmax(dim=-1)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors one by one; ``lm_head.weight`` is ignored when embeddings are tied."""
         load_hf_weights(self, weights, skip=lambda name: self.lm_head is None and name == "lm_head.weight")
