@@ -17,10 +17,11 @@ from typing import Any, TypeVar, Union
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch", "triton")
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "dummy", "mock")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 METRICS_COMPAT = ("none", "vllm")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen")  # cluster/http/tool_parsers.py's names
 
 T = TypeVar("T")
 
@@ -34,6 +35,7 @@ def _require(ok: bool, message: str) -> None:
 # refuses a spec over them before queueing (cluster/http/output_constraints.py), so a bomb reaches no queue.
 MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 MAX_GRAMMAR_RULES = 2000
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -80,8 +82,13 @@ class EngineConfig:
     cuda_graph_max_batch_size: int = 256
     seed: int = 0
     # "auto": weights from the checkpoint's *.safetensors; "dummy": random weights built on the device
-    # from config.json alone (benchmarks; vLLM's name for it).
+    # from config.json alone (benchmarks; vLLM's name for it); "mock": no weights and no forward: on the
+    # host, each step waits the time mock_cost_profile predicts for it and samples a deterministic token
+    # (workers/mock_runner.py).
     load_format: str = "auto"
+    # load_format mock: the cost profile JSON whose step time a mock step waits (a path, or "default":
+    # where `pdserve plan calibrate` writes it); "": steps wait nothing
+    mock_cost_profile: str = ""
     # Schedule and prepare step N+1 while step N runs on the device (outputs are the same either way).
     # None: on for CUDA, off on CPU (there the host is the device: nothing to overlap).
     async_scheduling: bool | None = None
@@ -143,6 +150,14 @@ class EngineConfig:
         _require(
             self.load_format in LOAD_FORMATS,
             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        _require(
+            self.load_format != "mock" or self.device != "cuda",
+            "load_format mock runs on the host: device must be auto or cpu, got 'cuda'",
+        )
+        _require(
+            not self.mock_cost_profile or self.load_format == "mock",
+            f"mock_cost_profile is read by load_format mock only, got load_format {self.load_format!r}",
         )
 
     def uses_async_scheduling(self, device_type: str) -> bool:
@@ -395,6 +410,10 @@ class ServerConfig:
     # a stream whose client has read nothing (an ASGI send that does not return), or whose buffer has
     # stayed at its bound, this long is aborted everywhere (its KV freed) and its connection closed
     stream_stall_timeout_s: float = 30.0
+    # tool_choice "auto" (vLLM's --enable-auto-tool-choice): the output's tool calls are found by
+    # tool_call_parser (--tool-call-parser), which must match the model's chat template
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"server port must be in [0, 65535], got {self.port}")
@@ -414,6 +433,15 @@ class ServerConfig:
         _require(
             self.metrics_compat in METRICS_COMPAT,
             f"metrics_compat must be one of {METRICS_COMPAT}, got {self.metrics_compat!r}",
+        )
+        _require(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}",
+        )
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice needs tool_call_parser: --enable-auto-tool-choice needs "
+            f"--tool-call-parser (one of {TOOL_CALL_PARSERS})",
         )
 
 

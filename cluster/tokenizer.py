@@ -233,6 +233,23 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(i) for i in ids]
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """``SamplingParams.bad_words`` as token sequences, by vLLM's rule
+        (``SamplingParams.update_from_tokenizer``): each distinct word, its leading whitespace stripped, is
+        encoded without special tokens; then once more after one space, and that form is kept too when it
+        starts with another token and has as many tokens (the word in mid-text, where byte-level BPEs spell
+        it with its space). ValueError when a word encodes to no token at all."""
+        token_ids: list[list[int]] = []
+        for word in dict.fromkeys(words):
+            bare = self.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise ValueError(f"bad_words entry {word[:40]!r} encodes to no token")
+            token_ids.append(bare)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                token_ids.append(spaced)
+        return token_ids
+
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         if self.chat_template is None:

@@ -20,8 +20,10 @@ from cluster.config import (
     LOG_LEVELS,
     METRICS_COMPAT,
     ROUTER_MODES,
+    TOOL_CALL_PARSERS,
     ClusterConfig,
 )
+from deploy.mock_profile import GPU_NAMES, with_mock_profile
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = "cpu-disagg.yaml"
@@ -40,6 +42,13 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--gpu-memory-utilization", "engine", "gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--attention-backend", "engine", "attention_backend", str, "torch | triton"),
     ("--device", "engine", "device", str, "auto | cpu | cuda"),
+    (
+        "--load-format",
+        "engine",
+        "load_format",
+        str,
+        "auto | dummy (random weights) | mock (no forward: steps wait the cost profile's time)",
+    ),
     (
         "--prefill-max-num-seqs",
         "pools.prefill.engine",
@@ -72,7 +81,13 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ),
     ("--ttft-slo-ms", "router", "ttft_slo_ms", float, "TTFT SLO for --admission slo (per request: header)"),
     ("--tbt-slo-ms", "router", "tbt_slo_ms", float, "TBT bound on conditional mode's local prefills"),
-    ("--cost-profile", "router", "cost_profile", str, "cost profile JSON (`pdserve plan calibrate`)"),
+    (
+        "--cost-profile",
+        "router",
+        "cost_profile",
+        str,
+        "cost profile JSON (`pdserve plan calibrate`); with --load-format mock, the mock's step times too",
+    ),
     ("--num-prefill-workers", "pools.prefill", "num_workers", int, "prefill pool size"),
     ("--num-decode-workers", "pools.decode", "num_workers", int, "decode pool size"),
     (
@@ -108,6 +123,13 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
         "abort a stream whose client read nothing this many seconds (default 30)",
     ),
     ("--stream-buffer-bytes", "server", "stream_buffer_bytes", int, "a stream's edge buffer bound (1 MiB)"),
+    (
+        "--tool-call-parser",
+        "server",
+        "tool_call_parser",
+        str,
+        f"{' | '.join(TOOL_CALL_PARSERS)}: the model's tool-call format (--enable-auto-tool-choice)",
+    ),
     ("--log-level", "log", "level", str.upper, f"{' | '.join(LOG_LEVELS)}"),
     ("--log-format", "log", "format", str, f"{' | '.join(LOG_FORMATS)}"),
     ("--stats-interval", "log", "stats_interval_s", float, "seconds between worker stats lines (0: off)"),
@@ -120,6 +142,12 @@ _BOOL_FLAGS: list[tuple[str, str, str, str]] = [
         "server",
         "allow_unauthenticated",
         "serve a non-loopback host without an API key",
+    ),
+    (
+        "--enable-auto-tool-choice",
+        "server",
+        "enable_auto_tool_choice",
+        'tool_choice "auto": find tool calls in the text with --tool-call-parser',
     ),
 ]
 
@@ -143,6 +171,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV})")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: RAY_ADDRESS)")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        choices=GPU_NAMES,
+        help="with --load-format mock: mock steps (and the router's predictions) take this GPU's roofline "
+        "estimate for MODEL (deploy/planner/profiles.py)",
+    )
     group = parser.add_argument_group("overrides of the YAML config")
     for flag, _, _, tp, help_ in _VALUE_FLAGS:
         group.add_argument(flag, type=tp, default=None, help=help_)
@@ -215,6 +250,7 @@ def apply_overrides(data: dict[str, Any], args: argparse.Namespace) -> dict[str,
         _section(data, "server")["admin_key"] = admin_key
     if args.ray_address is not None:
         data["ray_address"] = args.ray_address
+    data = with_mock_profile(data, getattr(args, "gpu", None), args.cost_profile)
     router = data.get("router") or {}
     pools = _section(data, "pools")
     colocated = pools.get("colocated") or {}

@@ -72,6 +72,7 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         max_timeout_s=handle.config.router.request_timeout_s,
         metrics_compat=cfg.metrics_compat,
         structured_outputs=True,
+        tool_call_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
         scaler=handle,
         advisor=advisor,
         stream_limits=StreamLimits(cfg.stream_buffer_bytes, cfg.stream_stall_timeout_s),

@@ -46,6 +46,7 @@ from cluster.http.metrics import Metrics
 from cluster.http.planning import Edge
 from cluster.http.quotas import TenantLimits, TenantQuotas
 from cluster.http.server_state import AdvisorLike, RouterLike, Scaler, ServerState, state_of
+from cluster.http.tool_parsers import create_tool_parser
 from cluster.protocol import RouterError
 from cluster.tokenizer import Tokenizer
 
@@ -96,6 +97,7 @@ def create_app(
     max_timeout_s: float | None = None,
     num_tokenizer_threads: int = 2,
     structured_outputs: bool = False,
+    tool_call_parser: str | None = None,
     metrics_compat: str = "none",
     scaler: Scaler | None = None,
     advisor: AdvisorLike | None = None,
@@ -106,6 +108,8 @@ def create_app(
     tokenizer None serves token-id prompts only (text prompts and chat answer 400). default_timeout_s
     bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any.
     structured_outputs: the workers apply structured-output masks (else such requests are a 400).
+    tool_call_parser: serves tool_choice "auto" with that parser (``cluster/http/tool_parsers.py``; vLLM's
+    ``--enable-auto-tool-choice --tool-call-parser``); None: "auto" is a 400 naming the flags.
     metrics_compat "vllm" also exports the ``vllm:*`` metric names. scaler: enables the admin route
     ``POST /v1/pdserve/scale`` (a cluster's handle). advisor: serves /v1/pdserve/advice and the advice
     gauges (None: that route answers 404).
@@ -121,6 +125,8 @@ def create_app(
         if DEFAULT_TENANT in tenants:
             raise ValueError(f"tenant name {DEFAULT_TENANT!r} is taken by the single API key; rename it")
         tenants[DEFAULT_TENANT] = api_key
+    if tool_call_parser is not None:
+        create_tool_parser(tool_call_parser)  # NOTE: an unknown name fails here, not in every request
     info = router.model_info
     names = list(dict.fromkeys([served_model_name or info.name, info.name]))
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -135,7 +141,9 @@ def create_app(
     )
     app.state.pdserve = ServerState(
         router=router,
-        edge=Edge(info, tokenizer, names, default_timeout_s, max_timeout_s, structured_outputs),
+        edge=Edge(
+            info, tokenizer, names, default_timeout_s, max_timeout_s, structured_outputs, tool_call_parser
+        ),
         metrics=metrics,
         keys=KeyRing.create(tenants, admin_key),
         quotas=TenantQuotas(tenant_limits or TenantLimits()),

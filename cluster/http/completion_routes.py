@@ -24,7 +24,7 @@ from cluster.http.errors import ApiError, as_api_error
 from cluster.http.fanout import Fanout
 from cluster.http.planning import Edge, Plan, plan_chat, plan_completion
 from cluster.http.quotas import Lease
-from cluster.http.responses import ChoiceBuilder, envelope, usage
+from cluster.http.responses import ChoiceBuilder, choice_builders, envelope, response_prompt_logprobs, usage
 from cluster.http.server_state import ServerState, state_of
 from cluster.http.streaming import ClosingStreamingResponse, sse_stream
 from cluster.tokenizer import Tokenizer
@@ -56,7 +56,7 @@ async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyn
 
 
 async def _collect(fanout: Fanout, plan: Plan, tokenizer: Tokenizer | None) -> dict[int, ChoiceBuilder]:
-    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs, plan.tool_calls) for i, _ in plan.jobs}
+    choices = choice_builders(plan, tokenizer)
     remaining = len(choices)
     while remaining:
         index, event = await fanout.queue.get()
@@ -103,7 +103,9 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float,
         work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
         choices = await _until_disconnected(request, work)
         response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}
-        return JSONResponse({**response, "usage": usage(plan, choices)})
+        return JSONResponse(
+            {**response, "usage": usage(plan, choices), **response_prompt_logprobs(plan, choices)}
+        )
     finally:
         if not handed_off:
             with anyio.move_on_after(30, shield=True):

@@ -4,9 +4,10 @@ Structured outputs come from OpenAI's ``response_format`` (``json_object`` / ``j
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` or its newer
 ``structured_outputs`` object; at most one of them per request. Tools: ``tools`` reach the chat
 template; ``tool_choice`` "required" or a named function constrains the output to JSON that the
-response turns into ``tool_calls``; "none" leaves the output free. "auto" would need a model-specific
-parser of free text and is refused. Every field pdserve knows but does not implement is a 400 naming
-it (:data:`UNSUPPORTED`), so nothing a client asks for is silently dropped.
+response turns into ``tool_calls``; "none" leaves the output free. "auto" leaves it free too and has the
+server's ``--tool-call-parser`` find calls in the text (``cluster/http/tool_parsers.py``); a server
+started without ``--enable-auto-tool-choice`` refuses it. Every field pdserve knows but does not
+implement is a 400 naming it (:data:`UNSUPPORTED`), so nothing a client asks for is silently dropped.
 
 The result is a :class:`Constraints`: the :class:`StructuredOutput` spec for the worker's token mask and,
 for tool calls, how to render the output. No torch, no xgrammar here (the worker compiles the spec).
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cluster.config import MAX_GRAMMAR_RULES, MAX_STRUCTURED_SPEC_CHARS
+from cluster.http.tool_parsers import PARSERS
 from cluster.protocol import ErrorCode, StructuredOutput
 
 MAX_CHOICES = 256
@@ -28,13 +30,7 @@ MAX_SPEC_CHARS = MAX_STRUCTURED_SPEC_CHARS  # EngineConfig's defaults, which the
 # mean "not used" (accepted); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,),
-    "prompt_logprobs": (None,),
-    "min_tokens": (None, 0),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "include_stop_str_in_output": (None, False),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0, 1),
     "truncate_prompt_tokens": (None,),
@@ -78,11 +74,13 @@ def _fail(message: str, param: str, code: str | None = None) -> ConstraintError:
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """How to render a constrained output as tool calls: "named" (the output is the named function's
-    arguments) or "required" (the output is a JSON list of {"name", "parameters"})."""
+    """How to render an output as tool calls: "named" (the output is the named function's arguments),
+    "required" (the output is a JSON list of {"name", "parameters"}) or "auto" (free text; ``parser``,
+    a name in ``cluster/http/tool_parsers.py``, finds the calls)."""
 
-    mode: Literal["named", "required"]
+    mode: Literal["named", "required", "auto"]
     name: str | None = None
+    parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +93,13 @@ class Constraints:
     tools: list[dict[str, Any]] | None = None
     tool_calls: ToolCalls | None = None
     param: str | None = None
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """False where the tool-call parser's markers are special tokens in some models (vLLM's
+        ``adjust_request``): the text must keep them for the parser to see them."""
+        mode = self.tool_calls
+        return mode is None or mode.parser is None or PARSERS[mode.parser].skip_special_tokens
 
 
 def check_unsupported(raw: dict[str, Any]) -> None:
@@ -272,8 +277,9 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
     return schema
 
 
-def parse_constraints(raw: dict[str, Any], *, chat: bool) -> Constraints:
-    """Everything that constrains the output of one body; raises ConstraintError naming the field."""
+def parse_constraints(raw: dict[str, Any], *, chat: bool, tool_call_parser: str | None = None) -> Constraints:
+    """Everything that constrains the output of one body; raises ConstraintError naming the field.
+    tool_call_parser: the server's parser for tool_choice "auto" (None: "auto" is refused)."""
     check_unsupported(raw)
     structured, param = parse_structured(raw)
     if not chat:
@@ -298,11 +304,15 @@ def parse_constraints(raw: dict[str, Any], *, chat: bool) -> Constraints:
             "tool_choice",
         )
     if choice == "auto":
-        raise _fail(
-            'tool_choice "auto" (the default when tools are given) is not supported: pdserve has no parser '
-            'for free-text tool calls; send tool_choice "required", a named function, or "none"',
-            "tool_choice",
-        )
+        if tool_call_parser is None:
+            raise _fail(
+                'tool_choice "auto" (the default when tools are given) is not supported: this server has '
+                "no parser for free-text tool calls (start it with --enable-auto-tool-choice and "
+                f"--tool-call-parser {{{','.join(sorted(PARSERS))}}}); "
+                'or send tool_choice "required", a named function, or "none"',
+                "tool_choice",
+            )
+        return Constraints(None, tools, ToolCalls("auto", parser=tool_call_parser))
     if choice == "required":
         schema = _required_schema(tools, parallel is not False)
         return Constraints(

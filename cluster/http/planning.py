@@ -11,6 +11,7 @@ The bodies and their field checks live in ``cluster/http/schema.py``; response s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,12 +32,14 @@ from cluster.http.schema import (
     check_common,
     check_prompt_chars,
     check_prompt_ids,
+    logit_bias_ids,
     validation_message,
 )
-from cluster.protocol import MAX_LOGPROBS, GenerateRequest, ModelInfo, SamplingParams
+from cluster.protocol import MAX_BAD_WORD_TOKENS, MAX_LOGPROBS, GenerateRequest, ModelInfo, SamplingParams
 from cluster.tokenizer import Tokenizer
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -53,6 +56,14 @@ class Plan:
     jobs: list[tuple[int, GenerateRequest]]  # (choice index, router request)
     created: int = field(default_factory=lambda: int(time.time()))
     tool_calls: ToolCalls | None = None  # render the output as tool calls (chat, tool_choice)
+    num_logprobs: int | None = None  # top logprobs per token (None: no logprobs)
+    # prompt_logprobs the client asked for (None: not asked): rendered on each choice (completions) or on
+    # the response (chat), vLLM's places
+    prompt_logprobs: int | None = None
+    # echo (completions): each prompt's text, put before its choices' text (and its tokens' logprobs
+    # before theirs); echo_only: max_tokens was 0, so a choice is the prompt alone
+    echo: list[str] | None = None
+    echo_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,8 @@ class Edge:
     names: the served model name first, then aliases. default_timeout_s bounds requests without a
     ``timeout`` field (None leaves it to the router); max_timeout_s caps every client deadline.
     structured_outputs: whether the workers apply structured-output masks (when False, a request that
-    asks for one is a 400 naming the field instead of free text).
+    asks for one is a 400 naming the field instead of free text). tool_call_parser: the parser that
+    serves tool_choice "auto" (``--enable-auto-tool-choice --tool-call-parser``; None: "auto" is a 400).
     """
 
     info: ModelInfo
@@ -71,11 +83,12 @@ class Edge:
     default_timeout_s: float | None = None
     max_timeout_s: float | None = None
     structured_outputs: bool = False
+    tool_call_parser: str | None = None
 
     def constraints(self, raw: dict[str, Any], *, chat: bool) -> Constraints:
         """The body's output constraints (ApiError 400 naming the field when refused)."""
         try:
-            constraints = parse_constraints(raw, chat=chat)
+            constraints = parse_constraints(raw, chat=chat, tool_call_parser=self.tool_call_parser)
         except ConstraintError as e:
             raise ApiError(400, str(e), e.param, code=e.code) from None
         if constraints.structured is not None and not self.structured_outputs:
@@ -151,46 +164,107 @@ def _resolve_max_tokens(
     return max_tokens
 
 
+def _bad_words_token_ids(words: list[str], edge: Edge) -> list[list[int]]:
+    """``bad_words`` resolved with the served tokenizer (``Tokenizer.bad_words_token_ids``: vLLM's rule)."""
+    if not words:
+        return []
+    if edge.tokenizer is None:
+        raise ApiError(400, "bad_words need the model's tokenizer; this model has none", "bad_words")
+    try:
+        token_ids = edge.tokenizer.bad_words_token_ids(words)
+    except ValueError as e:
+        raise ApiError(400, str(e), "bad_words") from None
+    longest = max(len(ids) for ids in token_ids)
+    check(
+        longest <= MAX_BAD_WORD_TOKENS,
+        f"bad_words entries may be at most {MAX_BAD_WORD_TOKENS} tokens, got {longest}",
+        "bad_words",
+    )
+    return token_ids
+
+
+def _validated(params: SamplingParams, vocab_size: int | None) -> SamplingParams:
+    """``params`` once ``SamplingParams.validate`` passes (what the workers check again): 400 naming the
+    field its message starts with."""
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), name if name in _PARAM_NAMES else None) from None
+    return params
+
+
 def _build_plan(
     kind: Literal["completion", "chat"],
     body: CommonBody,
     prompts: list[list[int]],
     max_tokens: list[int],
     num_logprobs: int | None,
-    model: str,
-    deadline: float | None,
+    edge: Edge,
     constraints: Constraints,
+    *,
+    prompt_logprobs: int | None = None,
+    echo: list[str] | None = None,
+    echo_only: bool = False,
 ) -> Plan:
+    """The plan's router requests: one per prompt and choice. ``prompt_logprobs``: what the workers
+    compute (the client's, raised to ``num_logprobs`` for an echo with logprobs)."""
     plan_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bad_words = list(dict.fromkeys(body.bad_words or []))  # NOTE: vLLM drops repeats too
+    deadline = edge.deadline(body.timeout)
+    base = SamplingParams(
+        max_tokens=max_tokens[0],
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=num_logprobs,
+        structured=constraints.structured,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=logit_bias_ids(body, edge.info),
+        min_tokens=body.min_tokens,
+        bad_words=bad_words,
+        bad_words_token_ids=_bad_words_token_ids(bad_words, edge),
+        allowed_token_ids=None if body.allowed_token_ids is None else list(body.allowed_token_ids),
+        prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens and constraints.skip_special_tokens,
+    )
     jobs: list[tuple[int, GenerateRequest]] = []
     for p, ids in enumerate(prompts):
+        limit = 0 if echo_only else max_tokens[p]
+        check(
+            body.min_tokens <= limit,
+            f"min_tokens must be in [0, max_tokens={limit}], got {body.min_tokens}",
+            "min_tokens",
+        )
         for j in range(body.n):
-            params = SamplingParams(
-                max_tokens=max_tokens[p],
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                seed=None if body.seed is None else body.seed + j,
-                stop=stop,
-                stop_token_ids=list(body.stop_token_ids or []),
-                ignore_eos=body.ignore_eos,
-                logprobs=num_logprobs,
-                structured=constraints.structured,
-            )
+            seed = None if body.seed is None else body.seed + j
+            params = dataclasses.replace(base, max_tokens=max_tokens[p], seed=seed)
+            # NOTE: the vocabulary checks once (the same ids in every job); the rest per job
+            _validated(params, edge.info.vocab_size if not jobs else None)
             jobs.append((p * body.n + j, GenerateRequest(f"{plan_id}-{p}-{j}", ids, params, deadline)))
     include_usage = bool((body.stream_options or {}).get("include_usage", False))
     return Plan(
         kind,
         plan_id,
-        model,
+        edge.names[0],
         body.stream,
         include_usage,
         num_logprobs is not None,
         prompts,
         jobs,
         tool_calls=constraints.tool_calls,
+        num_logprobs=num_logprobs,
+        prompt_logprobs=body.prompt_logprobs,
+        echo=echo,
+        echo_only=echo_only,
     )
 
 
@@ -203,7 +277,6 @@ def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
         raise ApiError(400, *validation_message(e)) from None
     check_common(body, info, names)
     constraints = edge.constraints(raw, chat=False)
-    check(not body.echo, "echo is not supported", "echo")
     check(body.suffix is None, "suffix is not supported", "suffix")
     check(body.best_of in (None, body.n), f"best_of must equal n ({body.n}), got {body.best_of}", "best_of")
     check(
@@ -233,10 +306,36 @@ def plan_completion(raw: dict[str, Any], edge: Edge) -> Plan:
             ids = list(item)
         check_prompt_ids(ids, info, "prompt")
         prompts.append(ids)
-    max_tokens = [_resolve_max_tokens(body.max_tokens, 16, len(ids), info, "max_tokens") for ids in prompts]
-    deadline = edge.deadline(body.timeout)
+    # NOTE: vLLM's echo with max_tokens 0 answers the prompt alone: one token is generated (its prefill
+    # computes the prompt's logprobs) and dropped
+    echo_only = body.echo and body.max_tokens == 0
+    requested = 1 if echo_only else body.max_tokens
+    max_tokens = [_resolve_max_tokens(requested, 16, len(ids), info, "max_tokens") for ids in prompts]
+    echo: list[str] | None = None
+    if body.echo:
+        if tokenizer is None:
+            raise ApiError(
+                400, "echo needs the model's tokenizer to render the prompt; this model has none", "echo"
+            )
+        # NOTE: vLLM's: a text prompt echoes as sent, token ids as they decode (special tokens kept)
+        echo = [
+            item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=False)
+            for item, ids in zip(items, prompts, strict=True)
+        ]
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:  # NOTE: vLLM's: the echoed tokens get their logprobs too
+        prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
     return _build_plan(
-        "completion", body, prompts, max_tokens, body.logprobs, names[0], deadline, constraints
+        "completion",
+        body,
+        prompts,
+        max_tokens,
+        body.logprobs,
+        edge,
+        constraints,
+        prompt_logprobs=prompt_logprobs,
+        echo=echo,
+        echo_only=echo_only,
     )
 
 
@@ -276,5 +375,6 @@ def plan_chat(raw: dict[str, Any], edge: Edge) -> Plan:
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = [_resolve_max_tokens(requested, None, len(ids), info, param)]
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    deadline = edge.deadline(body.timeout)
-    return _build_plan("chat", body, [ids], max_tokens, num_logprobs, names[0], deadline, constraints)
+    return _build_plan(
+        "chat", body, [ids], max_tokens, num_logprobs, edge, constraints, prompt_logprobs=body.prompt_logprobs
+    )

@@ -13,7 +13,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.http.errors import ApiError
-from cluster.protocol import ModelInfo
+from cluster.protocol import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    ModelInfo,
+)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -45,7 +52,14 @@ class CommonBody(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token-id strings -> values
+    # vLLM's sampling extensions
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class CompletionBody(CommonBody):
@@ -128,13 +142,7 @@ def check_common(body: CommonBody, info: ModelInfo, names: Sequence[str]) -> Non
     check(0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}", "top_p")
     check(body.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {body.top_k}", "top_k")
     check(0 <= body.min_p <= 1, f"min_p must be in [0, 1], got {body.min_p}", "min_p")
-    for name, value, neutral in (
-        ("presence_penalty", body.presence_penalty, 0.0),
-        ("frequency_penalty", body.frequency_penalty, 0.0),
-        ("repetition_penalty", body.repetition_penalty, 1.0),
-    ):
-        check(value == neutral, f"{name} is not supported (must be {neutral}), got {value}", name)
-    check(not body.logit_bias, "logit_bias is not supported", "logit_bias")
+    check_sampling_fields(body, info)
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     check(all(stops), "stop strings must be non-empty", "stop")
     check(
@@ -171,6 +179,87 @@ def check_common(body: CommonBody, info: ModelInfo, names: Sequence[str]) -> Non
         "stream_options is only allowed when stream is true",
         "stream_options",
     )
+
+
+def check_sampling_fields(body: CommonBody, info: ModelInfo) -> None:
+    """vLLM's sampling fields, each against its own limit. What needs more than the body is checked where
+    it resolves: min_tokens against the resolved max_tokens and bad_words against the tokenizer
+    (``cluster/http/planning.py``), logit_bias's keys against the vocabulary (:func:`logit_bias_ids`)."""
+    for name, value in (
+        ("presence_penalty", body.presence_penalty),
+        ("frequency_penalty", body.frequency_penalty),
+    ):
+        check(
+            -MAX_PENALTY <= value <= MAX_PENALTY,
+            f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}], got {value}",
+            name,
+        )
+    check(
+        body.repetition_penalty > 0,
+        f"repetition_penalty must be > 0, got {body.repetition_penalty}",
+        "repetition_penalty",
+    )
+    check(body.min_tokens >= 0, f"min_tokens must be >= 0, got {body.min_tokens}", "min_tokens")
+    words = body.bad_words or []
+    check(
+        len(words) <= MAX_BAD_WORDS,
+        f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}",
+        "bad_words",
+    )
+    check(all(w.strip() for w in words), "bad_words entries must be non-empty (not only spaces)", "bad_words")
+    allowed = body.allowed_token_ids
+    if allowed is not None:
+        check(len(allowed) > 0, "allowed_token_ids must hold at least one token id", "allowed_token_ids")
+        check(
+            len(allowed) <= info.vocab_size,
+            f"allowed_token_ids may hold at most {info.vocab_size} ids (the vocabulary), got {len(allowed)}",
+            "allowed_token_ids",
+        )
+        if min(allowed) < 0 or max(allowed) >= info.vocab_size:
+            t = next(t for t in allowed if not 0 <= t < info.vocab_size)
+            raise ApiError(
+                400,
+                f"allowed_token_ids entry {t} is outside the vocabulary [0, {info.vocab_size})",
+                "allowed_token_ids",
+            )
+    k = body.prompt_logprobs
+    check(
+        k is None or 0 <= k <= MAX_LOGPROBS,
+        f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}",
+        "prompt_logprobs",
+    )
+    # NOTE: vLLM's rule: a stream's chunks have no place for them
+    check(
+        not (body.stream and k is not None and k > 0),
+        "prompt_logprobs are not available when stream is true",
+        "prompt_logprobs",
+    )
+
+
+def logit_bias_ids(body: CommonBody, info: ModelInfo) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token-id strings -> values in [-100, 100]) keyed by token id; 400 naming
+    logit_bias for a key that is not a token id of the vocabulary or a value out of range."""
+    bias = body.logit_bias or {}
+    check(
+        len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+        f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+        "logit_bias",
+    )
+    ids: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = int(key) if key.isascii() and key.isdigit() else -1
+        check(
+            0 <= token_id < info.vocab_size,
+            f"logit_bias keys must be token ids in [0, {info.vocab_size}), got {key[:40]!r}",
+            "logit_bias",
+        )
+        check(
+            -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+            f"logit_bias values must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value} for {key!r}",
+            "logit_bias",
+        )
+        ids[token_id] = value
+    return ids
 
 
 def check_prompt_chars(num_chars: int, max_chars: int, reason: str, param: str, what: str) -> None:

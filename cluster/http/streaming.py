@@ -16,7 +16,7 @@ from cluster.http.errors import as_api_error, error_body
 from cluster.http.fanout import Fanout, stalled_error
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Plan
-from cluster.http.responses import ChoiceBuilder, envelope, sse_event, usage
+from cluster.http.responses import choice_builders, envelope, sse_event, usage
 from cluster.protocol import TokenDelta
 from cluster.tokenizer import Tokenizer
 
@@ -75,7 +75,7 @@ async def sse_stream(
     metrics: Metrics,
 ) -> AsyncIterator[bytes]:
     """The SSE events of ``plan``, starting from its ``first`` event (already awaited by the caller)."""
-    choices = {i: ChoiceBuilder(plan.kind, tokenizer, plan.logprobs, plan.tool_calls) for i, _ in plan.jobs}
+    choices = choice_builders(plan, tokenizer)
     usage_field = {"usage": None} if plan.include_usage else {}
     if plan.kind == "chat":
         for i in choices:

@@ -244,7 +244,13 @@ BAD: list[tuple[str, dict[str, Any], int, str, str]] = [
         "max_tokens: Input should be a valid integer",
     ),
     ("completions", {"prompt": PROMPT, "timeout": 0}, 400, "timeout", "timeout must be > 0 seconds, got 0"),
-    ("completions", {"prompt": PROMPT, "presence_penalty": 1}, 400, "presence_penalty", "not supported"),
+    (
+        "completions",
+        {"prompt": PROMPT, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+        "presence_penalty must be in [-2.0, 2.0], got 3.0",
+    ),
     (
         "completions",
         {"prompt": PROMPT, "stream_options": {"include_usage": True}},

@@ -159,13 +159,7 @@ def test_chat_context_overflow_uses_openai_wording(stub: StubRouter, plain_serve
 
 NOT_NEUTRAL: dict[str, Any] = {
     "guided_whitespace_pattern": " ",
-    "prompt_logprobs": 1,
-    "min_tokens": 2,
-    "bad_words": ["w1"],
-    "allowed_token_ids": [6, 7],
-    "skip_special_tokens": False,
     "spaces_between_special_tokens": False,
-    "include_stop_str_in_output": True,
     "use_beam_search": True,
     "length_penalty": 0.5,
     "truncate_prompt_tokens": 4,
