@@ -24,6 +24,7 @@ from tests.support.cluster_utils import (
     run_concurrently,
     shared_prefix_prompts,
     wait_for,
+    with_processors,
 )
 from workers.llm import LLM
 
@@ -41,10 +42,16 @@ def offline() -> LLM:
 
 
 def workload(
-    seed: int, offline: LLM, max_tokens: int = 48
+    seed: int, offline: LLM, max_tokens: int = 48, processors: bool = False
 ) -> tuple[list[list[int]], list[SamplingParams], Any]:
+    """32 streams; ``processors``: with the logits processors' mix (``with_processors``), whose outputs
+    must survive a migration exactly as greedy ones do (token history and seeded streams)."""
     prompts = shared_prefix_prompts(NUM_STREAMS, seed=seed, vocab=VOCAB)
-    params = [greedy(max_tokens + i % 4 * 8) for i in range(NUM_STREAMS)]
+    lengths = [max_tokens + i % 4 * 8 for i in range(NUM_STREAMS)]
+    if processors:
+        params = [with_processors(i, n, VOCAB) for i, n in enumerate(lengths)]
+    else:
+        params = [greedy(n) for n in lengths]
     return prompts, params, [o.token_ids for o in offline.generate(prompts, params)]
 
 
@@ -55,7 +62,7 @@ def incarnation(handle: ClusterHandle, worker_id: str) -> tuple[str, str] | None
 
 @pytest.mark.loaded  # NOTE: decisive under load (make test-faults runs every fault test so)
 def test_kill9_of_the_decode_worker_under_32_streams(offline: LLM) -> None:
-    prompts, params, reference = workload(11, offline, max_tokens=64)
+    prompts, params, reference = workload(11, offline, max_tokens=64, processors=True)
     # NOTE: the pools' default max_restarts: a cluster heals by default
     handle = start_cluster(cluster_config("", router=HEALTH))
     try:
@@ -135,7 +142,7 @@ def test_killed_prefill_worker_then_no_decode_worker_left_lose_no_request(offlin
 
 
 def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
-    prompts, params, reference = workload(12, offline)
+    prompts, params, reference = workload(12, offline, processors=True)
     handle = start_cluster(
         cluster_config("", router={**HEALTH, "drain_timeout_s": 60.0}, server={"admin_key": ADMIN_KEY})
     )

@@ -29,6 +29,24 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+def with_processors(index: int, max_tokens: int, vocab: int) -> SamplingParams:
+    """Request ``index`` of a mixed workload: the logits processors vLLM serves, one kind per index
+    (mod 8), half of them seeded samples (their random stream must continue across a handoff, a
+    migration or a preemption exactly as their token history does), the rest plain greedy."""
+    kinds: list[dict[str, Any]] = [
+        {"repetition_penalty": 1.3},
+        {"presence_penalty": 0.8, "frequency_penalty": 0.5, "temperature": 0.8, "seed": 1000 + index},
+        {"bad_words_token_ids": [[5 + index % 7], [11, 12 + index % 5]]},
+        {"min_tokens": max_tokens // 2, "ignore_eos": False, "stop_token_ids": [7, 9, 13]},
+        {"logit_bias": {3 + index % 11: 4.0, 17: -100.0}, "temperature": 1.0, "seed": 2000 + index},
+        {"allowed_token_ids": list(range(index % 5, vocab, 7)), "temperature": 0.7, "seed": 3000 + index},
+        {"repetition_penalty": 0.8, "presence_penalty": -0.5, "top_k": 20, "temperature": 0.9, "seed": index},
+        {},
+    ]
+    options: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True, **kinds[index % len(kinds)]}
+    return SamplingParams(max_tokens=max_tokens, **options)
+
+
 async def collect(
     handle: ClusterHandle, prompt: list[int], params: SamplingParams, rid: str | None = None
 ) -> list[int]:
