@@ -6,6 +6,7 @@ tests/e2e/test_elastic.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -58,11 +59,29 @@ def test_processors_equal_offline_through_handoffs_and_preemptions(
     )
     try:
         assert tokens(cluster.generate(prompts, params)) == reference
+        # prompt_logprobs: computed where the prompt is prefilled, carried with the first token (through
+        # the handoff when disaggregated), equal to the offline engine's
+        asked = [dataclasses.replace(p, prompt_logprobs=3) for p in params[:4]]
+        streamed = cluster.generate(prompts[:4], asked)
+        offline = LLM(model_dir, device="cpu", block_size=4).generate(prompts[:4], asked)
+        for deltas, out in zip(streamed, offline, strict=True):
+            carrying = [i for i, d in enumerate(deltas) if d.prompt_logprobs is not None]
+            assert carrying == [0] and deltas[0].token_ids == out.token_ids[:1]
+            got, want = deltas[0].prompt_logprobs, out.prompt_logprobs
+            assert got is not None and want is not None and len(got) == len(want) == len(out.prompt_token_ids)
+            assert got[0] is None and want[0] is None
+            # NOTE: ids exact; values to float noise (the cluster's chunks batch the prompt differently)
+            assert [(g.token_id, g.top_token_ids) for g in got[1:] if g] == [
+                (w.token_id, w.top_token_ids) for w in want[1:] if w
+            ]
+            assert [x for g in got[1:] if g for x in (g.logprob, *g.top_logprobs)] == pytest.approx(
+                [x for w in want[1:] if w for x in (w.logprob, *w.top_logprobs)], abs=1e-4
+            )
         cluster.wait_until_quiet()  # every block free or cached with no users, on every worker
         stats = {wid: w.stats() for wid, w in cluster.workers.items()}
         assert sum(s.engine.num_preemptions for s in stats.values()) > 0, stats
         if mode == "disaggregated":
-            assert stats["decode-0"].transfer.num_ok == NUM_REQUESTS
+            assert stats["decode-0"].transfer.num_ok == NUM_REQUESTS + 4
         assert cluster.fatal == []
     finally:
         cluster.close()
