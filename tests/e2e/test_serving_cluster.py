@@ -183,6 +183,43 @@ def test_stop_strings_seeds_and_logprobs(oai: openai.OpenAI, offline: dict[str, 
             assert logprob == pytest.approx(max(tops), abs=1e-6)  # greedy picks the top token
 
 
+def test_sampling_options_through_the_openai_client_equal_offline(
+    oai: openai.OpenAI, offline_llm: LLM
+) -> None:
+    """A new user's request with vLLM's sampling options (OpenAI's fields, vLLM's in ``extra_body``) gives,
+    through the live disaggregated cluster, the offline engine's tokens and text; echo puts the prompt
+    first."""
+    tok = offline_llm.tokenizer
+    prompt_ids = tok.encode(PROMPTS[0])
+    greedy = offline_llm.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    bias = {str(greedy.token_ids[1]): -100}  # NOTE: the greedy second token banned: the output must change
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={greedy.token_ids[1]: -100.0},
+        min_tokens=4,
+        bad_words=["the"],
+    )
+    want = offline_llm.generate([prompt_ids], params)[0]
+    assert want.token_ids != greedy.token_ids
+    got = oai.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias=bias,  # type: ignore[arg-type]
+        echo=True,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 4, "bad_words": ["the"]},
+    )
+    assert _ids(got.choices[0]) == want.token_ids
+    assert got.choices[0].text == PROMPTS[0] + want.text
+
+
 def _abort_count(http: HttpServerHandle) -> float:
     text = httpx.get(f"{http.url}/metrics").text
     return sum(
