@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures (see bench/)")
-    bench.add_argument("bench", help="offline, serve, soak, admission (the pdserve.benchmarks entry points)")
+    bench.add_argument(
+        "bench", help="offline, serve, soak, admission, frontend (the pdserve.benchmarks entry points)"
+    )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     sub.add_parser(

@@ -11,16 +11,22 @@ open indefinitely, and ``limit_concurrency`` answers 503 only once a full head h
 * body: a request's body must arrive in full within ``body_timeout_s`` of its head; else 408 and close
   (the route reading it sees a disconnect, which the edge answers quietly);
 * cap: a connection beyond ``max_connections`` open ones is answered 503 (Retry-After) and closed at once.
+
+Each request's scope also carries a :class:`BodyWriter` (``scope["extensions"][BODY_WRITER]``): a
+streaming response writes its body chunks with it straight to the transport, as uvicorn's ``send`` would
+(same bytes, same flow control), without an ASGI message and an h11 event per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+
+BODY_WRITER = "pdserve.body_writer"  # the scope extension that holds a request's BodyWriter
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,35 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
+
+
+class BodyWriter:
+    """Writes one response's body chunks to its connection, between the response's start and its last
+    body message (both still sent through ASGI ``send``): each ``write`` frames its bytes as h11 would
+    (a chunk of chunked encoding to an HTTP/1.1 client, raw to HTTP/1.0) and hands them to the
+    transport. Flow control is the caller's: ``is_paused`` while the transport's buffer is past its
+    high-water mark (a client that does not read), and ``drain()`` until it is not; a disconnected
+    client's writes are dropped, as uvicorn's ``send`` drops them."""
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._is_chunked = (cycle.conn.their_http_version or b"1.0") >= b"1.1"
+        self._is_head = cycle.scope["method"] == "HEAD"
+
+    @property
+    def is_paused(self) -> bool:
+        return self._cycle.flow.write_paused and not self._cycle.disconnected
+
+    async def drain(self) -> None:
+        await self._cycle.flow.drain()
+
+    def write(self, data: bytes) -> None:
+        cycle = self._cycle
+        if cycle.disconnected or not data or self._is_head:
+            return
+        if not cycle.response_started or cycle.response_complete:
+            raise RuntimeError("BodyWriter.write outside a started, unfinished response")
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._is_chunked else data)
 
 
 def _plain_response(status_line: bytes, extra_headers: bytes, message: str) -> bytes:
@@ -83,6 +118,12 @@ class BoundedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
+        cycle = self.cycle
+        if cycle is not None:
+            # NOTE: the request's task has not started yet: its scope has the writer before the app runs
+            extensions = cast(dict[str, Any], cycle.scope.setdefault("extensions", {}))
+            if BODY_WRITER not in extensions:
+                extensions[BODY_WRITER] = BodyWriter(cycle)
         self._track()
 
     def _track(self) -> None:

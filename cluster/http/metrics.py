@@ -313,9 +313,22 @@ class Metrics:
             self.vllm.ttft.labels(self.model_name).observe(ttft_s)
 
     def observe_token_gap(self, gap_s: float, mode: str) -> None:
-        self.tbt.labels(self.model_name, mode).observe(gap_s)
-        if self.vllm is not None:
-            self.vllm.observe_token_gap(gap_s)
+        self.token_gap_observer(mode)(gap_s)
+
+    def token_gap_observer(self, mode: str) -> Callable[[float], None]:
+        """``observe_token_gap`` for one ``mode``, its series looked up once (a stream observes a gap per
+        token: the label lookups cost more than the observations)."""
+        tbt = self.tbt.labels(self.model_name, mode)
+        if self.vllm is None:
+            return tbt.observe
+        tpot, itl = self.vllm.tpot.labels(self.model_name), self.vllm.itl.labels(self.model_name)
+
+        def observe(gap_s: float) -> None:
+            tbt.observe(gap_s)
+            tpot.observe(gap_s)
+            itl.observe(gap_s)
+
+        return observe
 
     def observe_finished(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import json.encoder
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from cluster.http.tool_parsers import ToolParser, create_tool_parser
 from cluster.protocol import FinishReason, RequestTimings, TokenDelta, TokenLogprobs
 from cluster.tokenizer import Tokenizer
 
+_json_str = json.encoder.encode_basestring_ascii  # NOTE: what json.dumps(str) runs (ensure_ascii)
 MIN_LOGPROB = -9999.0  # NOTE: vLLM's (and OpenAI's) stand-in for -inf, which JSON cannot carry
 
 
@@ -88,7 +90,7 @@ class ChoiceBuilder:
         self.prompt = prompt
         self.prompt_entries: list[TokenLogprobs | None] | None = None  # from the first delta
         self._echo_pending = prompt is not None and prompt.echo is not None
-        self.call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self._call_id: str | None = None
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
@@ -96,6 +98,15 @@ class ChoiceBuilder:
         self.timings: RequestTimings | None = None
         self.num_cached_tokens = 0
         self._text_offset = 0
+        # NOTE: a chunk of such a choice is its text and token ids alone (SseChunks' fast path)
+        self.is_plain = tool_calls is None and not want_logprobs and prompt is None
+
+    @property
+    def call_id(self) -> str:
+        """The id of the choice's first tool call, made when first asked for (most choices call none)."""
+        if self._call_id is None:
+            self._call_id = f"call_{uuid.uuid4().hex[:24]}"
+        return self._call_id
 
     def add(self, delta: TokenDelta) -> None:
         delta = self._shown(delta)
@@ -351,3 +362,39 @@ def envelope(plan: Plan, *, chunk: bool) -> dict[str, Any]:
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SseChunks:
+    """A streamed plan's chunk events: ``chunk(index, delta)`` is byte for byte
+    ``sse_event({**envelope(plan, chunk=True), "choices": [choice.stream_choice(index, delta)], **usage})``
+    (``usage``: ``{"usage": None}`` when the plan includes usage) and updates the choice the same way.
+
+    NOTE: the hot path of the edge (a chunk per token per stream): a plain choice's chunk that does not
+    finish it is the envelope's precomputed bytes around its text (escaped by the json module's own C
+    escaper, as ``json.dumps`` does) and token ids, without a dict or an encoder per chunk."""
+
+    def __init__(self, plan: Plan, choices: dict[int, ChoiceBuilder]) -> None:
+        self.choices = choices
+        self.envelope = envelope(plan, chunk=True)
+        self.usage: dict[str, Any] = {"usage": None} if plan.include_usage else {}
+        head = json.dumps(self.envelope, separators=(",", ":"))[:-1]  # without its closing brace
+        self._head = f'data: {head},"choices":[{{"index":'
+        is_chat = plan.kind == "chat"
+        self._text_key = ',"delta":{"content":' if is_chat else ',"text":'
+        self._ids_key = ("}," if is_chat else ",") + '"logprobs":null,"token_ids":['
+        self._tail = '],"finish_reason":null}]' + (',"usage":null}' if plan.include_usage else "}") + "\n\n"
+
+    def is_plain(self, index: int, delta: TokenDelta) -> bool:
+        """Whether ``delta``'s chunk is a plain one (rendered without the general path)."""
+        return self.choices[index].is_plain and delta.finish_reason is None and delta.timings is None
+
+    def chunk(self, index: int, delta: TokenDelta) -> bytes:
+        choice = self.choices[index]
+        if choice.is_plain and delta.finish_reason is None and delta.timings is None:
+            choice.add(delta)
+            ids = delta.token_ids
+            return (
+                f"{self._head}{index}{self._text_key}{_json_str(delta.text)}{self._ids_key}"
+                f"{ids[0] if len(ids) == 1 else ','.join(map(str, ids))}{self._tail}"
+            ).encode()
+        return sse_event({**self.envelope, "choices": [choice.stream_choice(index, delta)], **self.usage})

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cluster.protocol import (
@@ -25,17 +26,49 @@ from cluster.protocol import (
 from cluster.router.membership import WorkerRef, WorkerState
 from cluster.wire import Prefilled, Transferred
 
-
-@dataclass(frozen=True)
-class Delta:
-    """One request's delta from ``worker_id``, as the router hands it to that request's stream (the
-    wire carries a step's deltas together, in ``Deltas``)."""
-
-    worker_id: str
-    delta: TokenDelta
+# NOTE: a decode step's delta is queued as the TokenDelta itself (the wire carries a step's deltas
+# together, in ``Deltas``): no wrapper object per token
+FlightEvent = TokenDelta | Prefilled | Transferred | RouterError
+QueuedEvent = tuple[int, FlightEvent, int]  # (attempt, event, its delta_nbytes)
+# takes a delta straight from the receive loop (True) or leaves it to the flight's queue (False)
+DeltaSink = Callable[[TokenDelta], bool]
 
 
-FlightEvent = Delta | Prefilled | Transferred | RouterError
+class Mailbox:
+    """A flight's queued events for its one reader (``generate()``): a deque and one waiter future,
+    made only when the reader finds it empty (an asyncio.Queue costs a future and a timer per get)."""
+
+    def __init__(self) -> None:
+        self._items: deque[QueuedEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: QueuedEvent) -> None:
+        self._items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the reader waiting in ``wait`` (an event arrived, or its deadline passed)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until an event is queued or ``wake`` is called (at once when one is queued)."""
+        if self._items:
+            return
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
+
+    def get_nowait(self) -> QueuedEvent:
+        return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
 
 
 @dataclass
@@ -46,7 +79,7 @@ class Flight:
     arrival: float
     deadline: float
     # (attempt, event, its delta_nbytes): the size is counted once, when queued
-    events: asyncio.Queue[tuple[int, FlightEvent, int]] = field(default_factory=asyncio.Queue)
+    events: Mailbox = field(default_factory=Mailbox)
     attempt: int = 0
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
@@ -66,6 +99,9 @@ class Flight:
     num_queued_bytes: int = 0  # of the deltas in ``events`` (protocol.delta_nbytes)
     # its caller left request_buffer_bytes of events untaken: aborted on its workers, the error queued
     is_overflowed: bool = False
+    deadline_timer: asyncio.TimerHandle | None = None  # wakes generate() at the deadline (Router)
+    sink: DeltaSink | None = None  # Router.generate_into's
+    is_waiting: bool = False  # its generate() waits for an event (none is queued)
 
     @property
     def wire_id(self) -> str:
@@ -75,16 +111,34 @@ class Flight:
     def put(self, event: FlightEvent) -> None:
         """Queue an event of the current attempt for generate()."""
         num_bytes = 0
-        if isinstance(event, (Delta, Prefilled)):
-            self.token_ids += event.delta.token_ids
-            self.finished = self.finished or event.delta.finish_reason is not None
-            num_bytes = delta_nbytes(event.delta)
+        delta = (
+            event if isinstance(event, TokenDelta) else event.delta if isinstance(event, Prefilled) else None
+        )
+        if delta is not None:
+            self.token_ids += delta.token_ids
+            self.finished = self.finished or delta.finish_reason is not None
+            num_bytes = delta_nbytes(delta)
             self.num_queued_bytes += num_bytes
         self.events.put_nowait((self.attempt, event, num_bytes))
 
-    async def get(self) -> tuple[int, FlightEvent]:
-        """The next queued (attempt, event) for generate(); its bytes leave ``num_queued_bytes``."""
-        attempt, event, num_bytes = await self.events.get()
+    def can_hand_over(self, delta: TokenDelta) -> bool:
+        """Whether ``delta`` may skip the queue for the sink: generate() would only yield it as it is (a
+        first attempt's mid-stream, unfinished delta, before the deadline) and waits for it with nothing
+        queued before it."""
+        return (
+            self.is_waiting
+            and self.attempt == 0
+            and delta.finish_reason is None
+            and self.first_token_time is not None
+            and not self.finished
+            and not self.is_overflowed
+            and self.events.empty()
+            and time.time() < self.deadline
+        )
+
+    def take(self) -> tuple[int, FlightEvent]:
+        """The next queued (attempt, event) (one must be queued); its bytes leave ``num_queued_bytes``."""
+        attempt, event, num_bytes = self.events.get_nowait()
         self.num_queued_bytes -= num_bytes
         return attempt, event
 

@@ -47,7 +47,6 @@ from cluster.protocol import (
     ModelInfo,
     QueueFullError,
     RequestAbortedError,
-    RouterError,
     SloUnattainableError,
     TokenDelta,
     WorkerFailedError,
@@ -55,7 +54,7 @@ from cluster.protocol import (
     router_error,
 )
 from cluster.router.admission import SloAdmission, build_admission
-from cluster.router.flights import Delta, Flight, FlightEvent, Flights
+from cluster.router.flights import DeltaSink, Flight, FlightEvent, Flights
 from cluster.router.handoff import Handoffs
 from cluster.router.membership import Membership, WorkerRef, WorkerState
 from cluster.router.predict import Predictor, TrafficLog
@@ -206,29 +205,45 @@ class Router:
         return dict(self._route_counts)
 
     # ---- the request path -----------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Yield the request's token deltas; the last has finish_reason and timings. Raises RouterError.
         If the caller stops iterating early (disconnect), the request is aborted everywhere."""
+        return self._generate(req, None)
+
+    def generate_into(self, req: GenerateRequest, sink: DeltaSink) -> AsyncIterator[TokenDelta]:
+        """``generate``, but a decode step's plain delta may go to ``sink`` instead of being yielded: when
+        the caller waits for the next one, none is queued before it, and ``sink(delta)`` accepts it
+        (returns True). The deltas the sink accepts and those yielded are the request's deltas, in order.
+
+        NOTE: the hot path of the front end: a delta handed to the sink from the receive loop costs no
+        wake-up of the caller's task and no trip through this generator (one token per stream per step)."""
+        return self._generate(req, sink)
+
+    async def _generate(self, req: GenerateRequest, sink: DeltaSink | None) -> AsyncIterator[TokenDelta]:
         if len(self._flights) >= self.config.max_pending_requests:
             raise QueueFullError(f"{len(self._flights)} requests in flight (max_pending_requests)")
         if req.request_id in self._flights:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
         arrival = time.time()
         deadline = req.deadline if req.deadline is not None else arrival + self.config.request_timeout_s
-        flight = Flight(req, arrival, deadline)
+        flight = Flight(req, arrival, deadline, sink=sink)
         route = self._route(flight)
         self._admit_or_refuse(flight, route)
         self._flights.add(flight)
+        self._arm_deadline(flight)
         try:
             self._commit(flight, route)
             while True:
                 attempt, event = await self._next_event(flight)
-                if isinstance(event, RouterError):
-                    raise event
-                if isinstance(event, Transferred):
+                if isinstance(event, TokenDelta):
+                    delta = event
+                elif isinstance(event, Prefilled):
+                    delta = event.delta
+                elif isinstance(event, Transferred):
                     flight.transfer_s = event.seconds
                     continue
-                delta = event.delta
+                else:
+                    raise event
                 if delta.request_id != req.request_id:  # a migrated attempt's wire id
                     # NOTE: a copy: the delta is a (frozen) wire message's payload, never changed in place
                     delta = replace(delta, request_id=req.request_id)
@@ -249,6 +264,8 @@ class Router:
                     return
                 yield delta
         finally:
+            if flight.deadline_timer is not None:
+                flight.deadline_timer.cancel()
             self._settle(flight)
 
     def _dispatch(self, flight: Flight) -> None:
@@ -325,17 +342,34 @@ class Router:
         )
         self._send(w, op)
 
+    def _arm_deadline(self, flight: Flight) -> None:
+        """One timer per flight (``flight.deadline_timer``, cancelled when its generate() ends) wakes
+        its generate() at the deadline: none per event."""
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            left = flight.deadline - time.time()
+            if left <= 0:
+                flight.events.wake()
+            else:  # NOTE: the loop's clock and the wall clock may drift apart: wait the rest
+                flight.deadline_timer = loop.call_later(left, check)
+
+        flight.deadline_timer = loop.call_later(max(0.0, flight.deadline - time.time()), check)
+
     async def _next_event(self, flight: Flight) -> tuple[int, FlightEvent]:
-        left = flight.deadline - time.time()
-        if left <= 0:
-            raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
-        # NOTE: not asyncio.wait_for: on Python 3.11 it returns an event that lands as the caller is
-        # cancelled (a disconnect), swallowing the cancel, so the request would run on to its end.
-        try:
-            async with asyncio.timeout(left):
-                return await flight.get()
-        except TimeoutError:
-            raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline") from None
+        """The flight's next event; DeadlineExceededError once its deadline passed (queued events
+        included), woken by the flight's deadline timer while it waits."""
+        events = flight.events
+        while True:
+            if time.time() >= flight.deadline:
+                raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
+            if not events.empty():
+                return flight.take()
+            flight.is_waiting = True
+            try:
+                await events.wait()
+            finally:
+                flight.is_waiting = False
 
     def _settle(self, flight: Flight) -> None:
         """Request over (finished, failed, cancelled): release router counters; abort if unfinished."""
@@ -439,7 +473,7 @@ class Router:
                 self._on_request_failed(w, event)
             case Deltas():
                 for delta in event.deltas:
-                    self._to_flight(w, delta.request_id, Delta(event.worker_id, delta))
+                    self._to_flight(w, delta.request_id, delta)
             case Prefilled():
                 if not self._to_flight(w, event.delta.request_id, event):
                     # NOTE: the caller went away (or the request moved on) while prefill ran: let go of it.
@@ -464,8 +498,12 @@ class Router:
         flight = self._flights.of(w, wire_id)
         if flight is None:
             return False
-        if isinstance(event, (Delta, Prefilled)) and flight.queued_on is w:
+        if flight.queued_on is w and isinstance(event, (TokenDelta, Prefilled)):
             flight.unqueue()
+        sink = flight.sink
+        if sink is not None and isinstance(event, TokenDelta) and flight.can_hand_over(event) and sink(event):
+            flight.token_ids += event.token_ids
+            return True
         flight.put(event)
         if flight.num_queued_bytes > self.config.request_buffer_bytes and not flight.finished:
             self._abort_overflowed(flight)

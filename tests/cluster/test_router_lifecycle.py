@@ -19,7 +19,6 @@ from cluster.protocol import (
     RequestAbortedError,
     TokenDelta,
 )
-from cluster.router.flights import Delta
 from cluster.router.membership import WorkerState
 from cluster.router.router import Router
 from cluster.wire import Abort, Deltas, Generate, PeerDead, Prefilled, WorkerFailed
@@ -357,7 +356,7 @@ def test_a_stream_cancelled_as_its_next_delta_arrives_still_aborts_its_request()
         s = Stream(router, "r", PROMPT)
         assert isinstance(await fakes.op("colocated-0"), Generate)
         # NOTE: no public way to land a delta in a chosen loop iteration; a fake worker's frame arrives later
-        router._flights.by_request["r"].put(Delta("colocated-0", delta("r", 7)))
+        router._flights.by_request["r"].put(delta("r", 7))
         await asyncio.sleep(0)  # NOTE: one loop iteration (not a wait): the delta wakes the stream's wait
         s.task.cancel()
         await asyncio.wait({s.task}, timeout=TIMEOUT_S)

@@ -148,6 +148,7 @@ def test_pdserve_bench_runs_what_bench_registers(capsys: pytest.CaptureFixture[s
     """`pdserve bench NAME` finds each benchmark through the pdserve.benchmarks entry points (deploy/cli.py
     imports nothing of bench/, which sits above it), and an unknown name is refused naming the known ones."""
     import bench.admission
+    import bench.frontend
     import bench.offline
     import bench.serve
     import bench.soak
@@ -156,13 +157,17 @@ def test_pdserve_bench_runs_what_bench_registers(capsys: pytest.CaptureFixture[s
     found = {name: ep.load() for name, ep in _benchmarks().items()}
     assert found == {
         "admission": bench.admission.main,
+        "frontend": bench.frontend.main,
         "offline": bench.offline.main,
         "serve": bench.serve.main,
         "soak": bench.soak.main,
     }
     with pytest.raises(SystemExit) as refused:
         main(["bench", "nope"])
-    assert str(refused.value) == "unknown benchmark 'nope'; registered: admission, offline, serve, soak"
+    assert (
+        str(refused.value)
+        == "unknown benchmark 'nope'; registered: admission, frontend, offline, serve, soak"
+    )
     with pytest.raises(SystemExit) as helped:
         main(["bench", "offline", "--help"])
     assert helped.value.code == 0

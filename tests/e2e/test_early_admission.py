@@ -19,7 +19,6 @@ import pytest
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.protocol import ErrorCode, SamplingParams
-from cluster.router.flights import Delta
 from cluster.wire import (
     Abort,
     DecodeHandoff,
@@ -33,7 +32,7 @@ from cluster.wire import (
 )
 from deploy.launch import KVStore
 from tests.support.cluster_utils import wait_for
-from tests.workers.test_worker import FakeRouter
+from tests.workers.test_worker import Delta, FakeRouter
 from transfer.connector import KVSender
 from transfer.pairs import PairChannel
 from transfer.peers import PeerId

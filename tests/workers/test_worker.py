@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,7 +21,6 @@ import zmq
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import FrameSigner, new_secret
 from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats, peer_name
-from cluster.router.flights import Delta
 from cluster.wire import (
     EVENTS,
     OPS,
@@ -43,6 +43,15 @@ from workers.worker import EXIT_CODE_FATAL, EngineWorker
 PROMPT = [3, 40, 99, 7, 250, 18]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 ENGINE = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=8)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One request's delta from ``worker_id``: a ``Deltas`` frame taken apart, as the router's receive
+    loop takes it apart."""
+
+    worker_id: str
+    delta: TokenDelta
 
 
 class FakeRouter:

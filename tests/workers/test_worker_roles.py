@@ -10,9 +10,8 @@ import pytest
 from cluster.config import EngineConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.protocol import ErrorCode, SamplingParams
-from cluster.router.flights import Delta
 from cluster.wire import DecodeHandoff, Generate, RequestFailed, WorkerControl
-from tests.workers.test_worker import FakeRouter
+from tests.workers.test_worker import Delta, FakeRouter
 from workers.llm import LLM
 from workers.worker import EngineWorker
 
