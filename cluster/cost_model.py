@@ -228,6 +228,25 @@ class CostProfile:
     prompt's handoff leaves beside the next prompts' step: 3.3-8.3 ms in five of six probes on the CPU
     box, 1.0 ms in one that put 2.2 ms on every prefill step instead; the step split alone could not see
     it, since a light load sends between steps). The probe fits them all.
+    ``frontend_cpu_per_step_s``: the front end's CPU per worker step whose tokens it streams (one frame
+    of deltas a step, whatever its batch), before those tokens' own; 0.0 puts it all per token.
+    ``frontend_fifo``: the front end takes new requests one at a time, in arrival order, instead of
+    sharing itself between them (a burst's requests are then routed ``frontend_s_per_request`` apart: as
+    measured with a mock cluster, whose first tokens come back within a few steps).
+    ``host_step_s``, ``host_decode_s``, ``host_chunk_s``, ``host_token_s``: host time a step takes
+    beside ``step``'s, per step, per decode sequence, per prompt chunk (a prefill worker holds and offers
+    each prompt's KV) and per prompt token: a mock engine (``load_format: mock``) waits ``step``'s time,
+    and its scheduling, input prep, KV writes and sampling come on top; the mock probe of ``pdserve plan
+    validate`` fits them (deploy/plan/fit_mock.py); 0.0 otherwise. ``host_transfer_s``: what a step
+    takes on top while its worker's transfer thread moves KV (a mock's real KV bytes: the copies and
+    digests take the cores and the interpreter lock its host work needs). ``handoff_receive_token_s``:
+    on top of ``handoff_receive_step_s``, per KV position of that handoff (a mock moves the model's real
+    KV bytes, and what the receiving side's work costs the step beside it grows with them).
+    ``spinning_transfer_scale``: a KV handoff whose sending or receiving worker is spinning (it holds
+    requests it cannot schedule, so its step loop polls without waiting) takes this many times its time:
+    the loop holds the interpreter lock and a core the transfer thread needs (a mock cluster on the
+    2-core box: 12 prompts of 3,072 tokens at once moved their KV at 0.56 GB/s, one at a time at 1.16);
+    1.0 where a transfer runs on without it.
     """
 
     name: str
@@ -241,15 +260,33 @@ class CostProfile:
     step_scale: float = 1.0
     frontend_cpu_per_token_s: float = 0.0
     frontend_s_per_request: float = 0.0
+    frontend_cpu_per_step_s: float = 0.0
+    frontend_fifo: bool = False
     prefill_weight: float = 1.0
     delivery_jitter_s: float = 0.0
     delivery_jitter_by_batch: tuple[tuple[int, float], ...] = ()
     delivery_jitter_contended_s: float = 0.0
     handoff_receive_step_s: float = 0.0
     handoff_send_step_s: float = 0.0
+    host_step_s: float = 0.0
+    host_decode_s: float = 0.0
+    host_chunk_s: float = 0.0
+    host_token_s: float = 0.0
+    host_transfer_s: float = 0.0
+    handoff_receive_token_s: float = 0.0
+    spinning_transfer_scale: float = 1.0
 
     def step_s(self, shape: StepShape) -> float:
-        return self.step.step_s(shape) * self.step_scale
+        seconds = self.step.step_s(shape) * self.step_scale
+        if shape.is_empty:
+            return seconds
+        return (
+            seconds
+            + self.host_step_s
+            + self.host_decode_s * shape.num_decode_seqs
+            + self.host_chunk_s * shape.num_prefill_seqs
+            + self.host_token_s * shape.num_prefill_tokens
+        )
 
     def delivery_jitter_at(self, batch: int) -> float:
         """The mean delivery delay of the tokens of a step that streams ``batch`` of them."""

@@ -76,10 +76,24 @@ def probe_and_report(
     return profile
 
 
+def mock_probe_and_report(
+    url: str, handle: ClusterHandle, profile: CostProfile, seed: int, label: str = ""
+) -> CostProfile:
+    """The mock probe (deploy/plan/mock_probe.py) over ``profile``, the one the mock workers wait; prints
+    its figures (``mock cluster probe<label>: {...}``)."""
+    from deploy.plan.mock_probe import probe_mock
+
+    measured, report = probe_mock(url, handle, profile, seed)
+    print(f"mock cluster probe{label}: " + json.dumps(_round(report)), flush=True)
+    return measured
+
+
 def _round(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _round(x) for k, x in v.items()}
-    return [_round(x) for x in v] if isinstance(v, list) else round(v, 3)
+    if isinstance(v, list):
+        return [_round(x) for x in v]
+    return round(v, 3) if isinstance(v, float) else v
 
 
 def calibrate_command(argv: Sequence[str] | None) -> int:

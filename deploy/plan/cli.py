@@ -8,6 +8,8 @@ policy under a step-cost profile (deploy/planner/).
     pdserve plan --workload trace:requests.jsonl --profile my-profile.json --workers 16
     pdserve plan calibrate [--config deploy/cpu-disagg.yaml] [--probe]
     pdserve plan validate --config deploy/cpu-disagg.yaml            # simulation vs the real cluster
+    pdserve plan validate bench/configs/llama-3-8b --config deploy/mock-cluster.yaml --gpu h100 \
+        --num-prefill-workers 1 --num-decode-workers 1 --num-kv-blocks 1024  # ... a mock one, GPU rates
     pdserve plan spread A/validate.json B/validate.json              # the real cluster vs itself
 
 Workloads: ``scenario:NAME`` (``pdserve bench serve``'s seeded scenarios, the very same prompts),

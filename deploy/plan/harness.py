@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig
-from cluster.protocol import StepSplit, WorkerStats
+from cluster.protocol import StepSplit, TransferStats, WorkerStats
 
 if TYPE_CHECKING:
     from deploy.launch import ClusterHandle
@@ -74,6 +74,21 @@ def step_split_of(handle: ClusterHandle, pool: str) -> StepSplit:
         for f in fields(StepSplit):
             setattr(total, f.name, getattr(total, f.name) + getattr(st.steps, f.name))
     return total
+
+
+def received_of(handle: ClusterHandle, pool: str) -> TransferStats:
+    """The KV-transfer totals of every worker of ``pool``, summed (fresh: ``pool_stats``)."""
+    total = TransferStats()
+    for st in pool_stats(handle, pool):
+        for f in fields(TransferStats):
+            setattr(total, f.name, getattr(total, f.name) + getattr(st.transfer, f.name))
+    return total
+
+
+def transfer_delta(after: TransferStats, before: TransferStats) -> TransferStats:
+    return TransferStats(
+        **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(TransferStats)}
+    )
 
 
 def split_delta(after: StepSplit, before: StepSplit) -> StepSplit:

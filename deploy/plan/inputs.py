@@ -32,6 +32,16 @@ def model_dir(cfg: ClusterConfig, override: str | None) -> Path:
     return Path(override or cfg.model.path or BUNDLED_MODEL)
 
 
+def mock_step_profile(cfg: ClusterConfig) -> CostProfile | None:
+    """The cost profile a mock cluster's workers wait (``engine.mock_cost_profile``: a path, or "default"
+    for ``pdserve plan calibrate``'s); None for any other cluster, or a mock one without a profile."""
+    engine = cfg.engine_config(cfg.decode_pool)
+    if engine.load_format != "mock" or not engine.mock_cost_profile:
+        return None
+    name = engine.mock_cost_profile
+    return CostProfile.load(default_profile_path() if name == "default" else Path(name).expanduser())
+
+
 def cpu_kv_blocks(cfg: ClusterConfig, profile: CostProfile) -> int:
     """KV blocks of one CPU worker of the decode pool (the pool that holds each request's KV to its end):
     the config's, else sized from cpu_kv_cache_bytes as the runner does."""

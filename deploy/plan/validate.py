@@ -1,8 +1,16 @@
 """``pdserve plan validate``: hold the simulation against the real cluster on the same seeded workloads.
 
     pdserve plan validate --config deploy/cpu-disagg.yaml [--profile P.json] [--workloads ...] [--runs N]
+    pdserve plan validate bench/configs/llama-3-8b --config deploy/mock-cluster.yaml --gpu h100 \
+        --num-prefill-workers 1 --num-decode-workers 1 --num-kv-blocks 1024       # at GPU rates
 
-Starts the cluster of ``--config`` (HTTP on a free loopback port), calibrates on it (the engine sweep in
+The cluster is ``pdserve serve``'s: its config, MODEL and override flags (deploy/cli_args.py). A mock
+cluster (``load_format: mock``, with ``--gpu NAME`` or ``--cost-profile``) waits a known cost profile
+each step, so it is not calibrated: the mock probe (deploy/plan/mock_probe.py) fits what surrounds the
+steps over that profile, and what is validated is the twin's model of queues, routing, handoffs and the
+front end at GPU rates.
+
+Starts the cluster (HTTP on a free loopback port), calibrates on it (the engine sweep in
 a Ray worker, then the probe of deploy/plan/probe.py) unless ``--profile`` is given, runs every
 workload through the HTTP API (the load generator, deploy/loadgen.py: the six scenarios and two Poisson
 rates, seeded), shuts it down, simulates each workload with the profile, and prints a table whose last
@@ -30,23 +38,18 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.cost_model import CostProfile
+from deploy.cli_args import add_cluster_arguments, build_config
 from deploy.loadgen import SCENARIOS, ClientSettings, Record, Scenario, run_scenario
-from deploy.plan.calibrate import calibrate_profile, probe_and_report
+from deploy.plan.calibrate import calibrate_profile, mock_probe_and_report, probe_and_report
 from deploy.plan.figures import error_pct, figures
 from deploy.plan.harness import EngineTotals, running_cluster
-from deploy.plan.inputs import (
-    DEFAULT_CONFIG,
-    cpu_kv_blocks,
-    load_cluster_config,
-    scenario_workload,
-    workload_of,
-)
+from deploy.plan.inputs import cpu_kv_blocks, mock_step_profile, scenario_workload, workload_of
 from deploy.planner.report import Slo, Summary, summarize
 from deploy.planner.search import simulate
 from deploy.planner.sim import RequestRecord
@@ -205,8 +208,12 @@ def diagnostics_table(diagnostics: dict[str, dict[str, float]], pool: str, profi
 
 def validate_command(argv: Sequence[str] | None) -> int:
     p = argparse.ArgumentParser(prog="pdserve plan validate", description="simulation vs the real cluster")
-    p.add_argument("--config", default=DEFAULT_CONFIG)
-    p.add_argument("--profile", default=None, help="use this profile (default: calibrate + probe now)")
+    # NOTE: the cluster is `pdserve serve`'s: its config, MODEL and override flags (--gpu, --load-format,
+    # --num-prefill-workers, ...), and the twin reads the very same ClusterConfig
+    add_cluster_arguments(p)
+    p.add_argument(
+        "--profile", default=None, help="use this profile (default: calibrate + probe now; mock: probe now)"
+    )
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -228,7 +235,16 @@ def validate_command(argv: Sequence[str] | None) -> int:
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--out", type=Path, default=Path("plan_results/validate"))
     args = p.parse_args(argv)
-    cfg = load_cluster_config(args.config)
+    try:
+        cfg = build_config(args)
+        # NOTE: no API keys (PDSERVE_API_KEY included): the cluster serves a loopback port to the load
+        # generator in this process alone
+        cfg = replace(cfg, server=replace(cfg.server, api_key=None, api_keys_file=None))
+        mock = mock_step_profile(cfg)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    if cfg.engine_config(cfg.decode_pool).load_format == "mock" and mock is None and not args.profile:
+        p.error("a mock cluster's steps wait a cost profile: give --gpu NAME (and MODEL) or --cost-profile")
     slo = Slo(args.slo_ttft_ms, args.slo_tbt_ms)
     if args.runs < 1:
         p.error("--runs must be at least 1")
@@ -248,6 +264,9 @@ def validate_command(argv: Sequence[str] | None) -> int:
     with running_cluster(cfg) as (url, handle):
         if args.profile:
             profiles = [CostProfile.load(args.profile)]
+        elif mock is not None:
+            label = " (before the runs)" if args.probes == 2 else ""
+            profiles = [mock_probe_and_report(url, handle, mock, args.seed, label)]
         else:
             sweep = calibrate_profile(handle.config, reps=args.reps, seed=args.seed, in_ray=True)
             label = " (before the runs)" if args.probes == 2 else ""
@@ -279,9 +298,11 @@ def validate_command(argv: Sequence[str] | None) -> int:
                 diagnostics[name]["real_prefill_s"] = (
                     EngineTotals.of(handle, "prefill") - before_prefill
                 ).seconds
+        # NOTE: another seed: the first probe's prompts are in the prefix cache
         if sweep is not None and args.probes == 2:
-            # NOTE: another seed: the first probe's prompts are in the prefix cache
             profiles.append(probe_and_report(url, handle, sweep, args.seed + 1, " (after the runs)"))
+        elif mock is not None and not args.profile and args.probes == 2:
+            profiles.append(mock_probe_and_report(url, handle, mock, args.seed + 1, " (after the runs)"))
     args.out.mkdir(parents=True, exist_ok=True)
     for profile, file in zip(profiles, ("profile.json", "profile-after.json"), strict=False):
         profile.save(args.out / file)

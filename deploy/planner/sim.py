@@ -7,8 +7,9 @@ while more CPU workers are busy than the host has cores; a prefill step more, by
 ``prefill_weight``; longer by ``handoff_receive_step_s`` / ``handoff_send_step_s`` for each handoff that
 its worker received / sent beside the step before it), a KV handoff ``handoff_s``, a control message
 ``hop_s``, the front end ``frontend_s_per_request`` per new request (shared between the requests it
-holds) and ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s``
-each way, and an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at``
+holds; ``frontend_fifo``: one at a time, on the same server as the tokens), ``frontend_cpu_per_step_s``
+per step it streams and ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge
+``http_s`` each way, and an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at``
 gives for the number of tokens its step streams, plus ``delivery_jitter_contended_s`` while another
 worker is busy too (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
@@ -18,6 +19,9 @@ The event order mirrors the real paths (cluster/router/router.py, workers/worker
   it holds (processor sharing: one event loop interleaving their handlers) -> router: the route
   decision (cluster/router/routing.py: mode, worker and reason, as the router decides), SLO-aware admission
   when the router config asks for it (cluster/router/admission.py), count it -> (hop) worker's command queue;
+* with early decode admission (the router's default), the decode worker is told at dispatch too
+  (hop): it reserves blocks for the prompt while the prefill runs (or once blocks free, while no
+  handoff waits) and the KV moves as soon as the prefill offers it;
 * a worker's loop turn: read every queued command, retry waiting handoffs, start one step;
 * step end: tokens go (hop) to the router, through the front end, (http) to the client; a held
   prefill's first token makes the router pick a decode worker and send it the handoff (hop); the
@@ -55,7 +59,7 @@ _SEND, _ROUTE, _DELIVER, _STEP_END, _PREFILLED, _SETTLE, _CLIENT_DONE, _EDGE, _E
 _RUNNING = RequestStatus.RUNNING
 _RATE_WINDOW_S = 0.25  # time constant of the streamed-token rate
 # worker commands
-GENERATE, GENERATE_HELD, HANDOFF, KV_DONE, KV_SENT = range(5)
+GENERATE, GENERATE_HELD, HANDOFF, KV_DONE, KV_SENT, PREPARE = range(6)
 
 
 @dataclass(slots=True)
@@ -152,12 +156,15 @@ class Simulation:
         self._token_rate = 0.0  # tokens/s streamed through the front end (exponential moving average)
         self._token_rate_t = 0.0
         self._frontend_free = 0.0  # the front end is busy with earlier tokens until then
+        self.transfer_busy_s = 0.0  # the KV handoffs' own seconds (their links' queueing aside)
+        self.spinning_transfer_s = 0.0  # of those, the ones beside a spinning worker
         # new requests in the front end, shared between them (processor sharing, in virtual time: each
         # has received `_edge_v` seconds of work, the min-heap holds the virtual time each one is done)
         self._edge: list[tuple[float, int]] = []
         self._edge_v = 0.0
         self._edge_t = 0.0
         self._edge_gen = 0  # of the one pending _EDGE_DONE event that counts
+        self._edge_fifo_free = 0.0  # a front end taking new requests in order is busy until then
         self._rng = random.Random(seed)
         self._slots = workload.max_concurrency or 0
         self._backlog: deque[int] = deque()
@@ -214,7 +221,15 @@ class Simulation:
                 return
             self._slots -= 1
         self.records[index].send_s = t
-        self._at(t + self.profile.http_s, _EDGE if self.profile.frontend_s_per_request else _ROUTE, index)
+        per_request = self.profile.frontend_s_per_request
+        if per_request and self.profile.frontend_fifo:
+            # NOTE: one at a time, in arrival order (CostProfile.frontend_fifo), on the event loop that
+            # streams the tokens too: the front end is busy for both
+            start = max(t + self.profile.http_s, self._frontend_free)
+            self._frontend_free = self._edge_fifo_free = start + per_request
+            self._at(self._frontend_free, _ROUTE, index)
+            return
+        self._at(t + self.profile.http_s, _EDGE if per_request else _ROUTE, index)
 
     def _on_client_done(self, t: float, index: int) -> None:
         if not self.workload.max_concurrency:
@@ -301,13 +316,21 @@ class Simulation:
         w.queue(flight)
         w.num_assigned += 1
         self._at(t + self.profile.hop_s, _DELIVER, (w, cmd, flight))
+        if route.hold and router.early_decode_admission and params.max_tokens > 1:
+            # early decode admission (cluster/router/handoff.py): the decode worker is picked now and
+            # reserves blocks while the prefill runs
+            d = pick_decode(self.pools["decode"])
+            flight.decode, flight.is_early = d, True
+            d.num_assigned += 1
+            self._at(t + self.profile.hop_s, _DELIVER, (d, PREPARE, flight))
 
     def _on_prefilled(self, t: float, flight: Flight) -> None:
         if flight.prefill is not None:
             flight.prefill.unqueue(flight)
-        w = pick_decode(self.pools["decode"])
-        flight.decode = w
-        w.num_assigned += 1
+        w = flight.decode
+        if w is None:
+            w = flight.decode = pick_decode(self.pools["decode"])
+            w.num_assigned += 1
         if self.view is not None:
             hashes = hash_full_blocks(flight.prompt, w.block_size)
             self.view.record(w.worker_id, hashes, self.config.num_kv_blocks - 1)
@@ -330,6 +353,7 @@ class Simulation:
         if w.in_step and cmd in (KV_DONE, KV_SENT):  # a handoff finished on a transfer thread, beside a step
             if cmd == KV_DONE:
                 w.received_beside += 1
+                w.received_tokens_beside += payload[2].num_kv_tokens
             else:
                 w.sent_beside += 1
         w.inbox.append((cmd, payload[2]))
@@ -339,19 +363,29 @@ class Simulation:
     def _turn(self, w: SimWorker, t: float) -> None:
         """One pass of the worker's step loop: commands, waiting handoffs, then one step (if any)."""
         was_busy = w.spinning  # a turn never runs during a step
-        received, sent = w.received_beside, w.sent_beside
-        w.received_beside = w.sent_beside = 0
+        received, sent, received_tokens = w.received_beside, w.sent_beside, w.received_tokens_beside
+        w.received_beside = w.sent_beside = w.received_tokens_beside = 0
         while w.inbox:
             cmd, flight = w.inbox.popleft()
             if cmd in (GENERATE, GENERATE_HELD):
                 w.add(flight, hold=cmd == GENERATE_HELD)
             elif cmd == HANDOFF:
-                if not self._start_transfer(w, flight, t):
-                    w.pending.append(flight)
+                self._on_handoff(w, flight, t)
             elif cmd == KV_DONE:
-                w.scheduler.commit_prefilled(flight.request_id)
+                flight.is_kv_here = True
+                if not flight.is_early or flight.is_first_here:
+                    w.commit(flight)
+            elif cmd == PREPARE:
+                w.early[flight.request_id] = flight
+                if not w.pending:
+                    self._reserve_early(w, flight, t)
             else:  # KV_SENT
                 w.scheduler.release(flight.request_id)
+        # NOTE: the decode role's poll: early admissions (while no handoff waits), then waiting handoffs
+        if w.early and not w.pending:
+            for flight in list(w.early.values()):
+                if not self._reserve_early(w, flight, t):
+                    break
         while w.pending and self._start_transfer(w, w.pending[0], t):
             w.pending.popleft()
         beat = w.beat(t, self.config.heartbeat_interval_s)
@@ -365,11 +399,14 @@ class Simulation:
         if shape is None:
             return
         step_s = self.profile.step_s(shape) * self._slowdown(t, w.pool == "prefill")
+        if w.link_free_s > t:  # its transfer thread moves KV meanwhile
+            step_s += self.profile.host_transfer_s
         if received or sent:
             # NOTE: what the handoffs that finished beside the last step cost it; the twin fixed that
             # step's end when it began, so the step after it (if one follows at once) takes it instead
             prof = self.profile
             step_s += received * prof.handoff_receive_step_s + sent * prof.handoff_send_step_s
+            step_s += received_tokens * prof.handoff_receive_token_s
             w.num_charged_handoffs += received + sent
         w.busy_s += step_s
         if self.on_step is not None:
@@ -384,7 +421,7 @@ class Simulation:
         if not cpus:
             return 1.0
         demand = float(self._num_busy)
-        if self._edge:
+        if self._edge or self._edge_fifo_free > t:
             demand += 1.0
         elif self.profile.frontend_cpu_per_token_s:
             rate = self._token_rate * math.exp((self._token_rate_t - t) / _RATE_WINDOW_S)
@@ -393,30 +430,73 @@ class Simulation:
             demand = 1.0 + self.profile.prefill_weight * (demand - 1.0)
         return max(1.0, demand / cpus)
 
+    def _on_handoff(self, w: SimWorker, flight: Flight, t: float) -> None:
+        """A DecodeHandoff (the first token): an early reservation commits once its KV is here too; any
+        other request reserves blocks now (or waits for them) and fetches its KV."""
+        if flight.is_reserved:
+            flight.is_first_here = True
+            if flight.is_kv_here:
+                w.commit(flight)
+            return
+        if w.early.pop(flight.request_id, None) is not None:
+            flight.is_early = False  # NOTE: never reserved early: the usual path
+        if not self._start_transfer(w, flight, t):
+            w.pending.append(flight)
+
+    def _reserve_early(self, w: SimWorker, flight: Flight, t: float) -> bool:
+        """An early admission reserves blocks and posts its fetch (False: blocks or seats are short); the
+        KV moves as soon as the prefill offers it."""
+        num_tokens = w.reserve(flight, None)
+        if num_tokens is None:
+            return False
+        del w.early[flight.request_id]
+        flight.is_reserved, flight.num_kv_tokens = True, num_tokens
+        if flight.is_offered:
+            self._transfer(w, flight, t, num_tokens)
+        return True
+
     def _start_transfer(self, w: SimWorker, flight: Flight, t: float) -> bool:
         num_tokens = w.reserve(flight, 0)
         if num_tokens is None:
             return False
+        self._transfer(w, flight, t, num_tokens)
+        return True
+
+    def _transfer(self, w: SimWorker, flight: Flight, t: float, num_tokens: int) -> None:
+        """The KV moves on both sides' transfer threads (one transfer at a time on each), slower while
+        either side spins (``CostProfile.spinning_transfer_scale``)."""
         sender = flight.prefill
         start = max(t, w.link_free_s, sender.link_free_s if sender is not None else 0.0)
-        end = start + self.profile.handoff_s(num_tokens)
+        seconds = self.profile.handoff_s(num_tokens)
+        # NOTE: a sender blocked on blocks spins as soon as its step ends (the held KV this transfer
+        # frees is what it waits for), so it counts as spinning from the start of the transfer on
+        if w.spinning or (sender is not None and (sender.spinning or sender.is_blocked)):
+            seconds *= self.profile.spinning_transfer_scale
+            self.spinning_transfer_s += seconds
+        end = start + seconds
+        self.transfer_busy_s += seconds
+        flight.num_kv_tokens = num_tokens
         w.link_free_s = end
         if sender is not None:
             sender.link_free_s = end
             self._at(end, _DELIVER, (sender, KV_SENT, flight))
         flight.transfer_s = end - t
         self._at(end, _DELIVER, (w, KV_DONE, flight))
-        return True
 
     def _on_step_end(self, t: float, w: SimWorker) -> None:
-        """Tokens go to the router (hop); the front end (router, HTTP edge, client) handles one token at
-        a time, ``frontend_cpu_per_token_s`` each, first come first served; then HTTP to the client."""
+        """Tokens go to the router (hop); the front end (router, HTTP edge, client) takes the step's
+        frame (``frontend_cpu_per_step_s``), then one token at a time, ``frontend_cpu_per_token_s``
+        each, first come first served; then HTTP to the client."""
         at_router = t + self.profile.hop_s
         http, cost = self.profile.http_s, self.profile.frontend_cpu_per_token_s
         delay = self._rng.expovariate
         free = self._frontend_free
         flights, records = self.flights, self.records
         updated = w.end_step()
+        per_step = self.profile.frontend_cpu_per_step_s
+        if updated and per_step:
+            free = (at_router if at_router > free else free) + per_step
+            at_router = free
         jitter = self.profile.delivery_jitter_at(len(updated))
         if self._num_busy > 1:  # another worker is in a step too (or polling)
             jitter += self.profile.delivery_jitter_contended_s
@@ -453,6 +533,10 @@ class Simulation:
             if status is _RUNNING:
                 continue
             if status is RequestStatus.SENDING_KV:
+                flight.is_offered = True
+                if flight.is_reserved and flight.decode is not None:
+                    # NOTE: its fetch waited for the offer (transfer/parking.py)
+                    self._transfer(flight.decode, flight, t, flight.num_kv_tokens)
                 self._at(done, _PREFILLED, flight)
             elif status.is_finished:
                 self._at(done, _SETTLE, flight)

@@ -101,6 +101,15 @@ class Flight:
     queued_on: SimWorker | None = None  # whose prefill queue (the router's count) holds it
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
+    # early decode admission: its decode worker was told at dispatch (is_early), reserved its blocks and
+    # posted the fetch (is_reserved: the transfer starts when the prefill offers the KV), the prefill
+    # offered the KV (is_offered), the KV landed (is_kv_here), the first token came (is_first_here)
+    is_early: bool = False
+    is_reserved: bool = False
+    is_offered: bool = False
+    is_kv_here: bool = False
+    is_first_here: bool = False
+    num_kv_tokens: int = 0  # KV positions its handoff moves
 
 
 class SimWorker:
@@ -115,11 +124,13 @@ class SimWorker:
         self.scheduler = Scheduler(engine, config.num_kv_blocks, config.max_model_len)
         self.inbox: deque[tuple[int, Flight]] = deque()
         self.pending: deque[Flight] = deque()  # decode side: handoffs waiting for blocks or a seat
+        self.early: dict[str, Flight] = {}  # decode side: early admissions not reserved yet, in order
         self.step_out: SchedulerOutput | None = None
         self.spinning = False  # has work it cannot schedule now: the real step loop polls (burns a core)
         self.link_free_s = 0.0  # its transfer thread is busy until then
         # handoffs that finished (received, sent) during its current step: they cost its next one
         self.received_beside = 0
+        self.received_tokens_beside = 0  # their KV positions
         self.sent_beside = 0
         self.num_charged_handoffs = 0  # (received, sent) handoffs charged to its steps so far
         # the router's view (WorkerLoad)
@@ -135,6 +146,16 @@ class SimWorker:
     @property
     def in_step(self) -> bool:
         return self.step_out is not None
+
+    @property
+    def is_blocked(self) -> bool:
+        """Its next waiting request's tokens need more blocks than are free: once its running work is
+        done, its step loop spins (prefix hits aside)."""
+        waiting = self.scheduler.waiting
+        if not waiting:
+            return False
+        need = -(-waiting[0].num_tokens // self.block_size)
+        return need > self.scheduler.kv.pool.num_free
 
     @property
     def has_work(self) -> bool:
@@ -158,16 +179,24 @@ class SimWorker:
         request = Request(flight.request_id, flight.prompt, flight.params, (), hold, 0.0)
         self.scheduler.add_request(request)
 
-    def reserve(self, flight: Flight, first_token_id: int) -> int | None:
-        """A DecodeHandoff: reserve blocks for the prompt's KV; the number of KV positions that must move
-        (whole blocks the local prefix cache does not hold), or None when blocks or seats are short."""
+    def reserve(self, flight: Flight, first_token_id: int | None) -> int | None:
+        """A DecodeHandoff (or, ``first_token_id`` None, an early admission before the first token):
+        reserve blocks for the prompt's KV; the number of KV positions that must move (whole blocks the
+        local prefix cache does not hold), or None when blocks or seats are short."""
         request = Request(flight.request_id, flight.prompt, flight.params, (), False, 0.0)
-        request.output_token_ids.append(first_token_id)
+        if first_token_id is not None:
+            request.output_token_ids.append(first_token_id)
         reserved = self.scheduler.reserve_prefilled(request)
         if reserved is None:
             return None
         block_ids, num_hit = reserved
         return (len(block_ids) - num_hit) * self.block_size
+
+    def commit(self, flight: Flight) -> None:
+        """The KV landed (and, reserved early, its first token came): the request decodes on."""
+        if flight.is_early:
+            self.scheduler.requests[flight.request_id].output_token_ids.append(0)
+        self.scheduler.commit_prefilled(flight.request_id)
 
     def begin_step(self) -> StepShape | None:
         out = self.scheduler.schedule()

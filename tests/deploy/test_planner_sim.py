@@ -140,10 +140,15 @@ def test_preemption_by_recompute_and_prefix_hit() -> None:
     assert result.prefix_hit_tokens == 3 * 4
 
 
+def without_early_admission(cfg: SimConfig) -> SimConfig:
+    """The router's usual handoff path: the decode worker is picked and reserves at the handoff."""
+    return replace(cfg, router=replace(cfg.router, early_decode_admission=False))
+
+
 def test_disaggregated_handoff_times() -> None:
     # prefill 10 ms -> first token (+1 ms hop, +2 ms HTTP); router hands off (+1 ms hop to the decode
     # worker); 2 blocks x 4 tokens x 1000 B at 1 MB/s + 5 ms = 13 ms transfer; then 10 ms decode steps.
-    cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    cfg = without_early_admission(config("disaggregated", num_prefill=1, num_decode=1))
     result, steps = run(cfg, profile(hop_s=0.001, http_s=0.002), workload((0.0, 6, 3)))
     assert steps == [
         ("prefill-0", 3000, prefill(6), 10000),
@@ -154,6 +159,57 @@ def test_disaggregated_handoff_times() -> None:
     assert us(a) == (16000, [25000, 10000], 51000)
     assert round(a.transfer_s * 1e6) == 13000
     assert a.route == "disaggregated"
+
+
+def test_early_decode_admission_moves_the_kv_as_the_prefill_offers_it() -> None:
+    # as above, but the decode worker reserves at dispatch (told at 3 ms): the KV moves 13-26 ms, from the
+    # prefill's end instead of the handoff's arrival (15 ms); the first token (there at 15 ms) waits for it
+    cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    assert cfg.router.early_decode_admission
+    result, steps = run(cfg, profile(hop_s=0.001, http_s=0.002), workload((0.0, 6, 3)))
+    assert steps == [
+        ("prefill-0", 3000, prefill(6), 10000),
+        ("decode-0", 26000, decodes(6), 10000),
+        ("decode-0", 36000, decodes(7), 10000),
+    ]
+    (a,) = result.records
+    assert us(a) == (16000, [23000, 10000], 49000)
+    assert round(a.transfer_s * 1e6) == 13000
+    # one token: nothing to decode, no early admission
+    result, steps = run(cfg, profile(hop_s=0.001, http_s=0.002), workload((0.0, 6, 1)))
+    assert [w for w, *_ in steps] == ["prefill-0"] and result.records[0].transfer_s == 0.0
+
+
+def test_early_reservations_can_leave_a_committed_request_no_block_to_grow_into() -> None:
+    # 6 usable blocks of 4 tokens per worker; prompts of 12 tokens (3 blocks), 2 tokens out, all at 0 ms
+    # (hop/HTTP 0): the decode worker reserves A's and B's prompt blocks at dispatch (early decode
+    # admission), C's waits. Prefill: A 0-10, B 10-20, C once A's KV has left (27-37).
+    # KV (3 blocks x 4 x 1000 B at 1 MB/s + 5 ms = 17 ms, one at a time): A's 10-27, B's 27-44, C's 44-61.
+    # A commits at 27 with no free block for its next token: preempted (recompute), its blocks go to C's
+    # waiting reservation; B at 44 the same; C decodes at 61; then A (8 tokens cached) and B recompute.
+    cfg = config("disaggregated", blocks=7, num_prefill=1, num_decode=1)
+    result, steps = run(cfg, profile(), workload((0.0, 12, 2), (0.0, 12, 2), (0.0, 12, 2)))
+    assert steps == [
+        ("prefill-0", 0, prefill(12), 10000),
+        ("prefill-0", 10000, prefill(12), 10000),
+        ("prefill-0", 27000, prefill(12), 10000),
+        ("decode-0", 61000, decodes(12), 10000),
+        ("decode-0", 71000, prefill(5, 8), 10000),
+        ("decode-0", 81000, prefill(13), 10000),
+    ]
+    assert [round(r.transfer_s * 1e6) for r in result.records] == [17000, 24000, 24000]
+    assert [us(r) for r in result.records] == [
+        (10000, [81000], 91000),
+        (20000, [61000], 81000),
+        (37000, [34000], 71000),
+    ]
+    assert result.num_preemptions == 2
+    # (hop 0: each handoff reaches the decode worker as its prefill offers the KV, so the usual path,
+    # which reserves at the handoff, runs the same schedule)
+    _, plain = run(
+        without_early_admission(cfg), profile(), workload((0.0, 12, 2), (0.0, 12, 2), (0.0, 12, 2))
+    )
+    assert plain == steps
 
 
 def test_transfers_queue_on_the_decode_workers_link() -> None:
@@ -226,6 +282,45 @@ def test_front_end_shares_itself_between_new_requests() -> None:
     result, steps = run(config(num_colocated=1), one_core, workload((0.0, 4, 1), (0.001, 4, 1)))
     assert [(t, d) for _, t, _, d in steps] == [(3000, 20000), (23000, 10000)]
     assert [us(r)[0] for r in result.records] == [23000, 32000]
+
+
+def test_a_front_end_that_takes_new_requests_in_order() -> None:
+    # as above with frontend_fifo: the three sent at once are routed 2 ms apart (2, 4, 6 ms): A's step
+    # runs 2-12 ms alone, B and C share the next (12-22); the fourth, alone again, at 42 ms
+    edge = replace(profile(), frontend_s_per_request=0.002, frontend_fifo=True)
+    wl = workload((0.0, 4, 1), (0.0, 4, 1), (0.0, 4, 1), (0.040, 4, 1))
+    result, steps = run(config(num_colocated=1), edge, wl)
+    assert [(t, shape.num_prefill_seqs) for _, t, shape, _ in steps] == [(2000, 1), (12000, 2), (42000, 1)]
+    assert [us(r)[0] for r in result.records] == [12000, 22000, 22000, 12000]
+
+
+def test_the_front_end_takes_a_steps_frame_before_its_tokens() -> None:
+    # 1 ms a frame, 0.5 ms a token: A's step (0-10 ms; B takes the next, 10-20) is out at 11.5 ms, B's at
+    # 21.5; then a front end taking new requests in order, 2 ms each
+    edge = replace(profile(), frontend_cpu_per_step_s=0.001, frontend_cpu_per_token_s=0.0005)
+    result, _ = run(config(num_colocated=1), edge, workload((0.0, 4, 1), (0.0, 4, 1)))
+    assert [us(r)[0] for r in result.records] == [11500, 21500]
+    fifo = replace(edge, frontend_s_per_request=0.002, frontend_fifo=True)
+    # A routed at 2 ms, B at 4 ms; A's token (step 2-12 ms) out at 13.5 ms, B's (step 12-22) at 23.5
+    result, _ = run(config(num_colocated=1), fifo, workload((0.0, 4, 1), (0.0, 4, 1)))
+    assert [us(r)[0] for r in result.records] == [13500, 23500]
+
+
+def test_a_handoff_beside_a_spinning_sender_takes_longer() -> None:
+    # the reservations test's load (6 usable blocks, three 12-token prompts at 0 ms) with handoffs 3x
+    # slower beside a spinning worker: A's KV leaves as B's prefill starts (blocks for B: 17 ms, 10-27);
+    # when B's KV is offered (20 ms) C waits for blocks the prefill worker has not: it spins, and B's
+    # handoff takes 3 x 17 = 51 ms (27-78); C's (prefilled 27-37 once A's blocks are back) 51 ms too
+    # (78-129): the decode worker spins then (A, committed at 27 with no block to grow into, waits)
+    cfg = config("disaggregated", blocks=7, num_prefill=1, num_decode=1)
+    slow = replace(profile(), spinning_transfer_scale=3.0)
+    result, steps = run(cfg, slow, workload((0.0, 12, 2), (0.0, 12, 2), (0.0, 12, 2)))
+    assert [round(r.transfer_s * 1e6) for r in result.records] == [17000, 58000, 92000]
+    assert [(w, t) for w, t, _, _ in steps][:3] == [
+        ("prefill-0", 0),
+        ("prefill-0", 10000),
+        ("prefill-0", 27000),
+    ]
 
 
 def test_slo_admission_refuses_what_would_queue_past_the_ttft_slo() -> None:
@@ -329,7 +424,7 @@ def test_a_handoff_that_finishes_beside_a_step_costs_the_step_after_it() -> None
     # (behind A's), C's 36-49, D's 57-70 (its handoff waited in the decode worker's inbox from 45).
     # The decode worker: A's decodes from 23; B's KV landed beside the step at 33, C's beside the one at
     # 43, D's beside the one at 57: each next step takes 14 ms.
-    cfg = config("disaggregated", num_prefill=1, num_decode=1)
+    cfg = without_early_admission(config("disaggregated", num_prefill=1, num_decode=1))
     prof = replace(profile(), handoff_receive_step_s=0.004, handoff_send_step_s=0.003)
     wl = workload((0.0, 6, 4), (0.012, 6, 2), (0.015, 6, 2), (0.030, 6, 2))
     result, steps = run(cfg, prof, wl)
