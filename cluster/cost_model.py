@@ -228,8 +228,6 @@ class CostProfile:
     prompt's handoff leaves beside the next prompts' step: 3.3-8.3 ms in five of six probes on the CPU
     box, 1.0 ms in one that put 2.2 ms on every prefill step instead; the step split alone could not see
     it, since a light load sends between steps). The probe fits them all.
-    ``frontend_cpu_per_step_s``: the front end's CPU per worker step whose tokens it streams (one frame
-    of deltas a step, whatever its batch), before those tokens' own; 0.0 puts it all per token.
     ``frontend_fifo``: the front end takes new requests one at a time, in arrival order, instead of
     sharing itself between them (a burst's requests are then routed ``frontend_s_per_request`` apart: as
     measured with a mock cluster, whose first tokens come back within a few steps).
@@ -260,7 +258,6 @@ class CostProfile:
     step_scale: float = 1.0
     frontend_cpu_per_token_s: float = 0.0
     frontend_s_per_request: float = 0.0
-    frontend_cpu_per_step_s: float = 0.0
     frontend_fifo: bool = False
     prefill_weight: float = 1.0
     delivery_jitter_s: float = 0.0

@@ -4,8 +4,6 @@ handoffs cost on this host beside the cost profile its workers wait.
 A mock worker's step waits the profile's time for its shape, and its own host work comes on top
 (``CostProfile.host_step_s``, ``host_decode_s``, ``host_chunk_s``, ``host_token_s``):
 
-* the front end's CPU per worker step it streams tokens of and per token (``fit_frontend_cpu``: this
-  process's CPU over every phase against its requests, steps and tokens);
 * the front end's work per new request, taken one at a time (``fit_frontend_in_order``: a burst's
   requests reach the router that far apart);
 * per step, per decode sequence and while the worker's transfer thread moves KV (``fit_decode_host``,
@@ -49,8 +47,7 @@ _MAX_PER_REQUEST_S = 0.02
 @dataclass(frozen=True)
 class PhaseRun:
     """One phase of the mock probe: its load (``scenario`` sent with ``seed``), the clients' records,
-    each pool's engine totals over it, the decode pool's step split, its KV receivers' totals and this
-    process's CPU seconds."""
+    each pool's engine totals over it, the decode pool's step split and its KV receivers' totals."""
 
     name: str
     scenario: Scenario
@@ -59,7 +56,6 @@ class PhaseRun:
     totals: dict[str, EngineTotals]
     split: StepSplit
     received: TransferStats
-    cpu_s: float = 0.0  # this process's CPU over it: the front end (router, HTTP edge) and the client
 
     def workload(self, vocab_size: int, max_model_len: int) -> Workload:
         return workload_of(self.name, self.scenario, vocab_size, max_model_len, self.seed)
@@ -270,11 +266,14 @@ def fit_spinning_scale(
 
 def fit_frontend_in_order(bursts: Sequence[Sequence[Record]]) -> float:
     """``CostProfile.frontend_s_per_request`` of a front end that takes new requests one at a time
-    (``frontend_fifo``): the slope of a burst's edge times (client TTFT minus the router's), in the
-    order they come, least squares over the bursts (each about its own mean), within [0, 20 ms]; 0.0
-    without a burst of two or more answered requests."""
-    xs: list[float] = []
-    ys: list[float] = []
+    (``frontend_fifo``): the least-squares slope of a burst's edge times (client TTFT minus the
+    router's) in the order they come; of several bursts, the least, within [0, 20 ms]; 0.0 without a
+    burst of two or more answered requests.
+
+    NOTE: the least: a larger burst's slope takes in its first tokens, streamed through the same event
+    loop meanwhile, which the twin's front end serves apart (on the 2-core box a burst of 32 gave 1.7-11.5
+    ms from one probe to the next, one of 8 1.1-4.6 ms)."""
+    slopes = []
     for records in bursts:
         edges = sorted(
             r.ttft_s - r.server["ttft_s"]
@@ -284,29 +283,9 @@ def fit_frontend_in_order(bursts: Sequence[Sequence[Record]]) -> float:
         if len(edges) < 2:
             continue
         mid, mean = (len(edges) - 1) / 2, sum(edges) / len(edges)
-        xs += [i - mid for i in range(len(edges))]
-        ys += [e - mean for e in edges]
-    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs) if xs else 0.0
-    return min(_MAX_PER_REQUEST_S, max(0.0, slope))
-
-
-def fit_frontend_cpu(phases: Sequence[PhaseRun]) -> tuple[float, float, float]:
-    """The front end's CPU (this process's, client included) per request, per worker step that streams
-    tokens (a frame of deltas) and per streamed token: non-negative least squares of relative errors of
-    each phase's CPU seconds over its requests, the pools' steps and the tokens out (a decode batch of 2
-    pays a frame per 2 tokens, one of 32 per 32); zeros without a phase."""
-    rows, targets = [], []
-    for phase in phases:
-        if phase.cpu_s <= 0.0 or not phase.records:
-            continue
-        steps = sum(t.num_steps for t in phase.totals.values())
-        tokens = sum(r.output_tokens for r in phase.records)
-        rows.append([len(phase.records) / phase.cpu_s, steps / phase.cpu_s, tokens / phase.cpu_s])
-        targets.append(1.0)
-    if not rows:
-        return 0.0, 0.0, 0.0
-    per_request, per_step, per_token = nonnegative_lstsq(np.array(rows), np.array(targets))
-    return float(per_request), float(per_step), float(per_token)
+        xs = [i - mid for i in range(len(edges))]
+        slopes.append(sum(x * (e - mean) for x, e in zip(xs, edges, strict=True)) / sum(x * x for x in xs))
+    return min(_MAX_PER_REQUEST_S, max(0.0, min(slopes))) if slopes else 0.0
 
 
 def fit_loaded_transfer(idle: TransferCost, phases: Sequence[PhaseRun]) -> TransferCost:

@@ -4,8 +4,9 @@ probe measures is what surrounds those steps on this host, over the profile as i
 
 * one control hop, the HTTP edge and the KV handoff (latency + bytes / bandwidth: the mock moves the
   model's real KV bytes over this host's transfer backend), from prompts of five lengths each alone;
-* the front end's CPU (router, HTTP edge and client in this process) per worker step it streams and
-  per token, over every phase, and its work per new request from bursts of short requests;
+* the front end's CPU per streamed token (router, HTTP edge and client in this process) over decode
+  batches of 8 and 32 streams, and its work per new request, taken one at a time, from bursts of short
+  requests;
 * the mock's own host time per step, per decode sequence, per prompt chunk and per prompt token, what a
   received handoff adds to the step it finishes beside (per KV position), and how much slower a handoff
   runs beside a spinning worker (a burst of long prompts that outgrows the prefill worker's KV): the
@@ -32,7 +33,6 @@ from deploy.plan.fit_mock import (
     PhaseRun,
     decode_step_model,
     fit_decode_host,
-    fit_frontend_cpu,
     fit_frontend_in_order,
     fit_loaded_transfer,
     fit_prompt_host,
@@ -97,13 +97,11 @@ class MockPhases:
         seed, handle = next(self.seeds), self.handle
         before = {pool: EngineTotals.of(handle, pool) for pool in self.pools}
         split, received = step_split_of(handle, self.decode_pool), received_of(handle, self.decode_pool)
-        cpu0 = time.process_time()
         records, _ = await run_scenario(self.url, name, ClientSettings(seed), scenario)
-        cpu_s = time.process_time() - cpu0
         totals = {pool: EngineTotals.of(handle, pool) - before[pool] for pool in self.pools}
         split = split_delta(step_split_of(handle, self.decode_pool), split)
         received = transfer_delta(received_of(handle, self.decode_pool), received)
-        return PhaseRun(name, scenario, seed, records, totals, split, received, cpu_s)
+        return PhaseRun(name, scenario, seed, records, totals, split, received)
 
 
 def steady_scenario(batch: int) -> Scenario:
@@ -170,18 +168,14 @@ def fit_mock_probe(
     # NOTE: a burst's requests reach the router one by one, per request apart (the edge times of a burst
     # of 32 rose about linearly, 30 -> 178 ms): the front end takes them in order
     per_request = fit_frontend_in_order([b.records for b in m.bursts])
-    _, per_step_cpu, per_token_cpu = fit_frontend_cpu(m.phases)
-    if per_token_cpu <= 0.0:  # NOTE: no fit: the CPU per token over the decode batches, all per token
-        per_step_cpu, per_token_cpu = 0.0, m.frontend
     measured = replace(
         profile,
         source=f"{profile.source}; in place on a mock cluster (pdserve plan validate's mock probe)",
         host_cpus=None,
         hop_s=hop,
-        http_s=max(0.0, (edge - per_request - per_step_cpu - per_token_cpu) / 2),  # an idle edge
+        http_s=max(0.0, (edge - per_request - m.frontend) / 2),  # an idle request's edge time
         transfer=transfer,
-        frontend_cpu_per_token_s=per_token_cpu,
-        frontend_cpu_per_step_s=per_step_cpu,
+        frontend_cpu_per_token_s=m.frontend,
         frontend_s_per_request=per_request,
         frontend_fifo=True,
         # NOTE: a mock worker sleeps through its steps: no jitter beside another worker's step (on the
@@ -213,9 +207,7 @@ def fit_mock_probe(
         "transfer_latency_ms": transfer.latency_s * 1e3,
         "transfer_gb_per_s": transfer.bytes_per_s / 1e9,
         "idle_transfer_gb_per_s": idle_transfer.bytes_per_s / 1e9,
-        "frontend_cpu_per_token_us": per_token_cpu * 1e6,
-        "frontend_cpu_per_step_us": per_step_cpu * 1e6,
-        "frontend_cpu_per_token_us_at_8_and_32": m.frontend * 1e6,
+        "frontend_cpu_per_token_us": m.frontend * 1e6,
         "frontend_per_request_ms": per_request * 1e3,
         "host_step_ms": measured.host_step_s * 1e3,
         "host_decode_us": measured.host_decode_s * 1e6,

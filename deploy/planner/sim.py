@@ -7,9 +7,8 @@ while more CPU workers are busy than the host has cores; a prefill step more, by
 ``prefill_weight``; longer by ``handoff_receive_step_s`` / ``handoff_send_step_s`` for each handoff that
 its worker received / sent beside the step before it), a KV handoff ``handoff_s``, a control message
 ``hop_s``, the front end ``frontend_s_per_request`` per new request (shared between the requests it
-holds; ``frontend_fifo``: one at a time, on the same server as the tokens), ``frontend_cpu_per_step_s``
-per step it streams and ``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge
-``http_s`` each way, and an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at``
+holds; ``frontend_fifo``: one at a time, on the same server as the tokens) and
+``frontend_cpu_per_token_s`` per streamed token (one at a time), the HTTP edge ``http_s`` each way, and an exponential delivery delay per streamed token, of the mean ``delivery_jitter_at``
 gives for the number of tokens its step streams, plus ``delivery_jitter_contended_s`` while another
 worker is busy too (seeded; each stream's tokens in order). No forward pass, no Ray, no sockets.
 
@@ -484,19 +483,14 @@ class Simulation:
         self._at(end, _DELIVER, (w, KV_DONE, flight))
 
     def _on_step_end(self, t: float, w: SimWorker) -> None:
-        """Tokens go to the router (hop); the front end (router, HTTP edge, client) takes the step's
-        frame (``frontend_cpu_per_step_s``), then one token at a time, ``frontend_cpu_per_token_s``
-        each, first come first served; then HTTP to the client."""
+        """Tokens go to the router (hop); the front end (router, HTTP edge, client) handles one token at
+        a time, ``frontend_cpu_per_token_s`` each, first come first served; then HTTP to the client."""
         at_router = t + self.profile.hop_s
         http, cost = self.profile.http_s, self.profile.frontend_cpu_per_token_s
         delay = self._rng.expovariate
         free = self._frontend_free
         flights, records = self.flights, self.records
         updated = w.end_step()
-        per_step = self.profile.frontend_cpu_per_step_s
-        if updated and per_step:
-            free = (at_router if at_router > free else free) + per_step
-            at_router = free
         jitter = self.profile.delivery_jitter_at(len(updated))
         if self._num_busy > 1:  # another worker is in a step too (or polling)
             jitter += self.profile.delivery_jitter_contended_s

@@ -63,10 +63,10 @@ def records_with_edges(edges_ms: list[float]) -> list[Record]:
 
 
 def test_a_front_end_in_order_routes_a_burst_per_request_apart() -> None:
-    # edge times 4 ms apart in a burst of 8 and of 32 (whatever they start at): 4 ms per request
+    # edge times 4 ms apart in a burst of 8 (whatever they start at), 6 ms in one of 32: the least, 4 ms
     bursts = [
         records_with_edges([20 + 4 * i for i in range(8)]),
-        records_with_edges([30 + 4 * i for i in range(32)]),
+        records_with_edges([30 + 6 * i for i in range(32)]),
     ]
     assert fit_frontend_in_order(bursts) == pytest.approx(0.004)
     # in any order the records come; failed ones and lone requests say nothing

@@ -294,18 +294,6 @@ def test_a_front_end_that_takes_new_requests_in_order() -> None:
     assert [us(r)[0] for r in result.records] == [12000, 22000, 22000, 12000]
 
 
-def test_the_front_end_takes_a_steps_frame_before_its_tokens() -> None:
-    # 1 ms a frame, 0.5 ms a token: A's step (0-10 ms; B takes the next, 10-20) is out at 11.5 ms, B's at
-    # 21.5; then a front end taking new requests in order, 2 ms each
-    edge = replace(profile(), frontend_cpu_per_step_s=0.001, frontend_cpu_per_token_s=0.0005)
-    result, _ = run(config(num_colocated=1), edge, workload((0.0, 4, 1), (0.0, 4, 1)))
-    assert [us(r)[0] for r in result.records] == [11500, 21500]
-    fifo = replace(edge, frontend_s_per_request=0.002, frontend_fifo=True)
-    # A routed at 2 ms, B at 4 ms; A's token (step 2-12 ms) out at 13.5 ms, B's (step 12-22) at 23.5
-    result, _ = run(config(num_colocated=1), fifo, workload((0.0, 4, 1), (0.0, 4, 1)))
-    assert [us(r)[0] for r in result.records] == [13500, 23500]
-
-
 def test_a_handoff_beside_a_spinning_sender_takes_longer() -> None:
     # the reservations test's load (6 usable blocks, three 12-token prompts at 0 ms) with handoffs 3x
     # slower beside a spinning worker: A's KV leaves as B's prefill starts (blocks for B: 17 ms, 10-27);
