@@ -354,6 +354,9 @@ class RouterConfig:
     # a request's events the router holds for a caller that has not taken them (estimated bytes, see
     # protocol.delta_nbytes); past it the request is aborted on its workers (generation cannot pause)
     request_buffer_bytes: int = 256 << 10
+    # a worker frees the requests of a router (a front-end replica) it has not heard from this long:
+    # the router renews it every health_interval_s, so it must be well above that
+    router_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")
@@ -373,6 +376,11 @@ class RouterConfig:
         _require(
             self.request_buffer_bytes >= 4096,
             f"request_buffer_bytes must be >= 4096, got {self.request_buffer_bytes}",
+        )
+        _require(
+            self.router_lease_s >= 4 * self.health_interval_s,
+            f"router_lease_s must be >= 4 x health_interval_s ({4 * self.health_interval_s:g}), "
+            f"got {self.router_lease_s}",
         )
 
 
@@ -414,9 +422,20 @@ class ServerConfig:
     # tool_call_parser (--tool-call-parser), which must match the model's chat template
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # front-end replicas (vLLM's --api-server-count): processes, each an HTTP edge + router over the same
+    # workers, sharing the port (SO_REUSEPORT); 1 serves from the launching process itself
+    replicas: int = 1
+    # with replicas > 1: replica i also serves its own /metrics (and /health) on metrics_port + i, for
+    # Prometheus to scrape each (the shared port reaches whichever replica the kernel picks); 0: none
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"server port must be in [0, 65535], got {self.port}")
+        _require(1 <= self.replicas <= 64, f"server replicas must be in [1, 64], got {self.replicas}")
+        _require(
+            self.metrics_port == 0 or 1 <= self.metrics_port <= 65535 - self.replicas,
+            f"server metrics_port must be 0 or in [1, {65535 - self.replicas}], got {self.metrics_port}",
+        )
         for name in ("max_requests_per_key", "max_tokens_per_key", "max_connections"):
             value = getattr(self, name)
             _require(value >= 0, f"{name} must be >= 0 (0: no limit), got {value}")
@@ -545,6 +564,12 @@ class ClusterConfig:
     def engine_configs(self) -> dict[str, EngineConfig]:
         """The engine of every pool the router mode runs, by pool."""
         return {pool: self.engine_config(pool) for pool in self.pool_names}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML's mapping of this config (``from_dict(to_dict())`` equals it; plain JSON types)."""
+        data = dataclasses.asdict(self)
+        data["pools"] = {name: data.pop(name) for name in POOLS}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterConfig:

@@ -1,13 +1,19 @@
 """The control-plane protocol between the router and the workers: every message a frozen dataclass, one
 tagged codec, strict decoding.
 
-Ops (``Op``, router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease.
+Ops (``Op``, router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease,
+RouterLease.
 Events (``Event``, worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed,
 WorkerFailed, KeepAlive.
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
 registers it with the router, and one from a new ``incarnation`` (a process Ray restarted) re-admits it.
 Request ids on the wire are the router's per-attempt ids (a migrated request gets a new one).
+
+Front-end replicas (``server.replicas``): a worker sends its events to every router endpoint it was
+given, each request's to the router that owns it (the ``owner`` of the op that brought the request, a
+router process's incarnation). A router renews a lease on each worker (``RouterLease``); a worker frees
+every request of an owner whose lease ran out, or whose replica slot a new incarnation took.
 
 On the wire a message is ``(TAG, {field: value})`` inside an authenticated frame (cluster/frames.py).
 Decoding is a strict rebuild against the dataclass's own type hints: unknown tags and unknown, missing
@@ -33,18 +39,25 @@ from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats,
 
 logger = logging.getLogger(__name__)
 
-ROUTER_ID = "router"  # the recipient name of frames addressed to the router
+ROUTER_ID = "router"  # the recipient name of frames addressed to the router (front-end replica 0)
+
+
+def router_recipient(replica: int) -> str:
+    """The recipient name of frames addressed to front-end replica ``replica``'s router: a frame caught
+    on its way to one replica cannot be replayed into another."""
+    return ROUTER_ID if replica == 0 else f"{ROUTER_ID}-{replica}"
 
 
 @dataclass(frozen=True)
 class WorkerControl:
     """How a worker reaches the control plane (constructor argument of every worker actor).
 
+    router_endpoints: the event sockets of the routers (one per front-end replica, by replica index).
     bind: "loopback" binds 127.0.0.1; "node" binds (and advertises) the node's own address, for clusters
-    that span hosts. store: where the router hosts the torch.distributed store for KV-transfer pairs.
+    that span hosts. store: where the launcher hosts the torch.distributed store for KV-transfer pairs.
     """
 
-    router_endpoint: str
+    router_endpoints: tuple[str, ...]
     heartbeat_interval_s: float
     bind: str = "loopback"
     store: tuple[str, int] | None = None
@@ -85,6 +98,7 @@ class Generate:
     deadline: float  # time.time() seconds
     hold: bool = False
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    owner: str = ""  # the router that owns the request (its incarnation); "" the first router, unleased
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class PrepareDecode:
     src_worker_id: str
     src_incarnation: str
     src_endpoint: str
+    owner: str = ""  # as Generate.owner
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class DecodeHandoff:
     params: SamplingParams
     handoff: bytes
     deadline: float
+    owner: str = ""  # as Generate.owner
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,19 @@ class ExtendLease:
 
     TAG: ClassVar[str] = "extend_lease"
     request_id: str
+
+
+@dataclass(frozen=True)
+class RouterLease:
+    """A router (front-end replica ``replica``, process ``incarnation``) is alive: keep its requests for
+    ``lease_s`` more seconds. Sent when the router admits the worker, before any request, and then every
+    health interval. A worker frees the requests of an owner whose lease runs out (the replica died or
+    was cut off) and, at once, those of the incarnation a new one replaces in the same replica slot."""
+
+    TAG: ClassVar[str] = "router_lease"
+    incarnation: str
+    replica: int
+    lease_s: float
 
 
 # ---- events: worker -> router ------------------------------------------------------------------------
@@ -213,9 +242,17 @@ class KeepAlive:
 
 # NOTE: every signature that carries a message names one of these unions (what a handler receives is a
 # union it can match on exhaustively), never Any.
-Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease
+Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease | RouterLease
 Event = Heartbeat | Deltas | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
-OPS: tuple[type[Op], ...] = (Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease)
+OPS: tuple[type[Op], ...] = (
+    Generate,
+    PrepareDecode,
+    DecodeHandoff,
+    Abort,
+    PeerDead,
+    ExtendLease,
+    RouterLease,
+)
 EVENTS: tuple[type[Event], ...] = (
     Heartbeat,
     Deltas,

@@ -476,7 +476,7 @@ def start_cluster(
     router = router_loop.run(make_router(), timeout=60)
     kv_store = KVStore(router_host) if cfg.router.mode != "colocated" else None
     store = kv_store.address if kv_store is not None else None
-    control = WorkerControl(router.endpoint, cfg.router.health_interval_s, worker_bind, store)
+    control = WorkerControl((router.endpoint,), cfg.router.health_interval_s, worker_bind, store)
     launcher = WorkerLauncher(
         replace(cfg, transfer=_resolved_transfer(cfg)), secret, control, fault_injection
     )

@@ -56,6 +56,9 @@ class PendingHandoffs:
     def __len__(self) -> int:
         return len(self.items)
 
+    def __contains__(self, request_id: str) -> bool:
+        return any(item[0].request_id == request_id for item in self.items)
+
     def remove(self, request_id: str) -> bool:
         for item in self.items:
             if item[0].request_id == request_id:
@@ -254,6 +257,9 @@ class DecodeRole:
             self.ctx.engine.abort(request_id)
             return True
         return self._pending.remove(request_id)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._early or request_id in self._in_flight or request_id in self._pending
 
     def handle(self, cmd: object) -> None:
         if not isinstance(cmd, _KVDone):

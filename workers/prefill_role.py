@@ -87,6 +87,9 @@ class PrefillRole:
         is_withdrawn = self.sender.abort(request_id)
         return held and not is_withdrawn
 
+    def holds(self, request_id: str) -> bool:
+        return False  # NOTE: a held request stays in the engine (SENDING_KV) until its KV is sent
+
     def on_peer_dead(self, op: PeerDead) -> None:
         if self.sender is not None:
             self.sender.drop_peer(op.worker_id, op.incarnation or None)

@@ -87,6 +87,9 @@ class Role(Protocol):
     def on_abort(self, request_id: str) -> bool:
         """True if the role took the abort over (e.g. deferred while a transfer is in flight)."""
 
+    def holds(self, request_id: str) -> bool:
+        """The role holds state of the request outside the engine (a handoff waiting, a fetch)."""
+
     def on_peer_dead(self, op: PeerDead) -> None: ...
 
     def on_extend_lease(self, request_id: str) -> None:

@@ -49,7 +49,6 @@ from cluster.hub import model_fingerprint
 from cluster.protocol import ErrorCode, StepSplit, TokenDelta, TransferStats, WorkerStats, peer_name
 from cluster.wire import (
     OPS,
-    ROUTER_ID,
     Abort,
     DecodeHandoff,
     Deltas,
@@ -60,6 +59,7 @@ from cluster.wire import (
     PeerDead,
     PrepareDecode,
     RequestFailed,
+    RouterLease,
     WireDecoder,
     WireEncoder,
     WorkerControl,
@@ -72,6 +72,7 @@ from workers.engine import Engine
 from workers.prefill_role import PrefillRole
 from workers.request import RequestStatus
 from workers.role import Role, WorkerContext
+from workers.router_links import RouterLinks
 from workers.stats_log import StatsLine
 from workers.step_output import StepOutput
 from workers.structured_compile import CompileFailed
@@ -186,9 +187,7 @@ class EngineWorker:
         self._encoder = WireEncoder(secret)
         # NOTE: a context of its own, so the last words can be flushed by terminating it (see _send)
         self._push_ctx: zmq.Context[Any] = zmq.Context()
-        self._push = self._push_ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(control.router_endpoint)
+        self._links = RouterLinks(control.router_endpoints, self._encoder, self._push_ctx)
         self._push_lock = threading.Lock()  # NOTE: the step thread sends; a dying thread sends once too
         self._silent = False  # the last words were said: nothing more goes out
         self._commands: queue.Queue[object] = queue.Queue()
@@ -303,7 +302,7 @@ class EngineWorker:
         self._pull.close(linger=0)
         with self._push_lock:
             self._silent = True
-            self._push.close(linger=0)
+            self._links.close()
             self._push_ctx.term()
         self._ctx.term()
 
@@ -368,6 +367,7 @@ class EngineWorker:
             if problem is not None:
                 self._fatal(problem)  # NOTE: its tokens would never leave; the worker says so, then stops
                 return
+            self._check_leases()
             self._publish_stats()
             self._beat()
             self._stats_line.maybe_log(self._stats)
@@ -423,11 +423,24 @@ class EngineWorker:
                 return
 
     def _handle(self, cmd: object) -> None:
+        if isinstance(cmd, (Generate, PrepareDecode, DecodeHandoff)) and not self._links.admit(
+            cmd.request_id, cmd.owner
+        ):
+            # NOTE: its router holds no lease here (a replaced replica's op that came late): nobody
+            # would hear its events
+            self._decoder.verifier.reject("stale_owner")
+            return
         if isinstance(cmd, Generate):
             self._on_generate(cmd)
         elif isinstance(cmd, Abort):
-            if self.role is None or not self.role.on_abort(cmd.request_id):
-                self.engine.abort(cmd.request_id)
+            self._abort(cmd.request_id)
+        elif isinstance(cmd, RouterLease):
+            freed = self._links.on_lease(cmd)
+            if freed is None:
+                self._decoder.verifier.reject("bad_field")
+            else:
+                for rid in freed:
+                    self._abort(rid)
         elif isinstance(cmd, DecodeHandoff):
             if self.role is None or not self.role.accepts_handoffs:
                 self._fail_request(
@@ -454,7 +467,33 @@ class EngineWorker:
         else:
             raise RuntimeError(f"{self.worker_id}: unexpected command {type(cmd).__name__}")
 
+    def _check_leases(self) -> None:
+        """Free the requests of every router whose lease ran out (and tell it, should it be only slow);
+        forget the requests that left."""
+        for owner, request_ids in self._links.expired():
+            for rid in request_ids:
+                self._abort(rid)
+            why = (
+                f"this worker heard nothing from its router for its {owner.lease_s:g} s lease: request freed"
+            )
+            with self._push_lock:
+                for rid in request_ids:
+                    if not self._silent:
+                        self._links.send_to(
+                            owner.replica, RequestFailed(self.worker_id, rid, ErrorCode.UNAVAILABLE, why)
+                        )
+        self._links.sweep(self._is_live)
+
+    def _is_live(self, request_id: str) -> bool:
+        return self.engine.request_status(request_id) is not None or (
+            self.role is not None and self.role.holds(request_id)
+        )
+
     # ---- requests -------------------------------------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        if self.role is None or not self.role.on_abort(request_id):
+            self.engine.abort(request_id)
+
     def _on_generate(self, op: Generate) -> None:
         if op.hold and (self.role is None or not self.role.holds_prefills):
             self._fail_request(op.request_id, ErrorCode.INVALID_REQUEST, f"{self.pool} worker cannot hold KV")
@@ -500,14 +539,16 @@ class EngineWorker:
             # NOTE: signed under the lock: the frame counter must reach the router in order (it rejects
             # a counter at or below the last as a replay), and the step thread, the detokenizer thread
             # and a dying thread all send.
-            self._push.send(self._encoder.encode(ROUTER_ID, message))
+            dropped = self._links.send(message)
             if last_words_s is None:
+                for rid in dropped:  # NOTE: their router cannot hear them: free them (on the step thread)
+                    self._commands.put(Abort(rid))
                 return
             # NOTE: a socket closed with a linger keeps sending its queue until the linger ends, and
             # terminating its context waits for that (a message tracker would not: ZMQ copies small
             # frames and reports them done at once).
             self._silent = True
-            self._push.close(linger=int(last_words_s * 1000))
+            self._links.close(linger_ms=int(last_words_s * 1000))
             self._push_ctx.term()
 
     def _fail_request(self, request_id: str, code: ErrorCode, message: str) -> None:

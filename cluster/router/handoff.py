@@ -58,6 +58,7 @@ class Handoffs:
             info.worker_id,
             info.incarnation,
             info.kv_endpoint,
+            owner=self.members.owner,
         )
         try:
             self.members.send(w, op)
@@ -79,7 +80,13 @@ class Handoffs:
         self._note_decode_side(flight, w)
         first = event.delta.token_ids[0]
         op = DecodeHandoff(
-            flight.wire_id, req.prompt_token_ids, first, req.params, event.handoff, flight.deadline
+            flight.wire_id,
+            req.prompt_token_ids,
+            first,
+            req.params,
+            event.handoff,
+            flight.deadline,
+            owner=self.members.owner,
         )
         self.members.send(w, op)
         return True

@@ -11,6 +11,10 @@ incarnation of a known worker (Ray restarted it) re-admits it. States (``WorkerR
 Ray is the lifecycle plane only: one watcher per actor pings it to learn that it died. A worker's own
 reason wins over Ray's whenever it sent one: Ray's word waits (bounded) for it (``_await_last_words``).
 
+Leases: membership renews this router's ``RouterLease`` on every worker it knows (at admission, before
+any request, then every health interval); a worker frees the requests this router owns when it stops
+hearing it (front-end replicas: a replica that died or was cut off, cluster/wire.py).
+
 What the request path (cluster/router/router.py) calls: ``get``, ``healthy``, ``send``; what membership
 tells it back, through the hooks it was built with: a worker died (``on_death``: migrate its requests),
 and a worker is gone for good (``on_removed``: forget what the routing views hold of it).
@@ -23,6 +27,7 @@ import contextlib
 import enum
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +38,16 @@ import zmq.asyncio
 
 from cluster.config import RouterConfig
 from cluster.protocol import ClusterUnavailableError, ModelInfo, WorkerStats, peer_name
-from cluster.wire import Abort, ExtendLease, Heartbeat, Op, PeerDead, WireEncoder, WorkerInfo
+from cluster.wire import (
+    Abort,
+    ExtendLease,
+    Heartbeat,
+    Op,
+    PeerDead,
+    RouterLease,
+    WireEncoder,
+    WorkerInfo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +123,14 @@ class Membership:
         reject: Callable[[str], None],
         on_death: Callable[[WorkerRef, str], None],
         on_removed: Callable[[str], None],
+        replica: int = 0,
     ) -> None:
-        """``reject``: count a frame refused by reason (the router's ``rejected_frames``)."""
+        """``reject``: count a frame refused by reason (the router's ``rejected_frames``). ``replica``: this
+        router's front-end replica index; ``owner`` (random per process) names it in every op that brings
+        a request to a worker."""
         self.config = config
+        self.replica = replica
+        self.owner = secrets.token_hex(8)
         self._ctx = ctx
         self._encoder = encoder
         self._reject = reject
@@ -147,7 +166,7 @@ class Membership:
             w.socket.send(self._encoder.encode(w.peer_name, op), flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.error("router: %s's queue is full; dropped %s", w.worker_id, type(op).__name__)
-            if not isinstance(op, (Abort, PeerDead, ExtendLease)):
+            if not isinstance(op, (Abort, PeerDead, ExtendLease, RouterLease)):
                 raise ClusterUnavailableError(f"worker {w.worker_id} is not taking work") from None
 
     def model_info(self, served_model_name: str | None) -> ModelInfo:
@@ -181,6 +200,19 @@ class Membership:
             if left <= 0:
                 missing = [wid for wid in worker_ids if wid not in self._workers]
                 raise TimeoutError(f"workers not admitted within {timeout_s:.0f} s: {missing}")
+            self._admitted.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._admitted.wait()
+
+    async def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> None:
+        """Until ``ready()`` holds, checked at each admission (and every 0.5 s); TimeoutError past
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"not ready within {timeout_s:.0f} s")
             self._admitted.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, 0.5)):
@@ -229,6 +261,7 @@ class Membership:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(info.request_endpoint)
         w = WorkerRef(info, sock)
+        self._renew_lease(w)  # NOTE: first on the socket: the worker knows its owner before any request
         self._workers[info.worker_id] = w
         self._first_info = first or info
         logger.info(
@@ -244,12 +277,18 @@ class Membership:
             self._on_removed(w.worker_id)
         w.socket.close(linger=0)
 
+    def _renew_lease(self, w: WorkerRef) -> None:
+        self.send(w, RouterLease(self.owner, self.replica, self.config.router_lease_s))
+
     async def monitor(self) -> None:
-        """Mark a worker whose heartbeat went stale unhealthy (runs until cancelled)."""
+        """Renew this router's lease on every worker; mark a worker whose heartbeat went stale unhealthy
+        (runs until cancelled)."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             now = time.monotonic()
             for w in list(self._workers.values()):
+                if w.state != WorkerState.DEAD:
+                    self._renew_lease(w)
                 silent = now - w.last_beat
                 if w.healthy and silent > self.config.health_timeout_s:
                     self.set_state(w, WorkerState.UNHEALTHY, f"no heartbeat for {silent:.1f} s")

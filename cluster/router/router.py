@@ -61,7 +61,6 @@ from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.routing import Pools, PrefixView, Route, decide
 from cluster.wire import (
     EVENTS,
-    ROUTER_ID,
     Abort,
     Deltas,
     Event,
@@ -76,6 +75,7 @@ from cluster.wire import (
     WireDecoder,
     WireEncoder,
     WorkerFailed,
+    router_recipient,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,9 +95,13 @@ class Router:
         served_model_name: str | None = None,
         bind_host: str = "127.0.0.1",
         predictor: Predictor | None = None,
+        replica: int = 0,
+        event_port: int = 0,
     ) -> None:
         """``predictor``: the cost model behind conditional routing and admission (None: the prompt-length
-        rule; ``admission: slo`` needs one)."""
+        rule; ``admission: slo`` needs one). ``replica``: this router's front-end replica index;
+        ``event_port``: where its event socket listens (0: any free port; a restarted replica takes its
+        predecessor's, which the workers' sockets reconnect to by themselves)."""
         self.config = config
         self.mode = config.mode
         self.predictor = predictor
@@ -109,14 +113,15 @@ class Router:
         self._route_counts: dict[tuple[str, str], int] = {}
         self.served_model_name = served_model_name
         self._flights = Flights()
-        self.decoder: WireDecoder[Event] = WireDecoder(secret, ROUTER_ID, EVENTS)
+        self.replica = replica
+        self.decoder: WireDecoder[Event] = WireDecoder(secret, router_recipient(replica), EVENTS)
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         # NOTE: libzmq drops a larger frame while reading its length (the sender's connection is closed)
         # instead of buffering it whole for the verifier to refuse: the verifier's own cap, on the socket
         self._pull.setsockopt(zmq.MAXMSGSIZE, self.decoder.verifier.max_frame_bytes)
-        self._pull.bind(f"tcp://{bind_host}:*")
+        self._pull.bind(f"tcp://{bind_host}:{event_port or '*'}")
         self.endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.members = Membership(
             config,
@@ -125,6 +130,7 @@ class Router:
             reject=self.decoder.verifier.reject,
             on_death=self._on_worker_dead,
             on_removed=self._forget_worker,
+            replica=replica,
         )
         self._handoffs = Handoffs(self.members, self.prefix_view)
         self._loops: list[asyncio.Task[None]] = []
@@ -158,6 +164,17 @@ class Router:
     async def wait_admitted(self, worker_ids: Sequence[str], timeout_s: float) -> None:
         """Until every worker in ``worker_ids`` has registered and is healthy (bounded)."""
         await self.members.wait_admitted(worker_ids, timeout_s)
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Until ``is_healthy()`` (a worker of every pool the mode needs is admitted and healthy),
+        bounded: TimeoutError naming what is missing."""
+        try:
+            await self.members.wait_until(self.is_healthy, timeout_s)
+        except TimeoutError:
+            pools = sorted(self.members.healthy_pools())
+            raise TimeoutError(
+                f"router not healthy within {timeout_s:.0f} s (healthy pools: {pools})"
+            ) from None
 
     @property
     def workers(self) -> list[WorkerRef]:
@@ -338,7 +355,13 @@ class Router:
     def _send_generate(self, flight: Flight, w: WorkerRef, hold: bool) -> None:
         req = flight.req
         op = Generate(
-            flight.wire_id, req.prompt_token_ids, req.params, flight.deadline, hold, list(flight.token_ids)
+            flight.wire_id,
+            req.prompt_token_ids,
+            req.params,
+            flight.deadline,
+            hold,
+            list(flight.token_ids),
+            owner=self.members.owner,
         )
         self._send(w, op)
 

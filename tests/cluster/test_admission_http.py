@@ -25,7 +25,17 @@ from cluster.http.app import create_app
 from cluster.protocol import EngineStats, FinishReason, TokenDelta, WorkerStats, peer_name
 from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.router import Router
-from cluster.wire import OPS, ROUTER_ID, Deltas, Generate, Heartbeat, WireDecoder, WireEncoder, WorkerInfo
+from cluster.wire import (
+    OPS,
+    ROUTER_ID,
+    Deltas,
+    Generate,
+    Heartbeat,
+    RouterLease,
+    WireDecoder,
+    WireEncoder,
+    WorkerInfo,
+)
 from deploy.planner.advice import Advisor
 
 # every step 2.5 s whatever it computes; a control hop 62.5 ms each way: a new request's predicted TTFT on
@@ -75,8 +85,11 @@ class FakeWorker:
         await self.push.send(self.encoder.encode(ROUTER_ID, Heartbeat(self.info, stats)))
 
     async def serve_one(self) -> Generate:
-        """The next op (bounded wait), which must be a Generate; answers it with one final token."""
+        """The next op (bounded wait) but leases, which must be a Generate; answers it with one final
+        token."""
         op = self.decoder.decode(await asyncio.wait_for(self.pull.recv(), 10))
+        while isinstance(op, RouterLease):
+            op = self.decoder.decode(await asyncio.wait_for(self.pull.recv(), 10))
         assert isinstance(op, Generate)
         delta = TokenDelta(op.request_id, [7], finish_reason=FinishReason.LENGTH)
         await self.push.send(self.encoder.encode(ROUTER_ID, Deltas(WORKER, [delta])))

@@ -46,6 +46,7 @@ from cluster.wire import (
     Prefilled,
     PrepareDecode,
     RequestFailed,
+    RouterLease,
     Transferred,
     WireDecoder,
     WireEncoder,
@@ -79,13 +80,14 @@ INFO = WorkerInfo(
 )
 ALL_OPS = [
     Generate("r1", [1, 2, 3], PARAMS, 1e9, hold=True),
-    Generate("r1~1", [1, 2, 3], PARAMS, 1e9, output_token_ids=[9, 8]),
-    DecodeHandoff("r1", [1, 2, 3], 4, PARAMS, b"\x81\xa1a\x01", 1e9),
+    Generate("r1~1", [1, 2, 3], PARAMS, 1e9, output_token_ids=[9, 8], owner="0a1b2c3d4e5f6a7b"),
+    DecodeHandoff("r1", [1, 2, 3], 4, PARAMS, b"\x81\xa1a\x01", 1e9, owner="0a1b2c3d4e5f6a7b"),
     PrepareDecode("r1~2", [1, 2, 3], PARAMS, 1e9, "prefill-0", "ab12", "tcp://127.0.0.1:5001"),
     Abort("r1"),
     PeerDead("prefill-0", "3f2a9c0d1b7e4a55"),
     PeerDead("prefill-0"),
     ExtendLease("r1"),
+    RouterLease("0a1b2c3d4e5f6a7b", 1, 10.0),
 ]
 ALL_EVENTS = [
     Heartbeat(INFO, STATS),

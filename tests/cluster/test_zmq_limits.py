@@ -100,7 +100,7 @@ def test_issue31_row4_every_receiving_socket_has_its_cap() -> None:
         receiver.close()
         ctx.destroy(linger=0)
     engine = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=16, max_num_seqs=2)
-    control = WorkerControl("tcp://127.0.0.1:1", heartbeat_interval_s=60.0)
+    control = WorkerControl(("tcp://127.0.0.1:1",), heartbeat_interval_s=60.0)
     worker = EngineWorker("colocated-0", "colocated", engine, TransferConfig(), new_secret(), control)
     try:
         assert worker._pull.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_MAX_FRAME_BYTES

@@ -53,7 +53,7 @@ def test_the_launcher_asks_ray_to_restart_each_worker_its_pool_allows(
     actor_class = _RecordingActorClass()
     monkeypatch.setattr(ray, "remote", lambda cls: actor_class)
     cfg = ClusterConfig.from_dict({"pools": {"prefill": {"max_restarts": 0}, "decode": {}}})
-    launcher = launch.WorkerLauncher(cfg, b"k" * 32, WorkerControl("tcp://127.0.0.1:1", 1.0), False)
+    launcher = launch.WorkerLauncher(cfg, b"k" * 32, WorkerControl(("tcp://127.0.0.1:1",), 1.0), False)
     assert [launcher.create(pool)[0] for pool in ("decode", "prefill", "decode")] == [
         "decode-0",
         "prefill-0",

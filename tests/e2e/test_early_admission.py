@@ -111,7 +111,7 @@ def start(transfer: TransferConfig, engine: EngineConfig) -> Harness:
     secret = new_secret()
     store = KVStore("127.0.0.1")
     router = FakeRouter(secret)
-    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05, store=store.address)
+    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05, store=store.address)
     # NOTE: a dead thread must fail the test, not end the test process (the default on_fatal exits)
     worker = EngineWorker("decode-0", "decode", engine, transfer, secret, control, on_fatal=fatal.append)
     router.connect(worker)

@@ -80,7 +80,7 @@ class LocalCluster:
             if self.router_config.mode != "colocated":
                 self._store = KVStore("127.0.0.1")
             store = self._store.address if self._store is not None else None
-            control = WorkerControl(self.router.endpoint, heartbeat_interval_s, "loopback", store)
+            control = WorkerControl((self.router.endpoint,), heartbeat_interval_s, "loopback", store)
             for pool, num in pools.items():
                 for i in range(num):
                     wid = f"{pool}-{i}"

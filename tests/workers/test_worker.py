@@ -35,6 +35,7 @@ from cluster.wire import (
     WireEncoder,
     WorkerControl,
     WorkerFailed,
+    router_recipient,
 )
 from tests.support.cluster_utils import wait_for
 from workers.llm import LLM
@@ -57,14 +58,14 @@ class Delta:
 class FakeRouter:
     """The router's end of one worker: a PULL for events, a PUSH for ops, signed with the secret."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, replica: int = 0) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:*")
         self.endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.push = self.ctx.socket(zmq.PUSH)
         self.encoder = WireEncoder(secret)
-        self.decoder = WireDecoder(secret, ROUTER_ID, EVENTS)
+        self.decoder = WireDecoder(secret, router_recipient(replica), EVENTS)
         self.recipient = ""  # the worker's process: its id and incarnation, as the router addresses ops
         self._split: list[Delta] = []  # the rest of the last Deltas frame
 
@@ -119,7 +120,7 @@ def running_worker(**options: Any) -> Iterator[tuple[EngineWorker, FakeRouter, l
     secret = new_secret()
     fatal: list[str] = []
     router = FakeRouter(secret)
-    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)
+    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)
     worker = EngineWorker(
         "colocated-0",
         "colocated",
@@ -249,7 +250,7 @@ from cluster.wire import WorkerControl
 from workers.worker import EXIT_CODE_FATAL, EngineWorker
 
 engine = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=16, max_num_seqs=2)
-control = WorkerControl(sys.argv[1], heartbeat_interval_s=60.0)
+control = WorkerControl((sys.argv[1],), heartbeat_interval_s=60.0)
 worker = EngineWorker(
     "colocated-9", "colocated", engine, TransferConfig(), bytes.fromhex(sys.argv[2]), control,
     allow_fault_injection=True,
@@ -312,7 +313,7 @@ def _lines_until(stream: IO[str], marker: str, timeout_s: float) -> Iterator[str
 
 def test_fault_injection_is_off_unless_asked() -> None:
     router = FakeRouter(new_secret())
-    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)
+    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)
     worker = EngineWorker("colocated-1", "colocated", ENGINE, TransferConfig(), new_secret(), control)
     try:
         with pytest.raises(PermissionError):

@@ -29,7 +29,7 @@ def reference() -> list[int]:
 def started(request: pytest.FixtureRequest) -> Iterator[tuple[EngineWorker, FakeRouter]]:
     secret = new_secret()
     router = FakeRouter(secret)
-    control = WorkerControl(router.endpoint, heartbeat_interval_s=0.05)  # no store: no KV mover
+    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)  # no store: no KV mover
     try:
         worker = EngineWorker(f"{request.param}-0", request.param, ENGINE, TransferConfig(), secret, control)
     except BaseException:
