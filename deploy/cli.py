@@ -56,6 +56,11 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(cfg.log)
     # NOTE: before the cluster starts: refusing an unauthenticated public bind must cost nothing
     check_exposure(cfg.server, cfg.server.host)
+    if cfg.server.replicas > 1:
+        from deploy.replicas import serve_replicated
+
+        serve_replicated(cfg)
+        return 0
     handle = start_cluster(cfg)
     try:
         serve_on_loop(handle, cfg.server.host, cfg.server.port)

@@ -24,13 +24,15 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from cluster.config import ServerConfig
+from cluster.config import ClusterConfig, ServerConfig
 from cluster.heap import freeze_startup_heap
 from cluster.http.app import create_app, create_server
 from cluster.http.auth import load_keys_file, read_key_file
 from cluster.http.connections import ConnectionLimits
 from cluster.http.fanout import StreamLimits
 from cluster.http.quotas import TenantLimits
+from cluster.http.server_state import Scaler
+from cluster.router.router import Router
 from cluster.tokenizer import Tokenizer
 from deploy.planner.advice import Advisor
 
@@ -41,18 +43,27 @@ logger = logging.getLogger(__name__)
 
 
 def create_cluster_app(handle: ClusterHandle) -> FastAPI:
-    """The app over ``handle.router`` with the cluster's ``server:`` config and the model's tokenizer;
-    client deadlines are capped at the router's ``request_timeout_s``; ``POST /v1/pdserve/scale`` scales
-    its pools. Structured outputs are on: every
-    worker's engine masks constrained requests (workers/structured.py). With a cost profile, live advice
-    (/v1/pdserve/advice) is on: the planner replays the router's recent traffic."""
-    cfg = handle.config.server
-    predictor = handle.router.predictor
-    info = handle.model_info
+    """The app over ``handle.router`` with the cluster's config; ``POST /v1/pdserve/scale`` scales its
+    pools (``create_router_app``)."""
+    return create_router_app(handle.router, handle.config, scaler=handle)
+
+
+def create_router_app(
+    router: Router, config: ClusterConfig, scaler: Scaler | None = None, replica: int | None = None
+) -> FastAPI:
+    """The app over ``router`` with the cluster's ``server:`` config and the model's tokenizer; client
+    deadlines are capped at the router's ``request_timeout_s``; ``scaler`` (a cluster's handle) serves
+    ``POST /v1/pdserve/scale``. Structured outputs are on: every worker's engine masks constrained
+    requests (workers/structured.py). With a cost profile, live advice (/v1/pdserve/advice) is on: the
+    planner replays the router's recent traffic. ``replica``: a front-end replica's index (a response
+    header). Needs an admitted worker (the model's facts)."""
+    cfg = config.server
+    predictor = router.predictor
+    info = router.model_info
     advisor = (
         Advisor(
-            handle.router,
-            handle.config,
+            router,
+            config,
             predictor.profile,
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
@@ -61,21 +72,22 @@ def create_cluster_app(handle: ClusterHandle) -> FastAPI:
         else None
     )
     return create_app(
-        handle.router,
-        Tokenizer.from_pretrained(handle.model_info.model_dir),
+        router,
+        Tokenizer.from_pretrained(info.model_dir),
         api_key=cfg.api_key,
         api_keys=load_keys_file(cfg.api_keys_file) if cfg.api_keys_file else None,
         admin_key=admin_key(cfg),
         tenant_limits=TenantLimits(cfg.max_requests_per_key, cfg.max_tokens_per_key),
         max_body_bytes=cfg.max_body_bytes,
         served_model_name=cfg.served_model_name,
-        max_timeout_s=handle.config.router.request_timeout_s,
+        max_timeout_s=config.router.request_timeout_s,
         metrics_compat=cfg.metrics_compat,
         structured_outputs=True,
         tool_call_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
-        scaler=handle,
+        scaler=scaler,
         advisor=advisor,
         stream_limits=StreamLimits(cfg.stream_buffer_bytes, cfg.stream_stall_timeout_s),
+        replica=replica,
     )
 
 
@@ -119,7 +131,7 @@ def check_exposure(cfg: ServerConfig, host: str) -> None:
     )
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     # NOTE: bound here, in the caller's thread: uvicorn answers a bind failure with sys.exit(1), which
     # on the router's loop would stop that loop instead of reaching the caller.
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -129,6 +141,8 @@ def _listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # NOTE: front-end replicas share the port; the kernel spreads connections
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:
@@ -205,7 +219,7 @@ def start_http(
     """Serve the cluster's API on ``handle.loop`` without blocking; port 0 picks a free port. Returns
     once /health answers 200 (bounded by ``ready_timeout_s``). The caller must ``stop()`` it."""
     check_exposure(handle.config.server, host)
-    sock = _listen(host, port)
+    sock = listen(host, port)
     server = create_server(
         create_cluster_app(handle),
         host,
@@ -228,7 +242,7 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
     stop). host/port default to ``handle.config.server``. The caller still owns ``handle.shutdown()``."""
     cfg = handle.config.server
     check_exposure(cfg, host or cfg.host)
-    sock = _listen(host or cfg.host, cfg.port if port is None else port)
+    sock = listen(host or cfg.host, cfg.port if port is None else port)
     server = create_server(
         create_cluster_app(handle),
         host or cfg.host,

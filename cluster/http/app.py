@@ -102,6 +102,7 @@ def create_app(
     scaler: Scaler | None = None,
     advisor: AdvisorLike | None = None,
     stream_limits: StreamLimits | None = None,
+    replica: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
 
@@ -118,7 +119,8 @@ def create_app(
     inference is open and each client address is its own tenant. ``admin_key`` guards the admin routes
     (/v1/pdserve/*; without it they answer 404). ``tenant_limits``: what one tenant may hold in flight
     (``cluster/http/quotas.py``; default :class:`TenantLimits`). ``stream_limits``: a stream's buffer
-    and stall bounds (ServerConfig's stream_buffer_bytes and stream_stall_timeout_s).
+    and stall bounds (ServerConfig's stream_buffer_bytes and stream_stall_timeout_s). ``replica``: this
+    front-end replica's index, sent back on completions as the ``x-pdserve-replica`` header.
     """
     tenants = dict(api_keys or {})
     if api_key is not None:
@@ -152,6 +154,7 @@ def create_app(
         scaler=scaler,
         advisor=advisor,
         stream_limits=stream_limits or StreamLimits(),
+        replica=replica,
     )
     app.include_router(completion_routes.routes)
     app.include_router(model_routes.routes)

@@ -99,12 +99,13 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float,
                 raise as_api_error(first[1])
             handed_off = True
             stream = sse_stream(plan, fanout, first, state.edge.tokenizer, state.metrics)
-            return _LeasedResponse(ClosingStreamingResponse(stream, fanout), lease)
+            return _LeasedResponse(ClosingStreamingResponse(stream, fanout, state.replica_headers), lease)
         work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
         choices = await _until_disconnected(request, work)
         response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}
         return JSONResponse(
-            {**response, "usage": usage(plan, choices), **response_prompt_logprobs(plan, choices)}
+            {**response, "usage": usage(plan, choices), **response_prompt_logprobs(plan, choices)},
+            headers=state.replica_headers,
         )
     finally:
         if not handed_off:

@@ -66,6 +66,9 @@ class Scaler(Protocol):
     def scale(self, pool: str, num_workers: int) -> list[str]: ...
 
 
+REPLICA_HEADER = "x-pdserve-replica"
+
+
 @dataclass
 class ServerState:
     """What the routes share (``app.state.pdserve``); built once by ``cluster.http.app.create_app``."""
@@ -92,6 +95,12 @@ class ServerState:
         )
     )
     large_body_bytes: int = 16 << 10
+    # front-end replicas: this one's index, sent back as the x-pdserve-replica header (None: no header)
+    replica: int | None = None
+
+    @property
+    def replica_headers(self) -> dict[str, str]:
+        return {} if self.replica is None else {REPLICA_HEADER: str(self.replica)}
 
     def authorize(self, request: Request) -> str:
         """The tenant the request counts against (its key's name, or its client address when the server

@@ -48,8 +48,12 @@ class ClosingStreamingResponse(StreamingResponse):
     NOTE: a generator's own ``finally`` never runs if the response fails before its first iteration.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Fanout) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Fanout, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})}
+        )
         self.fanout = on_close
         self.writer: BodyWriter | None = None
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from cluster.http.app import create_app, create_server
-from deploy.http_host import HttpServerHandle, _listen
+from deploy.http_host import HttpServerHandle, listen
 from tests.support.stub_router import StubRouter, make_tokenizer
 
 
@@ -35,7 +35,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_accepted_connections_have_tcp_nodelay(loop: asyncio.AbstractEventLoop, host: str) -> None:
     # NOTE: the hosting of start_http / serve_on_loop, step by step, minus the cluster behind the app
-    sock = _listen(host, 0)
+    sock = listen(host, 0)
     server = create_server(create_app(StubRouter(), make_tokenizer()), host, sock.getsockname()[1], "warning")
     future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
     with HttpServerHandle(server, future, sock) as http:

@@ -16,6 +16,7 @@ import pytest
 from bench.netns_lab import Lab, netns_refusal, two_host_lab
 from cluster.protocol import SamplingParams
 from tests.support.cluster_utils import greedy, shared_prefix_prompts, submit_job
+from tests.support.replica_streams import check_streams, rule_outputs, slow_profile
 from workers.llm import LLM
 
 # NOTE: the first test also pays the lab's bring-up (two Ray nodes), hence a longer bound than the suite's
@@ -86,6 +87,18 @@ def test_link_down_mid_transfer_then_the_pair_works_again(lab: Lab, offline: LLM
     moved = result["transfers"]["decode-0"]
     assert moved["ok"] >= len(prompts)  # the pair carried the second wave's KV after the link came back
     assert result["leaks"] == {"prefill-0": None, "decode-0": None}
+
+
+def test_kill_9_of_a_front_end_replica_with_workers_on_both_hosts(lab: Lab, tmp_path: Path) -> None:
+    """Two front-end replicas on host A, the prefill worker on A and the decode worker on B: kill -9 of
+    replica 1 mid-stream loses only its streams; no KV is held on either host after its lease; it is
+    restarted and serves again."""
+    result = drive(lab, "replicas", {"profile": slow_profile(tmp_path / "profile.json")})
+    assert result["placement"] == {"prefill-0": lab.ip_a, "decode-0": lab.ip_b}
+    assert all(e.startswith(f"tcp://{lab.ip_a}:") for e in result["endpoints"]), result["endpoints"]
+    check_streams(result["streams"], rule_outputs(), killed=1)
+    assert result["leaks"] == {"prefill-0": None, "decode-0": None}
+    assert result["restarted"] and result["served"] == [0, 1]
 
 
 def test_ray_job_submit_onto_the_two_node_cluster(lab: Lab, offline: LLM, tmp_path: Path) -> None:

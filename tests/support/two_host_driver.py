@@ -11,6 +11,9 @@ Scenarios:
              each worker runs
   link_flap  ARGS {"prompts", "max_tokens", "veth": name, "down_s": 3}: the link goes down once transfers
              are under way and comes back; outputs (or errors) per request, then a second wave's outputs
+  replicas   ARGS {"profile": path}: mock workers (prefill on A, decode on B) behind 2 front-end replicas
+             on host A; 32 streams, replica 1 killed (kill -9) mid-stream; the streams, the leak reports
+             once its lease ran out, then which replicas serve after its restart
 """
 
 from __future__ import annotations
@@ -98,11 +101,52 @@ def scenario_link_flap(handle: ClusterHandle, args: dict[str, Any]) -> dict[str,
 SCENARIOS = {"disagg": scenario_disagg, "link_flap": scenario_link_flap}
 
 
+def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
+    from cluster.config import ClusterConfig
+    from deploy.replicas import ReplicatedCluster
+    from tests.support.replica_streams import rule_outputs, serve_on_every_replica, streams_with_a_kill
+
+    overrides = {
+        "engine": {"load_format": "mock", "mock_cost_profile": args["profile"], "block_size": 16},
+        "server": {"replicas": 2, "port": 0},
+    }
+    cfg = lab_config(overrides)
+    cfg["router"]["router_lease_s"] = 2.0
+    cluster = ReplicatedCluster.start(ClusterConfig.from_dict(cfg))
+    try:
+        victim = cluster.replicas.slots[1]
+        victim_pid = victim.pid
+        assert victim_pid is not None
+        streams = streams_with_a_kill(cluster.url, victim_pid)
+
+        def clean() -> bool:
+            return all(r is None for r in cluster.check_leaks(10).values())
+
+        wait_for(clean, 30, "no KV held for the dead replica's requests")
+        leaks = cluster.check_leaks(10)
+        wait_for(lambda: victim.num_restarts == 1 and victim.serving.is_set(), 120, "replica 1 restarted")
+        served = serve_on_every_replica(cluster.url, rule_outputs(), {0, 1})
+        workers = {w: ray.get(a.get_info.remote(), timeout=30).node_ip for w, a in cluster.actors.items()}
+        return {
+            "streams": [s.as_dict() for s in streams],
+            "leaks": leaks,
+            "served": sorted(served),
+            "restarted": victim.pid != victim_pid,
+            "placement": workers,
+            "endpoints": [slot.endpoint for slot in cluster.replicas.slots],
+        }
+    finally:
+        cluster.shutdown()
+
+
 def main(argv: list[str]) -> int:
     address, ip_a, scenario, raw = argv
     args = json.loads(raw)
     ray.init(address=address, _node_ip_address=ip_a, log_to_driver=False)
     try:
+        if scenario == "replicas":
+            print("RESULT " + json.dumps(scenario_replicas(args)), flush=True)
+            return 0
         handle = start_cluster(lab_config(args.get("config", {})))
         try:
             result = SCENARIOS[scenario](handle, args)

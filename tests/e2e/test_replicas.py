@@ -1,0 +1,68 @@
+"""Front-end replicas (``pdserve serve --api-server-count 2``): two HTTP edge + router processes on one
+port over the same mock workers (Ray actors). kill -9 of one replica while 32 streams run through both:
+every stream on the other replica finishes with the exact mock output; the killed replica's streams end
+with a connection error; once its lease runs out no KV block is held on any worker; the replica is
+restarted and serves again. The two-host lab runs the same with the workers on both hosts
+(tests/e2e/test_two_hosts.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from deploy.cli import build_parser
+from deploy.cli_args import build_config
+from deploy.replicas import ReplicatedCluster
+from tests.support.cluster_utils import wait_for
+from tests.support.replica_streams import (
+    check_streams,
+    rule_outputs,
+    serve_on_every_replica,
+    slow_profile,
+    streams_with_a_kill,
+)
+
+ray = pytest.importorskip("ray")  # NOTE: this test starts a Ray cluster; a bare GPU machine has none
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 2.0
+
+
+def test_kill_9_of_one_of_two_replicas_loses_only_its_own_streams_and_it_comes_back(tmp_path: Path) -> None:
+    flags = [
+        "serve",
+        "--config",
+        "deploy/mock-cluster.yaml",
+        "--cost-profile",
+        slow_profile(tmp_path / "p.json"),
+    ]
+    flags += ["--num-prefill-workers", "1", "--num-decode-workers", "1", "--num-kv-blocks", "512"]
+    flags += ["--api-server-count", "2", "--port", "0"]
+    cfg = build_config(build_parser().parse_args(flags))
+    assert cfg.server.replicas == 2
+    cfg = replace(cfg, router=replace(cfg.router, health_interval_s=0.2, router_lease_s=LEASE_S))
+    expected = rule_outputs()
+
+    cluster = ReplicatedCluster.start(cfg)
+    try:
+        victim = cluster.replicas.slots[1]
+        victim_pid = victim.pid
+        assert victim_pid is not None and cluster.replicas.slots[0].pid != victim_pid
+        streams = streams_with_a_kill(cluster.url, victim_pid)
+        check_streams([s.as_dict() for s in streams], expected, killed=1)
+
+        # its requests are freed on every worker once its lease runs out (or its successor renews it)
+        def clean() -> bool:
+            return all(report is None for report in cluster.check_leaks(10).values())
+
+        wait_for(clean, LEASE_S + 20, "no KV held for the dead replica's requests")
+        # the supervisor restarted it (a new process in slot 1, on the same event port) and it serves
+        wait_for(lambda: victim.num_restarts == 1 and victim.serving.is_set(), 120, "replica 1 restarted")
+        assert victim.pid != victim_pid
+        assert serve_on_every_replica(cluster.url, expected, {0, 1}) == {0, 1}
+        assert all(report is None for report in cluster.check_leaks(10).values())
+    finally:
+        cluster.shutdown()
