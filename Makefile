@@ -51,7 +51,7 @@ test: setup
 # Every fault test (kill -9, a dead thread, a stopped worker, migration, the soak, the two-host faults)
 # under two busy processes at normal priority (`--loaded`, tests/conftest.py): a user's machine is rarely
 # idle when a worker dies. `make test` runs the decisive ones that way too (@pytest.mark.loaded).
-FAULT_TESTS := tests/e2e/test_elastic.py tests/e2e/test_control_plane.py tests/e2e/test_soak.py \
+FAULT_TESTS := tests/e2e/test_elastic.py tests/e2e/test_control_plane.py tests/e2e/test_soak.py tests/e2e/test_replicas.py \
 	tests/e2e/test_two_hosts.py tests/e2e/test_early_admission.py tests/cluster/test_router_migration.py \
 	tests/e2e/test_cluster.py::test_killed_decode_worker_migrates_or_fails_only_its_requests \
 	tests/e2e/test_cluster.py::test_a_dead_prefill_worker_while_the_decode_side_is_reserved_migrates_and_leaks_nothing

@@ -2,6 +2,7 @@
 
     pdserve bench frontend [--streams 32 256] [--rounds 3] [--output 96] [--prompt 256] [--clients 2]
                            [--gpu h100] [--model DIR] [--num-decode-workers 1] [--profile-dir DIR]
+                           [--api-server-count N]
 
 Starts ``pdserve serve MODEL --config deploy/mock-cluster.yaml --load-format mock --gpu GPU`` (mock
 workers: Ray actors, so separate processes; each step waits the GPU's roofline estimate for MODEL, the
@@ -19,6 +20,11 @@ CPU time (``/proc/PID/stat`` utime + stime) before and after, and prints:
 * TBT added over the mock step time: each gap between two tokens of a stream, as the client saw it,
   less the profile's step time for the decode batch (``--streams`` / decode workers), p50 and p99;
 * the client processes' own CPU per token and in all (a saturated load generator shows here).
+
+With ``--api-server-count N`` (front-end replicas, ``deploy/replicas.py``) the serving processes are the
+N replicas (the launching process only supervises): the figures are theirs together, and each round also
+prints each replica's CPU per token it streamed (the ``x-pdserve-replica`` header says whose a stream
+is); the ceiling is then per replica, each on a core of its own.
 
 Then the medians over the rounds and the command. ``--profile-dir DIR``: py-spy records the serving
 process during the last round of each count (``DIR/frontend-STREAMS.txt``, collapsed stacks; root or
@@ -77,6 +83,7 @@ class ClientRound:
     gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens of a stream
     cpu_s: float = 0.0
     wall_s: float = 0.0
+    tokens_by_replica: dict[int, int] = field(default_factory=dict)  # -1: no replica header
 
 
 # ---- the client (runs in the client processes) ------------------------------------------------------
@@ -131,6 +138,10 @@ async def _stream(conn: _Connection, body: bytes, out: ClientRound) -> None:
         out.errors.append(head.split(b"\r\n", 1)[0].decode(errors="replace"))
         conn.close()
         return
+    replica = -1
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"x-pdserve-replica:"):
+            replica = int(line.split(b":", 1)[1])
     pending = b""
     last: float | None = None
     while (chunk := await _read_chunked(reader)) is not None:
@@ -151,6 +162,7 @@ async def _stream(conn: _Connection, body: bytes, out: ClientRound) -> None:
                     out.gaps_s.append(now - last)
                 last = now
                 out.num_tokens += num
+                out.tokens_by_replica[replica] = out.tokens_by_replica.get(replica, 0) + num
 
 
 async def _client_round(conns: list[_Connection], load: Load) -> ClientRound:
@@ -211,6 +223,29 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
+def front_end_pids(server_pid: int) -> list[int]:
+    """The processes that carry the tokens: the front-end replicas (children of ``server_pid`` running
+    ``deploy.replicas``), else ``server_pid`` itself."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"deploy.replicas" in cmdline:
+            pids.append(int(entry))
+    return sorted(pids) or [server_pid]
+
+
+def _cpu_of(pids: Sequence[int]) -> dict[int, tuple[float, float]]:
+    return {pid: cpu_seconds(pid) for pid in pids}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -227,6 +262,7 @@ class RoundFigures:
     tokens_per_s: float
     server_us_per_token: float
     server_system_pct: float  # of the serving process's CPU, in the kernel (socket writes mostly)
+    busiest_replica_us_per_token: float  # replicas: the highest of a replica's CPU per token it streamed
     tbt_added_p50_ms: float
     tbt_added_p99_ms: float
     client_us_per_token: float
@@ -271,14 +307,33 @@ class Clients:
 
 
 def measure_round(
-    clients: Clients, pid: int, num_streams: int, args: argparse.Namespace, seed: int, step_s: float
+    clients: Clients, server_pid: int, num_streams: int, args: argparse.Namespace, seed: int, step_s: float
 ) -> RoundFigures:
-    (user0, system0), t0 = cpu_seconds(pid), time.perf_counter()
+    pids = front_end_pids(server_pid)
+    before, t0 = _cpu_of(pids), time.perf_counter()
     num_requests = max(1, -(-args.min_round_tokens // (num_streams * args.output)))
     results = clients.run(num_streams, args.prompt, args.output, seed, num_requests)
-    wall, (user1, system1) = time.perf_counter() - t0, cpu_seconds(pid)
-    cpu = user1 + system1 - user0 - system0
+    wall, after = time.perf_counter() - t0, _cpu_of(pids)
+    spent = {pid: sum(after[pid]) - sum(before[pid]) for pid in pids}
+    cpu = sum(spent.values())
+    user1 = system1 = 0.0
+    user0 = system0 = 0.0
+    for pid in pids:
+        user0, system0 = user0 + before[pid][0], system0 + before[pid][1]
+        user1, system1 = user1 + after[pid][0], system1 + after[pid][1]
     num_tokens = sum(r.num_tokens for r in results)
+    by_replica: dict[int, int] = {}
+    for r in results:
+        for replica, n in r.tokens_by_replica.items():
+            by_replica[replica] = by_replica.get(replica, 0) + n
+    busiest = cpu / max(num_tokens, 1) * 1e6
+    if len(pids) > 1:
+        # NOTE: replica i is the i-th of the supervisor's replica children (spawned in slot order; a
+        # restarted one comes later): matched by order, which holds while none has restarted
+        per = [spent[pid] / max(by_replica.get(i, 0), 1) * 1e6 for i, pid in enumerate(pids)]
+        busiest = max(per)
+        shares = ", ".join(f"{i}: {by_replica.get(i, 0)} tok {u:.1f} us/tok" for i, u in enumerate(per))
+        print(f"  replicas {shares}", flush=True)
     errors = [e for r in results for e in r.errors]
     if num_tokens == 0:
         raise RuntimeError(f"no token came back: {errors[:3]}")
@@ -290,6 +345,7 @@ def measure_round(
         num_tokens / wall,
         cpu / num_tokens * 1e6,
         100 * (system1 - system0) / max(cpu, 1e-9),
+        busiest,
         _percentile(gaps, 0.5) * 1e3,
         _percentile(gaps, 0.99) * 1e3,
         client_cpu / num_tokens * 1e6,
@@ -300,8 +356,9 @@ def measure_round(
 
 def _print_round(label: str, f: RoundFigures) -> None:
     print(
-        f"{label}: {f.tokens_per_s:8.0f} tok/s | serving process {f.server_us_per_token:6.1f} us/token "
-        f"({f.server_system_pct:2.0f}% system; ceiling {1e6 / f.server_us_per_token:7.0f} tok/s per core) | TBT added p50 "
+        f"{label}: {f.tokens_per_s:8.0f} tok/s | serving process(es) {f.server_us_per_token:6.1f} us/token "
+        f"({f.server_system_pct:2.0f}% system; ceiling {1e6 / f.busiest_replica_us_per_token:7.0f} tok/s per "
+        f"core{'' if f.busiest_replica_us_per_token == f.server_us_per_token else ' per replica'}) | TBT added p50 "
         f"{f.tbt_added_p50_ms:6.2f} ms, p99 {f.tbt_added_p99_ms:6.2f} ms | clients "
         f"{f.client_us_per_token:5.1f} us/token ({f.client_cpu_s:.2f} s CPU)"
         + (f" | {f.num_errors} errors" if f.num_errors else ""),
@@ -393,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-decode-workers", type=int, default=1)
     ap.add_argument("--num-kv-blocks", type=int, default=6144, help="per worker")
     ap.add_argument("--profile-dir", type=Path, default=None, help="py-spy the last round of each count")
+    ap.add_argument("--api-server-count", type=int, default=1, help="front-end replicas")
     ap.add_argument("--extra", default="", help="more `pdserve serve` flags, one string")
     args = ap.parse_args(argv)
 
@@ -404,7 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--config", args.config, "--load-format", "mock", "--gpu", args.gpu, "--port", str(port),
         "--num-prefill-workers", str(args.num_prefill_workers),
         "--num-decode-workers", str(args.num_decode_workers), "--num-kv-blocks", str(args.num_kv_blocks),
-        "--max-num-seqs", str(max(args.streams)), "--log-level", "WARNING", *shlex.split(args.extra),
+        "--max-num-seqs", str(max(args.streams)), "--log-level", "WARNING",
+        "--api-server-count", str(args.api_server_count), *shlex.split(args.extra),
     ]  # fmt: skip
     print(f"$ pdserve bench frontend {shlex.join(argv if argv is not None else sys.argv[1:])}")
     print(f"serving process: {shlex.join(cmd[2:])}  (on {os.cpu_count()} CPUs)", flush=True)
@@ -419,11 +478,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{num_workers} mock workers healthy {up_s:.1f} s after the command; server log {log.name}")
         clients = Clients(url, args.clients)
         clients.run(8, args.prompt, 8, seed=0)  # NOTE: warm-up: the handoff pair, first-use paths
-        (user0, system0), t0 = cpu_seconds(server.pid), time.perf_counter()
+        pids = front_end_pids(server.pid)
+        before, t0 = _cpu_of(pids), time.perf_counter()
         time.sleep(IDLE_S)  # NOTE: measuring the idle process, not waiting for readiness
-        (user1, system1), idle_s = cpu_seconds(server.pid), time.perf_counter() - t0
+        after, idle_s = _cpu_of(pids), time.perf_counter() - t0
+        idle_cpu = sum(sum(after[p]) - sum(before[p]) for p in pids)
         print(
-            f"serving process idle: {(user1 + system1 - user0 - system0) / idle_s * 1e3:.0f} ms of CPU per s "
+            f"serving process(es) {pids} idle: {idle_cpu / idle_s * 1e3:.0f} ms of CPU per s "
             "(heartbeats, Ray's threads; in every round's figure)",
             flush=True,
         )

@@ -72,7 +72,9 @@ class ReplicaSpec:
 
 # ---- the replica process ---------------------------------------------------------------------------------
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when its supervisor dies, so no replica outlives its cluster."""
+    """Linux: this process gets SIGTERM when its supervisor dies (the thread that spawned it ends: the
+    supervisor's main thread, or its supervising thread for a restarted replica, both of which live
+    until the cluster stops), so no replica outlives its cluster."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
@@ -164,6 +166,9 @@ class ReplicaProcess:
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
+            # NOTE: a terminal's Ctrl-C reaches the supervisor only, which stops the replicas itself
+            # (they also die with it: _die_with_parent)
+            start_new_session=True,
         )
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps(asdict(self.spec)) + "\n")

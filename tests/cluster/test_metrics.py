@@ -96,6 +96,38 @@ def test_every_dashboard_metric_is_exported(scraped: tuple[str, StubRouter]) -> 
     assert unresolved(names, exported_families(scraped[0])) == []
 
 
+def test_the_dashboard_counts_each_worker_once_whatever_the_number_of_replicas(
+    scraped: tuple[str, StubRouter],
+) -> None:
+    """Front-end replicas each export every worker's series (from its heartbeats): a query over such a
+    series first takes their ``max by (worker ...)``, so N replicas' copies count once; request series
+    (each replica's own requests) are summed."""
+    worker_series = {
+        s.name for f in text_string_to_metric_families(scraped[0]) for s in f.samples if "worker" in s.labels
+    }
+    assert "pdserve_kv_cache_usage_ratio" in worker_series and "pdserve_requests_total" not in worker_series
+    exprs: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                exprs.append(node["expr"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    per_worker = [e for e in exprs if set(re.findall(r"\bpdserve_[A-Za-z0-9_]+", e)) & worker_series]
+    assert len(per_worker) >= 8
+    for expr in per_worker:
+        for name in set(re.findall(r"\bpdserve_[A-Za-z0-9_]+", expr)) & worker_series:
+            # NOTE: each use of the series sits inside a max by (worker...) of its own
+            uses = expr.count(name)
+            assert len(re.findall(r"max by \(worker[^)]*\) \((?:rate|increase)?\(?" + name, expr)) == uses, expr
+
+
 def test_suffix_rules_catch_a_bad_dashboard(scraped: tuple[str, StubRouter]) -> None:
     families = exported_families(scraped[0])
     bad = {
