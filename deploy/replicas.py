@@ -114,8 +114,9 @@ async def _serve_replica(spec: ReplicaSpec) -> None:
             limits=connection_limits(server),
         )
         serving = asyncio.create_task(http.serve(sockets=socks))
-        while not http.started and not serving.done():
-            await asyncio.sleep(0.05)  # NOTE: uvicorn's own flag; bounded by serve() ending
+        async with asyncio.timeout(_EVENTS_TIMEOUT_S):
+            while not http.started and not serving.done():
+                await asyncio.sleep(0.05)  # NOTE: uvicorn's own flag (it has no event to wait on)
         if serving.done():
             serving.result()
             raise RuntimeError(f"replica {spec.index}: the HTTP server stopped during startup")
@@ -320,11 +321,13 @@ class ReplicatedCluster:
 
         from cluster.hub import resolve_cluster_model
         from deploy import device_check
+        from deploy.http_host import check_exposure
         from deploy.launch import KVStore, WorkerLauncher, _bind_host, _init_ray, _pools, _resolved_transfer
 
         cfg = resolve_cluster_model(config)
         if cfg.server.replicas < 2:
             raise ValueError(f"a replicated front end needs server.replicas >= 2, got {cfg.server.replicas}")
+        check_exposure(cfg.server, cfg.server.host)
         joining = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
         if not joining:
             device_check.check_local(cfg)

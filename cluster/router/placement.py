@@ -4,8 +4,13 @@ Ray), so tests and a simulation drive the same policy the router runs.
 * prefill: prefix affinity on the prompt's first block (rendezvous hashing over the healthy prefill
   workers), unless the preferred worker has ``affinity_slack_tokens`` more outstanding prompt tokens
   than the least loaded one;
-* decode: fewest requests routed there, then the most free KV blocks in its last stats;
-* colocated: fewest requests routed there.
+* decode: the fewest requests (``busy``), then the most free KV blocks in its last stats;
+* colocated: the fewest requests (``busy``).
+
+A worker's requests (``busy``) are the more of those this router routed there and those the worker
+last reported (running, waiting, waiting for KV): the report counts other routers' requests (front-end
+replicas balance by it without talking to each other), this router's count the ones routed since the
+report.
 """
 
 from __future__ import annotations
@@ -42,8 +47,16 @@ def require(workers: Sequence[W], pool: str) -> Sequence[W]:
     return workers
 
 
+def busy(w: WorkerLoad) -> int:
+    """The worker's requests as this router knows them (see the module docstring)."""
+    s = w.stats
+    if s is None:
+        return w.num_assigned
+    return max(w.num_assigned, s.engine.num_running + s.engine.num_waiting + s.num_waiting_for_kv)
+
+
 def pick_least_loaded(workers: Sequence[W], pool: str) -> W:
-    return min(require(workers, pool), key=lambda w: (w.num_assigned, w.worker_id))
+    return min(require(workers, pool), key=lambda w: (busy(w), w.worker_id))
 
 
 def pick_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_tokens: int) -> W:
@@ -69,6 +82,6 @@ def explain_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_
 def pick_decode(workers: Sequence[W]) -> W:
     def score(w: W) -> tuple[int, int, str]:
         free = w.stats.engine.num_free_blocks if w.stats is not None else 0
-        return (w.num_assigned, -free, w.worker_id)
+        return (busy(w), -free, w.worker_id)
 
     return min(require(workers, "decode"), key=score)

@@ -37,7 +37,7 @@ from typing import Generic, Protocol, TypeVar
 from cluster.block_hash import BlockHash, hash_full_blocks
 from cluster.config import RouterConfig
 from cluster.protocol import ClusterUnavailableError, RouteInfo
-from cluster.router.placement import WorkerLoad, explain_prefill, pick_decode, pick_least_loaded
+from cluster.router.placement import WorkerLoad, busy, explain_prefill, pick_decode, pick_least_loaded
 from cluster.router.predict import Predictor, RouteEstimate
 
 MAX_DECODE_CANDIDATES = 8
@@ -224,7 +224,7 @@ def decide(
 def decode_candidates(decodes: Sequence[W]) -> list[W]:
     """pick_decode's choice first, then the others by load, at most MAX_DECODE_CANDIDATES."""
     first = pick_decode(decodes)
-    rest = sorted((d for d in decodes if d is not first), key=lambda d: (d.num_assigned, d.worker_id))
+    rest = sorted((d for d in decodes if d is not first), key=lambda d: (busy(d), d.worker_id))
     return [first, *rest][:MAX_DECODE_CANDIDATES]
 
 

@@ -13,6 +13,7 @@ from cluster.block_hash import ROOT_HASH, hash_block, hash_full_blocks
 from cluster.config import RouterConfig
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
 from cluster.protocol import ClusterUnavailableError, EngineStats, RouteInfo, WorkerStats
+from cluster.router.placement import pick_decode
 from cluster.router.predict import Predictor
 from cluster.router.routing import Pools, PrefixView, decide
 
@@ -61,6 +62,21 @@ def test_colocated_mode_takes_the_least_loaded_worker() -> None:
     assert route.info() == RouteInfo("colocated", "least_loaded", "colocated-1", "colocated-1", 0, 0, None)
     resumed = decide("colocated", prompt(40), Pools(colocated=[a, b]), CONFIG, resume=True)
     assert (resumed.reason, resumed.worker) == ("resume_mid_stream", b)
+
+
+def test_the_workers_own_report_counts_the_other_replicas_requests() -> None:
+    """Front-end replicas: this router routed nothing to either worker, but colocated-0 reports 5
+    requests of another replica's: the least loaded is colocated-1. A router's own count still wins
+    where it is the larger (requests routed since the last report)."""
+    other = WorkerStats("c", "colocated", engine=EngineStats(num_running=3, num_waiting=2))
+    a, b = Fake("colocated-0", stats=other), Fake("colocated-1", num_assigned=4)
+    route = decide("colocated", prompt(40), Pools(colocated=[a, b]), CONFIG)
+    assert route.worker is b
+    b.num_assigned = 6
+    assert decide("colocated", prompt(40), Pools(colocated=[a, b]), CONFIG).worker is a
+    d0 = Fake("decode-0", stats=running(4, used_blocks=10))
+    d1 = Fake("decode-1", num_assigned=2, stats=replace(running(1, used_blocks=50), num_waiting_for_kv=1))
+    assert pick_decode([d0, d1]) is d1  # NOTE: 2 against 4, though it has fewer free blocks
 
 
 def test_disaggregated_mode_says_why_that_prefill_worker() -> None:
