@@ -4,7 +4,8 @@ tagged codec, strict decoding.
 Ops (``Op``, router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease,
 RouterLease.
 Events (``Event``, worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed,
-WorkerFailed, KeepAlive.
+WorkerFailed, KeepAlive; and WorkerGone (the lifecycle plane's word on a worker, from the supervisor of
+front-end replicas).
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
 registers it with the router, and one from a new ``incarnation`` (a process Ray restarted) re-admits it.
@@ -240,10 +241,22 @@ class KeepAlive:
     request_id: str
 
 
+@dataclass(frozen=True)
+class WorkerGone:
+    """The lifecycle plane's word on a worker (sent by the supervisor of front-end replicas, which runs
+    Ray; a single router watches Ray itself): Ray cannot reach its actor any more, and ``pid`` is the
+    process that answered Ray last (0: none ever did)."""
+
+    TAG: ClassVar[str] = "worker_gone"
+    worker_id: str
+    pid: int
+    why: str
+
+
 # NOTE: every signature that carries a message names one of these unions (what a handler receives is a
 # union it can match on exhaustively), never Any.
 Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease | RouterLease
-Event = Heartbeat | Deltas | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive
+Event = Heartbeat | Deltas | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive | WorkerGone
 OPS: tuple[type[Op], ...] = (
     Generate,
     PrepareDecode,
@@ -261,6 +274,7 @@ EVENTS: tuple[type[Event], ...] = (
     RequestFailed,
     WorkerFailed,
     KeepAlive,
+    WorkerGone,
 )
 
 

@@ -20,10 +20,9 @@ Metrics: each replica has its own registry. Prometheus scrapes each replica on i
 dashboard sums the request series over ``instance``. Every replica also exports the workers' gauges
 (from the heartbeats): the dashboard takes their ``max`` per worker.
 
-Not served with replicas (yet): ``POST /v1/pdserve/scale`` (the launcher is in the supervisor: scale with
-one replica), and Ray's word on a worker's death (replicas run no Ray): a worker killed without last
-words is unhealthy at once (stale heartbeat) and dead when Ray restarts it (its new incarnation
-registers); one not restarted keeps its requests until their deadlines.
+Ray's word on a worker reaches the replicas (which run no Ray) through :class:`LifecycleRelay`. Not
+served with replicas (yet): ``POST /v1/pdserve/scale`` (the launcher is in the supervisor: scale with one
+replica).
 """
 
 from __future__ import annotations
@@ -40,12 +39,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.frames import new_secret
-from cluster.wire import WorkerControl
+from cluster.wire import WireEncoder, WorkerControl, WorkerGone, router_recipient
 
 logger = logging.getLogger(__name__)
 
@@ -295,15 +295,95 @@ class ReplicaSet:
         self._port_sock.close()
 
 
+class LifecycleRelay:
+    """Ray's word on the workers, for the replicas (which run no Ray): the supervisor pings every actor
+    each health interval, as a single router's lifecycle watch does, and when Ray cannot reach one it
+    sends each replica ``WorkerGone`` (signed, with the pid that answered last), which the replica takes
+    as its own failed ping would be (cluster/router/membership.py): its requests migrate. A ping that
+    only times out (a stopped or busy actor) says nothing."""
+
+    def __init__(
+        self,
+        actors: Callable[[], dict[str, Any]],
+        endpoints: Sequence[str],
+        secret: bytes,
+        cfg: ClusterConfig,
+    ) -> None:
+        import zmq
+
+        self._actors = actors
+        self._interval_s = cfg.router.health_interval_s
+        self._timeout_s = cfg.router.health_timeout_s
+        self._encoder = WireEncoder(secret)
+        self._ctx: Any = zmq.Context()
+        self._sockets = []
+        for endpoint in endpoints:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self._sockets.append(sock)
+        self._answered: dict[str, int] = {}  # worker id -> the pid that answered its last ping
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replica-lifecycle-relay", daemon=True)
+        self.num_told = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.wait(self._interval_s):
+            refs = {wid: actor.ping.remote() for wid, actor in self._actors().items()}
+            if not refs:
+                continue
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout_s)
+            done = set(ready)
+            for wid, ref in refs.items():
+                if ref not in done:
+                    continue  # NOTE: stopped or busy: not dead
+                try:
+                    self._answered[wid] = int(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+                    self._tell(
+                        WorkerGone(
+                            wid, self._answered.get(wid, 0), f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                        )
+                    )
+
+    def _tell(self, event: WorkerGone) -> None:
+        import zmq
+
+        self.num_told += 1
+        for i, sock in enumerate(self._sockets):
+            with contextlib.suppress(zmq.Again):
+                sock.send(self._encoder.encode(router_recipient(i), event), zmq.NOBLOCK)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._timeout_s + 5)
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._ctx.term()
+
+
 class ReplicatedCluster:
     """Ray, the KV-transfer store, the worker actors and N front-end replicas (see the module docstring).
     Built complete by :meth:`start`; ``shutdown()`` leaves no process, actor or thread behind."""
 
     def __init__(
-        self, cfg: ClusterConfig, replicas: ReplicaSet, launcher: Any, kv_store: Any, started_ray: bool
+        self,
+        cfg: ClusterConfig,
+        replicas: ReplicaSet,
+        launcher: Any,
+        kv_store: Any,
+        started_ray: bool,
+        relay: LifecycleRelay,
     ):
         self.config = cfg
         self.replicas = replicas
+        self.relay = relay
         self._launcher = launcher
         self._kv_store = kv_store
         self._started_ray = started_ray
@@ -337,6 +417,7 @@ class ReplicatedCluster:
         replicas = ReplicaSet(cfg, secret, router_host)
         kv_store: Any = None
         launcher: Any = None
+        relay: LifecycleRelay | None = None
         try:
             endpoints = replicas.start()
             kv_store = KVStore(router_host) if cfg.router.mode != "colocated" else None
@@ -352,7 +433,11 @@ class ReplicatedCluster:
                     launcher.create(pool)
             replicas.wait_serving(_START_TIMEOUT_S)
             replicas.start_supervising()
+            relay = LifecycleRelay(lambda: dict(launcher.actors), endpoints, secret, cfg)
+            relay.start()
         except BaseException:
+            if relay is not None:
+                relay.stop()
             replicas.stop()
             if launcher is not None:
                 launcher.stop_all()
@@ -361,7 +446,7 @@ class ReplicatedCluster:
             if started_ray:
                 ray.shutdown()
             raise
-        return cls(cfg, replicas, launcher, kv_store, started_ray)
+        return cls(cfg, replicas, launcher, kv_store, started_ray, relay)
 
     def check_leaks(self, timeout_s: float = 30.0) -> dict[str, str | None]:
         """Every worker's leak report (None: clean), as ``ClusterHandle.check_leaks``."""
@@ -373,9 +458,17 @@ class ReplicatedCluster:
         )
         return dict(zip(ids, reports, strict=True))
 
+    def kill_worker(self, worker_id: str) -> None:
+        """kill -9 a worker's process, with no restart (tests): Ray's word reaches the replicas through
+        the relay."""
+        import ray
+
+        ray.kill(self._launcher.actors[worker_id], no_restart=True)
+
     def shutdown(self) -> None:
         import ray
 
+        self.relay.stop()
         self.replicas.stop()
         self._launcher.stop_all()
         if self._kv_store is not None:

@@ -43,6 +43,7 @@ from cluster.wire import (
     Transferred,
     WireEncoder,
     WorkerFailed,
+    WorkerGone,
     router_recipient,
 )
 
@@ -91,7 +92,7 @@ class RouterLinks:
     def send(self, message: Event) -> list[str]:
         """Send ``message`` to the router(s) it is for; returns the ids of the requests whose events were
         dropped (their router is down or not reading)."""
-        if isinstance(message, (Heartbeat, WorkerFailed)):
+        if isinstance(message, (Heartbeat, WorkerFailed, WorkerGone)):  # NOTE: a worker sends no WorkerGone
             for i in range(len(self.sockets)):
                 self.send_to(i, message)
             return []

@@ -46,6 +46,7 @@ from cluster.wire import (
     PeerDead,
     RouterLease,
     WireEncoder,
+    WorkerGone,
     WorkerInfo,
 )
 
@@ -141,6 +142,7 @@ class Membership:
         self._retired: set[str] = set()  # incarnations drained by scale-down: never re-admitted
         self._actors: dict[str, Any] = {}
         self._watches: dict[str, asyncio.Task[None]] = {}
+        self._gone: set[asyncio.Task[None]] = set()  # relayed news of deaths being taken (on_gone)
         self._admitted = asyncio.Event()
 
     # ---- what the request path reads and calls --------------------------------------------------------
@@ -309,7 +311,7 @@ class Membership:
             task.cancel()
 
     def watch_tasks(self) -> list[asyncio.Task[None]]:
-        return list(self._watches.values())
+        return [*self._watches.values(), *self._gone]
 
     async def _lifecycle_watch(self, worker_id: str) -> None:
         """Learn from Ray that the actor died (a stopped or busy actor only times out: not dead). Keeps
@@ -322,12 +324,26 @@ class Membership:
             except TimeoutError:
                 pass
             except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
-                w = self._workers.get(worker_id)
-                if w is not None and self._is_news_of(w, answered_pid):
-                    why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                    await self._await_last_words(w, why)
-                    self.mark_dead(w, why)  # NOTE: nothing more when its own word came first
+                await self._ray_says_gone(
+                    worker_id, answered_pid, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                )
             await asyncio.sleep(self.config.health_interval_s)
+
+    def on_gone(self, event: WorkerGone) -> None:
+        """The lifecycle plane's word relayed (front-end replicas: their supervisor watches Ray): as a
+        failed ping of this router's own watch."""
+        task = asyncio.create_task(
+            self._ray_says_gone(event.worker_id, event.pid or None, event.why),
+            name=f"router-gone-{event.worker_id}",
+        )
+        self._gone.add(task)
+        task.add_done_callback(self._gone.discard)
+
+    async def _ray_says_gone(self, worker_id: str, answered_pid: int | None, why: str) -> None:
+        w = self._workers.get(worker_id)
+        if w is not None and self._is_news_of(w, answered_pid):
+            await self._await_last_words(w, why)
+            self.mark_dead(w, why)  # NOTE: nothing more when its own word came first
 
     def _is_news_of(self, w: WorkerRef, answered_pid: int | None) -> bool:
         """Whether a failed ping tells of ``w``'s process: the one that answered the last ping, or one that

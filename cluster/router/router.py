@@ -75,6 +75,7 @@ from cluster.wire import (
     WireDecoder,
     WireEncoder,
     WorkerFailed,
+    WorkerGone,
     router_recipient,
 )
 
@@ -503,6 +504,8 @@ class Router:
                     self._send(w, Abort(event.delta.request_id))
             case Transferred():
                 self._to_flight(w, event.request_id, event)
+            case WorkerGone():
+                self.members.on_gone(event)
             case KeepAlive():
                 flight = self._flights.current(event.request_id)
                 if flight is not None and flight.decode is w and flight.prefill is not None:

@@ -21,7 +21,7 @@ from cluster.protocol import (
 )
 from cluster.router.membership import WorkerState
 from cluster.router.router import Router
-from cluster.wire import Abort, Deltas, Generate, PeerDead, Prefilled, WorkerFailed
+from cluster.wire import Abort, Deltas, Generate, PeerDead, Prefilled, WorkerFailed, WorkerGone
 from tests.support.fake_workers import TIMEOUT_S, FakeWorkers, Stream, assert_idle, delta, run, until
 
 PROMPT = [11, 12, 13, 14, 15, 16]
@@ -56,6 +56,34 @@ async def watched_pair(router: Router, fakes: FakeWorkers) -> FakeActor:
     router.watch("colocated-0", actor)
     await until(lambda: len(actor.answers) == 1, "first ping")
     return actor
+
+
+def test_a_relayed_word_of_ray_kills_only_the_process_that_answered_last() -> None:
+    """Front-end replicas run no Ray: their supervisor relays Ray's word (``WorkerGone``, with the pid that
+    answered Ray last). News of another process (pid 9) changes nothing; news of colocated-0's (pid 1)
+    kills it (after the bounded wait for its own last words) and its request moves to colocated-1."""
+
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        await fakes.add("colocated-0", "colocated", pid=1)
+        await fakes.add("colocated-1", "colocated", pid=2)
+        s = Stream(router, "r", PROMPT)
+        assert (await fakes.op("colocated-0")).request_id == "r"
+        await fakes.send(WorkerGone("colocated-0", 9, "RayActorError: a process of long ago"))
+        await fakes.send(WorkerGone("colocated-9", 1, "RayActorError: nobody here"))
+        await fakes.beat("colocated-1")  # NOTE: after both on the same socket: they were taken
+        await until(lambda: router.rejected_frames().get("unknown_worker") == 1, "the unknown one refused")
+        assert state(router, "colocated-0")[1] == WorkerState.HEALTHY
+        await fakes.send(WorkerGone("colocated-0", 1, "RayActorError: The actor died unexpectedly"))
+        await until(lambda: state(router, "colocated-0")[1] == WorkerState.DEAD, "dead", timeout_s=5)
+        (w,) = [w for w in router.workers if w.worker_id == "colocated-0"]
+        assert w.why == "RayActorError: The actor died unexpectedly"
+        ops = await fakes.ops("colocated-1", 2)
+        assert ops[0] == PeerDead("colocated-0", "i0")
+        assert ops[1] == Generate("r~1", PROMPT, s.req.params, ops[1].deadline, False, [])
+        await fakes.send(Deltas("colocated-1", [delta("r~1", 5, finish=FinishReason.LENGTH)]))
+        assert [d.token_ids for d in await s.rest()] == [[5]]  # type: ignore[union-attr]
+
+    run(scenario, mode="colocated", rejected={"unknown_worker": 1})
 
 
 def test_wait_admitted_returns_on_registration_and_names_the_missing_on_timeout() -> None:

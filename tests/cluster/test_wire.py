@@ -51,6 +51,7 @@ from cluster.wire import (
     WireDecoder,
     WireEncoder,
     WorkerFailed,
+    WorkerGone,
     WorkerInfo,
 )
 
@@ -97,6 +98,7 @@ ALL_EVENTS = [
     Transferred("decode-0", "r1", 0.5, 1024, recomputed=None),
     RequestFailed("decode-0", "r1", ErrorCode.KV_TRANSFER_FAILED, "boom"),
     WorkerFailed("decode-0", "step thread died"),
+    WorkerGone("decode-0", 4242, "RayActorError: The actor died unexpectedly"),
 ]
 
 

@@ -2,7 +2,8 @@
 port over the same mock workers (Ray actors). kill -9 of one replica while 32 streams run through both:
 every stream on the other replica finishes with the exact mock output; the killed replica's streams end
 with a connection error; once its lease runs out no KV block is held on any worker; the replica is
-restarted and serves again. The two-host lab runs the same with the workers on both hosts
+restarted and serves again. Then a worker killed without last words and not restarted: the replicas
+(which run no Ray) hear it from the supervisor's relay and every stream moves on. The two-host lab runs the same with the workers on both hosts
 (tests/e2e/test_two_hosts.py)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.support.replica_streams import (
     rule_outputs,
     serve_on_every_replica,
     slow_profile,
+    streams_with_a_fault,
     streams_with_a_kill,
 )
 
@@ -64,5 +66,14 @@ def test_kill_9_of_one_of_two_replicas_loses_only_its_own_streams_and_it_comes_b
         assert victim.pid != victim_pid
         assert serve_on_every_replica(cluster.url, expected, {0, 1}) == {0, 1}
         assert all(report is None for report in cluster.check_leaks(10).values())
+
+        # the decode worker killed (-9, no restart): each replica migrates its streams (to the prefill
+        # worker, which runs them whole), and the mock's output is exact across the move
+        streams = streams_with_a_fault(cluster.url, lambda: cluster.kill_worker("decode-0"), num=16)
+        assert {s.replica for s in streams} == {0, 1}
+        for s, want in zip(streams, expected, strict=False):
+            assert (s.finished, s.error, s.tokens) == (True, None, want)
+        assert cluster.relay.num_told >= 1
+        assert ray.get(cluster.actors["prefill-0"].check_leaks.remote(10), timeout=30) is None
     finally:
         cluster.shutdown()

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,21 +91,28 @@ class Stream:
         }
 
 
-async def _run_and_kill(url: str, victim_pid: int, streams: list[Stream]) -> None:
+async def _run_with_a_fault(url: str, fault: Callable[[], None], streams: list[Stream]) -> None:
     tasks = [asyncio.create_task(s.run(url)) for s in streams]
     async with asyncio.timeout(60):
         for s in streams:
             await s.first.wait()
-    os.kill(victim_pid, signal.SIGKILL)
+    fault()
     async with asyncio.timeout(120):
         await asyncio.gather(*tasks)
 
 
-def streams_with_a_kill(url: str, victim_pid: int) -> list[Stream]:
-    """PROMPTS streamed at once through ``url``; ``victim_pid`` killed once each has its first token."""
-    streams = [Stream(p) for p in PROMPTS]
-    asyncio.run(_run_and_kill(url, victim_pid, streams))
+def streams_with_a_fault(url: str, fault: Callable[[], None], num: int = NUM_STREAMS) -> list[Stream]:
+    """The first ``num`` PROMPTS streamed at once through ``url``; ``fault()`` once each has its first
+    token."""
+    streams = [Stream(p) for p in PROMPTS[:num]]
+    asyncio.run(_run_with_a_fault(url, fault, streams))
     return streams
+
+
+def streams_with_a_kill(url: str, victim_pid: int) -> list[Stream]:
+    """PROMPTS streamed at once through ``url``; process ``victim_pid`` killed (-9) once each has its
+    first token."""
+    return streams_with_a_fault(url, lambda: os.kill(victim_pid, signal.SIGKILL))
 
 
 def check_streams(streams: list[dict[str, Any]], expected: list[list[int]], killed: int) -> None:
