@@ -125,7 +125,9 @@ def test_the_dashboard_counts_each_worker_once_whatever_the_number_of_replicas(
         for name in set(re.findall(r"\bpdserve_[A-Za-z0-9_]+", expr)) & worker_series:
             # NOTE: each use of the series sits inside a max by (worker...) of its own
             uses = expr.count(name)
-            assert len(re.findall(r"max by \(worker[^)]*\) \((?:rate|increase)?\(?" + name, expr)) == uses, expr
+            assert len(re.findall(r"max by \(worker[^)]*\) \((?:rate|increase)?\(?" + name, expr)) == uses, (
+                expr
+            )
 
 
 def test_suffix_rules_catch_a_bad_dashboard(scraped: tuple[str, StubRouter]) -> None:
