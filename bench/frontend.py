@@ -418,6 +418,8 @@ def top_frames(path: Path, num: int = 12) -> list[tuple[str, float, float]]:
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():  # NOTE: a frame name py-spy wrote with a newline in it (a code literal)
+            continue
         frames, n = stack.split(";"), int(count)
         if any(wait in frames[-1] for wait in WAITS):
             continue
