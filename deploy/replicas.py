@@ -263,28 +263,34 @@ class ReplicaSet:
         quick_deaths = [0] * len(self.slots)
         restart_at: dict[int, float] = {}
         while not self._stop.wait(0.2):
-            now = time.monotonic()
-            for slot in self.slots:
-                i = slot.spec.index
-                proc = slot.proc
-                if proc is None or proc.poll() is None:
-                    continue
-                if i not in restart_at:
-                    quick = now - slot.started_at < _STABLE_S
-                    quick_deaths[i] = quick_deaths[i] + 1 if quick else 0
-                    delay = _RESTART_BACKOFF_S[min(quick_deaths[i], len(_RESTART_BACKOFF_S) - 1)]
-                    logger.error(
-                        "front-end replica %d (pid %d) exited with %s; restarting it in %.1f s",
-                        i, proc.pid, proc.returncode, delay,
-                    )  # fmt: skip
-                    restart_at[i] = now + delay
-                elif now >= restart_at[i]:
-                    del restart_at[i]
-                    slot.num_restarts += 1
-                    try:
-                        slot.spawn()
-                    except OSError:
-                        logger.exception("front-end replica %d: restart failed", i)
+            try:
+                self._supervise_once(quick_deaths, restart_at)
+            except Exception:  # NOTE: said, then the next turn tries again: restarts must not stop for good
+                logger.exception("front-end replica supervisor: a turn failed")
+
+    def _supervise_once(self, quick_deaths: list[int], restart_at: dict[int, float]) -> None:
+        now = time.monotonic()
+        for slot in self.slots:
+            i = slot.spec.index
+            proc = slot.proc
+            if proc is None or proc.poll() is None:
+                continue
+            if i not in restart_at:
+                quick = now - slot.started_at < _STABLE_S
+                quick_deaths[i] = quick_deaths[i] + 1 if quick else 0
+                delay = _RESTART_BACKOFF_S[min(quick_deaths[i], len(_RESTART_BACKOFF_S) - 1)]
+                logger.error(
+                    "front-end replica %d (pid %d) exited with %s; restarting it in %.1f s",
+                    i, proc.pid, proc.returncode, delay,
+                )  # fmt: skip
+                restart_at[i] = now + delay
+            elif now >= restart_at[i]:
+                del restart_at[i]
+                slot.num_restarts += 1
+                try:
+                    slot.spawn()
+                except OSError:
+                    logger.exception("front-end replica %d: restart failed", i)
 
     def stop(self) -> None:
         self._stop.set()
@@ -323,6 +329,7 @@ class LifecycleRelay:
             sock.connect(endpoint)
             self._sockets.append(sock)
         self._answered: dict[str, int] = {}  # worker id -> the pid that answered its last ping
+        self._told: set[tuple[str, int]] = set()  # (worker id, pid) whose death the replicas were told
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-lifecycle-relay", daemon=True)
         self.num_told = 0
@@ -334,22 +341,27 @@ class LifecycleRelay:
         import ray
 
         while not self._stop.wait(self._interval_s):
-            refs = {wid: actor.ping.remote() for wid, actor in self._actors().items()}
-            if not refs:
-                continue
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout_s)
-            done = set(ready)
-            for wid, ref in refs.items():
-                if ref not in done:
-                    continue  # NOTE: stopped or busy: not dead
-                try:
-                    self._answered[wid] = int(ray.get(ref))
-                except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
-                    self._tell(
-                        WorkerGone(
-                            wid, self._answered.get(wid, 0), f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                        )
-                    )
+            try:
+                self._turn(ray)
+            except Exception:  # NOTE: said, then the next turn tries again
+                logger.exception("lifecycle relay: a turn failed")
+
+    def _turn(self, ray: Any) -> None:
+        refs = {wid: actor.ping.remote() for wid, actor in self._actors().items()}
+        if not refs:
+            return
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout_s)
+        done = set(ready)
+        for wid, ref in refs.items():
+            if ref not in done:
+                continue  # NOTE: stopped or busy: not dead
+            try:
+                self._answered[wid] = int(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - RayActorError and friends: the actor is gone
+                pid = self._answered.get(wid, 0)
+                if (wid, pid) not in self._told:  # NOTE: each process's death is told once
+                    self._told.add((wid, pid))
+                    self._tell(WorkerGone(wid, pid, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
 
     def _tell(self, event: WorkerGone) -> None:
         import zmq

@@ -117,8 +117,10 @@ class RouterLinks:
 
     def _group(self, message: Deltas) -> dict[int, list[Any]] | None:
         """The frame's deltas by router, or None when they all go to one (the usual case: no copy)."""
+        if len(self.sockets) == 1:
+            return None
         replicas = [self._replica_of(d.request_id) for d in message.deltas]
-        if len(self.sockets) == 1 or all(r == replicas[0] for r in replicas):
+        if all(r == replicas[0] for r in replicas):
             return None
         groups: dict[int, list[Any]] = {}
         for r, d in zip(replicas, message.deltas, strict=True):

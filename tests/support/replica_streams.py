@@ -27,8 +27,8 @@ PROMPTS = [[300 + 11 * i + j for j in range(6 + i % 5)] for i in range(NUM_STREA
 
 
 def slow_profile(path: Path) -> str:
-    """A cost profile whose every mock step waits ~25 ms (64 tokens take 1.6 s), saved at ``path``."""
-    step = LinearStepCost(0.025, 0.0, 0.0, 0.0, 0.0, 0.0)
+    """A cost profile whose every mock step waits ~12 ms (64 tokens take 0.8 s), saved at ``path``."""
+    step = LinearStepCost(0.012, 0.0, 0.0, 0.0, 0.0, 0.0)
     path.write_text(json.dumps(CostProfile("test", "test", step, TransferCost(1e-3, 1e9), 1024).to_dict()))
     return str(path)
 
