@@ -3,6 +3,7 @@ logging formats, the worker stats line, and one real ``pdserve serve REPO_ID`` f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -199,7 +200,7 @@ def test_json_log_lines(restore_logging: None, capsys: pytest.CaptureFixture[str
 _RAY_INITS = """
 import logging, ray
 from deploy import logs
-for _ in range(3):
+for _ in range(2):
     before = list(logging.getLogger().handlers)
     ray.init(num_cpus=1, include_dashboard=False, logging_config=ray.LoggingConfig(log_level="INFO"))
     logs.after_ray_init(before)
@@ -208,12 +209,13 @@ for _ in range(3):
 """
 
 
-def test_a_driver_that_starts_ray_three_times_prints_each_line_once() -> None:
-    """Every ray.init with a logging config adds a root handler; after_ray_init keeps only the newest."""
+def test_a_driver_that_starts_ray_twice_prints_each_line_once() -> None:
+    """Every ray.init with a logging config adds a root handler; after_ray_init keeps only the newest
+    (without it the second round's line is printed twice: 3 lines, not 2)."""
     out = subprocess.run(
         [sys.executable, "-c", _RAY_INITS], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
     )
-    assert out.stderr.count("said once") == 3, out.stderr[-2000:]
+    assert out.stderr.count("said once") == 2, out.stderr[-2000:]
 
 
 def _stats(prompt: int, gen: int, queries: int, hits: int, ok: int, nbytes: int) -> WorkerStats:
@@ -302,8 +304,14 @@ def test_serve_a_repo_id_from_the_hub_cache_offline(tmp_path: Path) -> None:
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
 
         def stats_logged() -> bool:
-            lines = [json.loads(ln) for ln in Path(log.name).read_text().splitlines() if ln.startswith("{")]
-            return any("colocated-0 (colocated): prompt" in r.get("message", "") for r in lines)
+            # NOTE: each record's JSON object from where its line starts: uvicorn's own stderr lines share
+            # the file, and a write of theirs can land right after a record, before its newline
+            decoder = json.JSONDecoder()
+            records = []
+            for ln in Path(log.name).read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    records.append(decoder.raw_decode(ln)[0] if ln.startswith("{") else {})
+            return any("colocated-0 (colocated): prompt" in r.get("message", "") for r in records)
 
         wait_for(stats_logged, timeout_s=30, what="a worker stats line in JSON")
     finally:
