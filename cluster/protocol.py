@@ -556,6 +556,8 @@ class WorkerStats:
     broken_peers: KV-transfer peers (``peer_name``) whose pair with this worker is broken (its connection
     closed, or building it failed): not used until rebuilt, with the next generation, on its next use.
     steps: the step thread's steps, split by whether a KV transfer finished beside them.
+    num_freed_for_router: requests this worker freed because the router that owned them went silent past
+    its lease or was replaced by a restarted one (front-end replicas, workers/router_links.py).
     """
 
     worker_id: str
@@ -567,6 +569,7 @@ class WorkerStats:
     rejected_frames: dict[str, int] = field(default_factory=dict)
     broken_peers: list[str] = field(default_factory=list)
     steps: StepSplit = field(default_factory=StepSplit)
+    num_freed_for_router: int = 0
 
 
 def peer_name(worker_id: str, incarnation: str) -> str:

@@ -195,6 +195,7 @@ class EngineWorker:
         self._threads: list[threading.Thread] = []
         self._inbound_fault = threading.Event()
         self._last_beat = 0.0
+        self._num_freed_for_router = 0
         self.failed: str | None = None
         self._fatal_lock = threading.Lock()
         context = WorkerContext(
@@ -440,7 +441,7 @@ class EngineWorker:
                 self._decoder.verifier.reject("bad_field")
             else:
                 for rid in freed:
-                    self._abort(rid)
+                    self._free_for_router(rid)
         elif isinstance(cmd, DecodeHandoff):
             if self.role is None or not self.role.accepts_handoffs:
                 self._fail_request(
@@ -472,7 +473,7 @@ class EngineWorker:
         forget the requests that left."""
         for owner, request_ids in self._links.expired():
             for rid in request_ids:
-                self._abort(rid)
+                self._free_for_router(rid)
             why = (
                 f"this worker heard nothing from its router for its {owner.lease_s:g} s lease: request freed"
             )
@@ -483,6 +484,12 @@ class EngineWorker:
                             owner.replica, RequestFailed(self.worker_id, rid, ErrorCode.UNAVAILABLE, why)
                         )
         self._links.sweep(self._is_live)
+
+    def _free_for_router(self, request_id: str) -> None:
+        """Free a request whose router is gone (its lease ran out, or a restarted one took its slot)."""
+        if self._is_live(request_id):
+            self._num_freed_for_router += 1
+        self._abort(request_id)
 
     def _is_live(self, request_id: str) -> bool:
         return self.engine.request_status(request_id) is not None or (
@@ -572,6 +579,7 @@ class EngineWorker:
             rejected_frames=self._rejected_frames(),
             broken_peers=role.broken_peers() if role is not None else [],
             steps=dataclasses.replace(self._steps),
+            num_freed_for_router=self._num_freed_for_router,
         )
 
     def _rejected_frames(self) -> dict[str, int]:

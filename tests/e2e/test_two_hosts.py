@@ -98,6 +98,8 @@ def test_kill_9_of_a_front_end_replica_with_workers_on_both_hosts(lab: Lab, tmp_
     assert all(e.startswith(f"tcp://{lab.ip_a}:") for e in result["endpoints"]), result["endpoints"]
     check_streams(result["streams"], rule_outputs(), killed=1)
     assert result["leaks"] == {"prefill-0": None, "decode-0": None}
+    # NOTE: freed for the lease (or its successor's), not by finishing: each outlives the lease
+    assert result["freed"]["decode-0"] == sum(1 for s in result["streams"] if s["replica"] == 1)
     assert result["restarted"] and result["served"] == [0, 1]
 
 

@@ -23,17 +23,20 @@ from workers.models.arch import ArchConfig
 
 NUM_STREAMS = 32
 MAX_TOKENS = 64
+# NOTE: a killed replica's requests must outlive its lease (2 s in the tests) on the workers: 400 mock steps
+# of 12 ms are ~5 s, so each is freed by the lease, never by finishing
+KILL_TOKENS = 400
 PROMPTS = [[300 + 11 * i + j for j in range(6 + i % 5)] for i in range(NUM_STREAMS)]
 
 
 def slow_profile(path: Path) -> str:
-    """A cost profile whose every mock step waits ~12 ms (64 tokens take 0.8 s), saved at ``path``."""
+    """A cost profile whose every mock step waits ~12 ms (KILL_TOKENS take ~5 s), saved at ``path``."""
     step = LinearStepCost(0.012, 0.0, 0.0, 0.0, 0.0, 0.0)
     path.write_text(json.dumps(CostProfile("test", "test", step, TransferCost(1e-3, 1e9), 1024).to_dict()))
     return str(path)
 
 
-def rule_outputs(max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+def rule_outputs(max_tokens: int = KILL_TOKENS) -> list[list[int]]:
     """What the bundled model's mock generates after each of PROMPTS (greedy)."""
     rule = MockTokens.for_model(
         ArchConfig.from_pretrained(BUNDLED_MODEL), Tokenizer.from_pretrained(BUNDLED_MODEL)
@@ -52,8 +55,9 @@ class Stream:
     """One streamed completion on a connection of its own: the replica that served it, its tokens,
     whether it ended with [DONE] or an error."""
 
-    def __init__(self, prompt: list[int]) -> None:
+    def __init__(self, prompt: list[int], max_tokens: int) -> None:
         self.prompt = prompt
+        self.max_tokens = max_tokens
         self.replica: int | None = None
         self.tokens: list[int] = []
         self.finished = False
@@ -61,7 +65,7 @@ class Stream:
         self.first = asyncio.Event()
 
     async def run(self, url: str) -> None:
-        body = {"prompt": self.prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True}
+        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0.0, "stream": True}
         try:
             # NOTE: a client (a connection) each: the kernel spreads new connections over the replicas
             async with (
@@ -101,18 +105,20 @@ async def _run_with_a_fault(url: str, fault: Callable[[], None], streams: list[S
         await asyncio.gather(*tasks)
 
 
-def streams_with_a_fault(url: str, fault: Callable[[], None], num: int = NUM_STREAMS) -> list[Stream]:
+def streams_with_a_fault(
+    url: str, fault: Callable[[], None], num: int = NUM_STREAMS, max_tokens: int = MAX_TOKENS
+) -> list[Stream]:
     """The first ``num`` PROMPTS streamed at once through ``url``; ``fault()`` once each has its first
     token."""
-    streams = [Stream(p) for p in PROMPTS[:num]]
+    streams = [Stream(p, max_tokens) for p in PROMPTS[:num]]
     asyncio.run(_run_with_a_fault(url, fault, streams))
     return streams
 
 
 def streams_with_a_kill(url: str, victim_pid: int) -> list[Stream]:
-    """PROMPTS streamed at once through ``url``; process ``victim_pid`` killed (-9) once each has its
-    first token."""
-    return streams_with_a_fault(url, lambda: os.kill(victim_pid, signal.SIGKILL))
+    """PROMPTS streamed at once through ``url`` (KILL_TOKENS each); process ``victim_pid`` killed (-9) once
+    each has its first token."""
+    return streams_with_a_fault(url, lambda: os.kill(victim_pid, signal.SIGKILL), max_tokens=KILL_TOKENS)
 
 
 def check_streams(streams: list[dict[str, Any]], expected: list[list[int]], killed: int) -> None:
@@ -139,6 +145,6 @@ def serve_on_every_replica(url: str, expected: list[list[int]], replicas: set[in
             body = {"prompt": PROMPTS[i % NUM_STREAMS], "max_tokens": 4, "temperature": 0.0}
             answer = http.post(f"{url}/v1/completions", json=body, headers={"Connection": "close"})
             assert answer.status_code == 200, answer.text
-            assert answer.json()["choices"][0]["token_ids"] == expected[i % NUM_STREAMS][:4]
+            assert answer.json()["choices"][0]["token_ids"] == expected[i % NUM_STREAMS][:4]  # NOTE: a prefix
             served.add(int(answer.headers[REPLICA_HEADER]))
     return served

@@ -107,7 +107,12 @@ def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
     from tests.support.replica_streams import rule_outputs, serve_on_every_replica, streams_with_a_kill
 
     overrides = {
-        "engine": {"load_format": "mock", "mock_cost_profile": args["profile"], "block_size": 16},
+        "engine": {
+            "load_format": "mock",
+            "mock_cost_profile": args["profile"],
+            "block_size": 16,
+            "num_kv_blocks": 1024,
+        },
         "server": {"replicas": 2, "port": 0},
     }
     cfg = lab_config(overrides)
@@ -124,12 +129,16 @@ def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
 
         wait_for(clean, 30, "no KV held for the dead replica's requests")
         leaks = cluster.check_leaks(10)
+        freed = {
+            w: ray.get(a.stats.remote(), timeout=30).num_freed_for_router for w, a in cluster.actors.items()
+        }
         wait_for(lambda: victim.num_restarts == 1 and victim.serving.is_set(), 120, "replica 1 restarted")
         served = serve_on_every_replica(cluster.url, rule_outputs(), {0, 1})
         workers = {w: ray.get(a.get_info.remote(), timeout=30).node_ip for w, a in cluster.actors.items()}
         return {
             "streams": [s.as_dict() for s in streams],
             "leaks": leaks,
+            "freed": freed,
             "served": sorted(served),
             "restarted": victim.pid != victim_pid,
             "placement": workers,

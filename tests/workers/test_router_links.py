@@ -190,6 +190,7 @@ def test_a_worker_frees_the_requests_of_a_router_whose_lease_ran_out_and_keeps_s
         failed = r1.next((RequestFailed,), timeout_s=60)  # NOTE: skips b's deltas
         assert (failed.request_id, failed.code) == ("b", ErrorCode.UNAVAILABLE)
         assert "lease" in failed.message
+        wait_for(lambda: worker.stats().num_freed_for_router == 1, 10, "b counted as freed for its router")
         r1.send(Generate("late", PROMPT, short, time.time() + 60, owner="bbbb"))
         wait_for(lambda: worker.stats().rejected_frames.get("stale_owner") == 1, 10, "the late op refused")
         assert worker.check_leaks() is None
