@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +93,16 @@ class MockTokens:
     def next_token(self, token: int, position: int) -> int:
         """The rule for one row (the reference the tests check the engine's output against)."""
         return self.allowed_ids[rule_hash(token, position) % len(self.allowed_ids)]
+
+    def continuation(self, prompt: Sequence[int], num_tokens: int) -> list[int]:
+        """What the mock generates after ``prompt`` (greedy, no stop): each token from the one before it
+        and its position."""
+        out: list[int] = []
+        token, position = prompt[-1], len(prompt) - 1
+        for _ in range(num_tokens):
+            token, position = self.next_token(token, position), position + 1
+            out.append(token)
+        return out
 
     def next_tokens(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The rule for every row at once: ``[N]`` int64 tokens and positions -> ``[N]`` int64."""

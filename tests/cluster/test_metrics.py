@@ -22,14 +22,14 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserv
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 
-def dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
-    """Every ``pdserve_*`` series named in any panel query (rows and nested panels included)."""
-    names: set[str] = set()
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
+    """Every panel query of the dashboard (rows and nested panels included)."""
+    exprs: list[str] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             if isinstance(node.get("expr"), str):
-                names.update(re.findall(r"\bpdserve_[A-Za-z0-9_]+", node["expr"]))
+                exprs.append(node["expr"])
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
@@ -37,7 +37,14 @@ def dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
                 walk(value)
 
     walk(dashboard)
-    return names
+    return exprs
+
+
+def dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
+    """Every ``pdserve_*`` series named in any panel query."""
+    return {
+        name for expr in dashboard_exprs(dashboard) for name in re.findall(r"\bpdserve_[A-Za-z0-9_]+", expr)
+    }
 
 
 def exported_families(text: str) -> dict[str, str]:
@@ -106,19 +113,7 @@ def test_the_dashboard_counts_each_worker_once_whatever_the_number_of_replicas(
         s.name for f in text_string_to_metric_families(scraped[0]) for s in f.samples if "worker" in s.labels
     }
     assert "pdserve_kv_cache_usage_ratio" in worker_series and "pdserve_requests_total" not in worker_series
-    exprs: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("expr"), str):
-                exprs.append(node["expr"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(json.loads(DASHBOARD.read_text()))
+    exprs = dashboard_exprs(json.loads(DASHBOARD.read_text()))
     per_worker = [e for e in exprs if set(re.findall(r"\bpdserve_[A-Za-z0-9_]+", e)) & worker_series]
     assert len(per_worker) >= 8
     for expr in per_worker:

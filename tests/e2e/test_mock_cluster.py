@@ -45,13 +45,7 @@ def test_a_mock_cluster_from_the_cli_serves_the_rule_and_moves_the_models_kv_byt
     )
     assert CostProfile.load(written) == roofline_profile(HARDWARE["h100"], ModelShape.from_config(MODEL))
     rule = MockTokens.for_model(ArchConfig.from_pretrained(MODEL), None)
-    expected = []
-    for prompt in PROMPTS:
-        out, token, position = [], prompt[-1], len(prompt) - 1
-        for _ in range(MAX_TOKENS):
-            token, position = rule.next_token(token, position), position + 1
-            out.append(token)
-        expected.append(out)
+    expected = [rule.continuation(prompt, MAX_TOKENS) for prompt in PROMPTS]
 
     handle = start_cluster(cfg)
     try:

@@ -41,14 +41,7 @@ def rule_outputs(max_tokens: int = KILL_TOKENS) -> list[list[int]]:
     rule = MockTokens.for_model(
         ArchConfig.from_pretrained(BUNDLED_MODEL), Tokenizer.from_pretrained(BUNDLED_MODEL)
     )
-    outputs = []
-    for prompt in PROMPTS:
-        out, token, position = [], prompt[-1], len(prompt) - 1
-        for _ in range(max_tokens):
-            token, position = rule.next_token(token, position), position + 1
-            out.append(token)
-        outputs.append(out)
-    return outputs
+    return [rule.continuation(prompt, max_tokens) for prompt in PROMPTS]
 
 
 class Stream:

@@ -42,12 +42,7 @@ def greedy(max_tokens: int, **extra: object) -> SamplingParams:
 
 def rule_output(tokens: MockTokens, prompt: list[int], max_tokens: int) -> list[int]:
     """What the rule generates after ``prompt``: each token from the one before it and its position."""
-    out: list[int] = []
-    token, position = prompt[-1], len(prompt) - 1
-    for _ in range(max_tokens):
-        token, position = tokens.next_token(token, position), position + 1
-        out.append(token)
-    return out
+    return tokens.continuation(prompt, max_tokens)
 
 
 @pytest.fixture(scope="module")
