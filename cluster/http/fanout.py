@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, cast
@@ -105,6 +106,38 @@ class EventBuffer:
         await self._room.wait()
 
 
+class _DueFlushes:
+    """The fanouts of one event loop that rendered chunks in this turn of the loop: one callback writes
+    them all once the turn's frames are handled (not a callback per stream per step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._due: list[Fanout] = []
+
+    def add(self, fanout: Fanout) -> None:
+        if not self._due:
+            self._loop.call_soon(self._flush)
+        self._due.append(fanout)
+
+    def _flush(self) -> None:
+        due, self._due = self._due, []
+        for fanout in due:
+            try:
+                fanout.flush_direct()
+            except Exception:  # NOTE: one broken connection must not keep the others' chunks back
+                logger.exception("writing a stream's chunks failed")
+
+
+_DUE_FLUSHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _DueFlushes] = weakref.WeakKeyDictionary()
+
+
+def _due_flushes(loop: asyncio.AbstractEventLoop) -> _DueFlushes:
+    flushes = _DUE_FLUSHES.get(loop)
+    if flushes is None:
+        flushes = _DUE_FLUSHES[loop] = _DueFlushes(loop)
+    return flushes
+
+
 class PushingRouter(Protocol):
     """A router that can hand a request's plain deltas to a sink (``Router.generate_into``)."""
 
@@ -165,6 +198,7 @@ class Fanout:
         self.body_writer: BodyWriter | None = None
         self._direct: list[bytes] = []  # rendered, written once this loop iteration's frames are in
         self._is_flush_due = False
+        self._due_flushes = _due_flushes(self._loop)
         self._observe_gap = metrics.token_gap_observer(self.mode)
         self.tasks = [asyncio.create_task(self._consume(i, req)) for i, req in plan.jobs]
 
@@ -211,7 +245,7 @@ class Fanout:
         self._direct.append(chunks.chunk(index, delta))
         if not self._is_flush_due:
             self._is_flush_due = True
-            self._loop.call_soon(self.flush_direct)
+            self._due_flushes.add(self)
         if self._idle_due is not None:  # NOTE: the keep-alive counts from the last event
             self._idle_due = self._loop.time() + self._idle_timeout
         return True

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cluster.http.loop_histogram import LoopHistogram
 from cluster.http.metrics_vllm import VllmMetrics, vllm_worker_metrics
 from cluster.protocol import ErrorCode, FinishReason, RequestTimings, WorkerStats
 
@@ -259,7 +260,14 @@ class Metrics:
             )
 
         self.ttft = histogram("pdserve_time_to_first_token_seconds", "Server arrival -> first token delta")
-        self.tbt = histogram("pdserve_time_between_tokens_seconds", "Gap between token deltas of one request")
+        # NOTE: observed per token per stream, from the event loop only: a lock-free histogram
+        self.tbt = LoopHistogram(
+            "pdserve_time_between_tokens_seconds",
+            "Gap between token deltas of one request",
+            ["model_name", "mode"],
+            LATENCY_BUCKETS,
+            self.registry,
+        )
         self.e2e = histogram("pdserve_e2e_request_latency_seconds", "Server arrival -> last token delta")
         self.queue = histogram("pdserve_queue_time_seconds", "Router arrival -> a worker computes it")
         self.prefill = histogram("pdserve_prefill_time_seconds", "Prefill compute until the first token")
@@ -317,16 +325,17 @@ class Metrics:
 
     def token_gap_observer(self, mode: str) -> Callable[[float], None]:
         """``observe_token_gap`` for one ``mode``, its series looked up once (a stream observes a gap per
-        token: the label lookups cost more than the observations)."""
+        token: the label lookups cost more than the observations). Call it on the event loop only
+        (``LoopHistogram``)."""
         tbt = self.tbt.labels(self.model_name, mode)
         if self.vllm is None:
             return tbt.observe
         tpot, itl = self.vllm.tpot.labels(self.model_name), self.vllm.itl.labels(self.model_name)
+        observe_tbt, observe_vllm = tbt.observe, tpot.observe_both
 
         def observe(gap_s: float) -> None:
-            tbt.observe(gap_s)
-            tpot.observe(gap_s)
-            itl.observe(gap_s)
+            observe_tbt(gap_s)
+            observe_vllm(itl, gap_s)
 
         return observe
 

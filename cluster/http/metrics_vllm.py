@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from cluster.http.loop_histogram import LoopHistogram
 from cluster.protocol import RequestTimings, WorkerStats
 
 # NOTE: bucket edges over the ranges vLLM's histograms cover (ms to minutes; 1 to 1e6 tokens).
@@ -113,8 +114,14 @@ class VllmMetrics:
             return Histogram(name, doc, labels, buckets=buckets, registry=registry)
 
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Gap between tokens", TPOT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Gap between tokens", TPOT_BUCKETS)
+        # NOTE: observed per token per stream, from the event loop only: lock-free histograms sharing
+        # their buckets, so one bisect observes both (``Metrics.token_gap_observer``)
+        self.tpot = LoopHistogram(
+            "vllm:time_per_output_token_seconds", "Gap between tokens", labels, TPOT_BUCKETS, registry
+        )
+        self.itl = LoopHistogram(
+            "vllm:inter_token_latency_seconds", "Gap between tokens", labels, TPOT_BUCKETS, registry
+        )
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end latency", REQUEST_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds", "Queue time", REQUEST_BUCKETS)
         self.prefill = histogram("vllm:request_prefill_time_seconds", "Prefill time", REQUEST_BUCKETS)
@@ -140,8 +147,7 @@ class VllmMetrics:
         self.generation_tokens.labels(model_name)
 
     def observe_token_gap(self, gap_s: float) -> None:
-        self.tpot.labels(self.model_name).observe(gap_s)
-        self.itl.labels(self.model_name).observe(gap_s)
+        self.tpot.labels(self.model_name).observe_both(self.itl.labels(self.model_name), gap_s)
 
     def observe_finished(
         self,

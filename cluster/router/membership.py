@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from cluster.config import RouterConfig
 from cluster.protocol import ClusterUnavailableError, ModelInfo, WorkerStats, peer_name
@@ -118,7 +117,7 @@ class Membership:
     def __init__(
         self,
         config: RouterConfig,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[zmq.Socket[bytes]],
         encoder: WireEncoder,
         *,
         reject: Callable[[str], None],
@@ -135,7 +134,7 @@ class Membership:
         # NOTE: the ops' sockets are plain (blocking-API) sockets on the router's context: every op is sent
         # with NOBLOCK, so an asyncio socket's future per send buys nothing (`pdserve bench frontend`, 2
         # pairs: 77 vs 79 us per token at 32 streams, 45 vs 49 at 256: within this box's noise)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
+        self._ctx = ctx
         self._encoder = encoder
         self._reject = reject
         self._on_death = on_death

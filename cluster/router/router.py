@@ -35,7 +35,6 @@ from dataclasses import replace
 from typing import Any, assert_never
 
 import zmq
-import zmq.asyncio
 
 from cluster.config import RouterConfig
 from cluster.protocol import (
@@ -81,6 +80,8 @@ from cluster.wire import (
 
 logger = logging.getLogger(__name__)
 
+MAX_FRAMES_PER_TURN = 64  # event frames handled in one turn of the loop before the HTTP edge gets its turn
+
 
 class Router:
     """See the module docstring. ``secret`` authenticates every control frame (cluster/frames.py).
@@ -116,7 +117,7 @@ class Router:
         self._flights = Flights()
         self.replica = replica
         self.decoder: WireDecoder[Event] = WireDecoder(secret, router_recipient(replica), EVENTS)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         # NOTE: libzmq drops a larger frame while reading its length (the sender's connection is closed)
@@ -472,15 +473,37 @@ class Router:
 
     # ---- events from the workers ----------------------------------------------------------------------
     async def _receive_loop(self) -> None:
-        while True:
-            frame = await self._pull.recv()
-            event = self.decoder.decode(frame)
+        """Reads the event socket from the loop's selector: each time its descriptor signals, the frames at
+        hand are taken without blocking (``_take_events``), with no future or task step per frame. Runs
+        until cancelled (``close``)."""
+        loop = asyncio.get_running_loop()
+        fd = int(self._pull.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._take_events)
+        try:
+            # NOTE: ZMQ's descriptor signals edges: frames that came before the reader are taken now
+            self._take_events()
+            await loop.create_future()
+        finally:
+            loop.remove_reader(fd)
+
+    def _take_events(self) -> None:
+        """Handles up to MAX_FRAMES_PER_TURN frames from the event socket; if more wait, the rest go in a
+        later turn of the loop (the descriptor will not signal them again), so a flood of frames cannot
+        keep the HTTP edge from its turn."""
+        pull, decode = self._pull, self.decoder.decode
+        for _ in range(MAX_FRAMES_PER_TURN):
+            try:
+                frame = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = decode(frame)
             if event is None:
                 continue
             try:
                 self._on_event(event)
             except Exception:
                 logger.exception("router: failed to handle %s", type(event).__name__)
+        asyncio.get_running_loop().call_soon(self._take_events)
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, Heartbeat):
