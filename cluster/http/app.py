@@ -173,15 +173,20 @@ def create_server(
     port: int = 8000,
     log_level: str = "info",
     limits: ConnectionLimits | None = None,
+    access_log: bool | None = None,
 ) -> uvicorn.Server:
     """A uvicorn server for ``app``; ``await server.serve()`` runs it inside an existing event loop.
     ``limits``: head / body / keep-alive timeouts and the connection cap (``cluster/http/connections.py``;
-    default :class:`ConnectionLimits`)."""
+    default :class:`ConnectionLimits`). ``access_log``: uvicorn's line per request (None: only while the
+    root logger takes DEBUG, as ``deploy/logs.py`` configures it; a line costs ~40 us of the loop)."""
+    if access_log is None:
+        access_log = logging.getLogger().isEnabledFor(logging.DEBUG)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
+        access_log=access_log,
         timeout_graceful_shutdown=5,
         http=bounded_protocol(limits or ConnectionLimits()),
     )

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from cluster.http.errors import ApiError, as_api_error
 from cluster.http.fanout import Fanout
-from cluster.http.planning import Edge, Plan, plan_chat, plan_completion
+from cluster.http.planning import Edge, Plan, completion_plans_on_loop, plan_chat, plan_completion
 from cluster.http.quotas import Lease
 from cluster.http.responses import ChoiceBuilder, choice_builders, envelope, response_prompt_logprobs, usage
 from cluster.http.server_state import ServerState, state_of
@@ -132,12 +132,16 @@ def _ttft_slo_s(request: Request) -> float | None:
     return value / 1e3
 
 
-async def _serve(request: Request, planner: Callable[[dict[str, Any], Edge], Plan]) -> Response:
+async def _serve(
+    request: Request,
+    planner: Callable[[dict[str, Any], Edge], Plan],
+    on_loop: Callable[[dict[str, Any]], bool] | None = None,
+) -> Response:
     arrival, state = time.perf_counter(), state_of(request)
     tenant = state.authorize(request)
     slo_s = _ttft_slo_s(request)
     state.quotas.check_room(tenant)  # NOTE: a tenant already at its limit is refused before planning
-    plan = await state.plan(request, planner)
+    plan = await state.plan(request, planner, on_loop)
     if slo_s is not None:
         for _, req in plan.jobs:
             req.ttft_slo_s = slo_s
@@ -146,7 +150,7 @@ async def _serve(request: Request, planner: Callable[[dict[str, Any], Edge], Pla
 
 @routes.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await _serve(request, plan_completion)
+    return await _serve(request, plan_completion, completion_plans_on_loop)
 
 
 @routes.post("/v1/chat/completions")

@@ -118,16 +118,34 @@ class ServerState:
         tokens = sum(len(req.prompt_token_ids) + req.params.max_tokens for _, req in plan.jobs)
         return self.quotas.acquire(tenant, len(plan.jobs), tokens)
 
-    async def plan(self, request: Request, planner: Callable[[dict[str, Any], Edge], Plan]) -> Plan:
-        return await self.run_on_pool(request, planner)
+    async def plan(
+        self,
+        request: Request,
+        planner: Callable[[dict[str, Any], Edge], Plan],
+        on_loop: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> Plan:
+        """Read the body and plan it (``run_on_pool``); a body of at most large_body_bytes for which
+        ``on_loop(json)`` says planning needs no tokenizer is planned here on the loop (cheaper than the
+        hop to the pool, and nothing in it can take long)."""
+        if on_loop is None:
+            return await self.run_on_pool(request, planner)
+        body = await read_body(request, self.max_body_bytes)
+        if len(body) > self.large_body_bytes:
+            return await self._on_pool(self.large_pool, lambda: planner(parse_body(body), self.edge))
+        raw = parse_body(body)
+        if on_loop(raw):
+            return planner(raw, self.edge)
+        return await self._on_pool(self.pool, lambda: planner(raw, self.edge))
 
     async def run_on_pool(self, request: Request, handler: Callable[[dict[str, Any], Edge], T]) -> T:
         """Read the body (413 past the limit) and run ``handler(json, edge)`` on the edge's pool (a body
         past large_body_bytes: on the large lane)."""
         body = await read_body(request, self.max_body_bytes)
-        loop = asyncio.get_running_loop()
         pool = self.pool if len(body) <= self.large_body_bytes else self.large_pool
-        return await loop.run_in_executor(pool, lambda: handler(parse_body(body), self.edge))
+        return await self._on_pool(pool, lambda: handler(parse_body(body), self.edge))
+
+    async def _on_pool(self, pool: concurrent.futures.ThreadPoolExecutor, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
 
 
 def state_of(request: Request) -> ServerState:

@@ -207,3 +207,31 @@ def test_issue31_row8_small_requests_never_wait_behind_big_ones() -> None:
         finally:
             tok.gate.set()
         assert [f.result().status_code for f in bigs] == [200] * 8
+
+
+def test_token_id_bodies_are_planned_on_the_loop_and_the_rest_on_the_pool() -> None:
+    """A small /v1/completions body that can need no tokenizer (a token-id prompt, plain sampling fields)
+    is planned on the event loop; text, chat, a field that may tokenize (bad_words) or a large body go
+    to the edge's pools."""
+    router = StubRouter(max_model_len=1 << 16)
+    app = create_app(router, make_tokenizer())
+    state = app.state.pdserve
+    handed = Counter()
+    state.pool = CountingPool(handed, 2, "pdserve-edge")
+    state.large_pool = CountingPool(handed, 1, "pdserve-edge-large")
+    on_pool: list[int] = []
+    with ServerThread(app) as s:
+        for path, body in [
+            ("completions", {"prompt": [6, 7], "max_tokens": 2, "temperature": 0.0, "stream": True}),
+            ("completions", {"prompt": [6, 7], "max_tokens": 2, "stop": ["w3"], "seed": 1, "n": 2}),
+            ("completions", {"prompt": "w6 w7", "max_tokens": 2}),
+            ("completions", {"prompt": [6, 7], "max_tokens": 2, "bad_words": ["w3"]}),
+            ("completions", {"prompt": [[6, 7], [8]], "max_tokens": 2}),
+            ("completions", {"prompt": [6] * 12000, "max_tokens": 2}),  # > 16 KiB: large_body_bytes
+            ("chat/completions", {"messages": [{"role": "user", "content": "w6"}], "max_tokens": 2}),
+        ]:
+            before = handed.value
+            r = httpx.post(f"{s.url}/v1/{path}", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            on_pool.append(handed.value - before)
+    assert on_pool == [0, 0, 1, 1, 1, 1, 1]

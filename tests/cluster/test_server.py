@@ -323,11 +323,13 @@ RAW_BAD: list[tuple[bytes, str | None, str]] = [
     (b'{"prompt": "\\ud800"}', "prompt", "prompt contains a lone surrogate"),
     (b'{"prompt": "w1", "stop": ["w2", "\\udfff"]}', "stop", "stop contains a lone surrogate"),
     (b'{"\\ud800": 1, "prompt": "w1"}', "\\ud800", "contains a lone surrogate"),
+    (b'{"prompt": "w1 \xed\xa0\x80"}', "prompt", "prompt contains a lone surrogate"),  # its UTF-8 bytes
     (b'{"prompt": "w1", "temperature": NaN}', None, "request body contains NaN, which is not a JSON number"),
     (b'{"prompt": "w1", "timeout": Infinity}', None, "request body contains Infinity"),
     (b'{"prompt": "w1", "top_p": -Infinity}', None, "request body contains -Infinity"),
     (b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests deeper than 32 levels"),
     (b'{"prompt": "w1", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x", "nests deeper than 32 levels"),
+    (b'{"prompt": "w1", "x": ' + b"[" * 32 + b"]" * 32 + b"}", "x", "nests deeper than 32 levels"),  # 33 levels
 ]
 
 

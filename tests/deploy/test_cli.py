@@ -322,3 +322,17 @@ def test_serve_a_repo_id_from_the_hub_cache_offline(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 0, Path(log.name).read_text()[-3000:]
+
+
+def test_uvicorns_access_log_is_on_at_debug_only(restore_logging: None) -> None:
+    """One access line per request costs the edge's loop ~40 us: on only when pdserve logs at DEBUG (as
+    deploy/logs.py says), whatever uvicorn's own log level."""
+    from cluster.http.app import create_app, create_server
+    from tests.support.stub_router import StubRouter
+
+    app = create_app(StubRouter(), None)
+    configure_logging(LogConfig(level="INFO", format="text"))
+    assert create_server(app, log_level="info").config.access_log is False
+    configure_logging(LogConfig(level="DEBUG", format="text"))
+    assert create_server(app, log_level="info").config.access_log is True
+    assert create_server(app, log_level="info", access_log=False).config.access_log is False
