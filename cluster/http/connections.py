@@ -51,6 +51,23 @@ class BodyWriter:
         self._cycle = cycle
         self._is_chunked = (cycle.conn.their_http_version or b"1.0") >= b"1.1"
         self._is_head = cycle.scope["method"] == "HEAD"
+        self.is_lost = False  # the connection closed before the response was complete
+        self._on_loss: asyncio.Task[Any] | None = None
+
+    def cancel_on_loss(self, task: asyncio.Task[Any] | None) -> None:
+        """Cancel ``task`` once the connection is lost before its response is complete (at once if it
+        is already); None stops that. The task tells that cancellation from any other by ``is_lost``.
+        NOTE: what Starlette's disconnect listener does, without a task group and a task per response."""
+        self._on_loss = task
+        if task is not None and self._cycle.disconnected:
+            self.lost()
+
+    def lost(self) -> None:
+        """The connection is gone (the protocol calls it)."""
+        self.is_lost = True
+        task, self._on_loss = self._on_loss, None
+        if task is not None:
+            task.cancel()
 
     @property
     def is_paused(self) -> bool:
@@ -115,6 +132,11 @@ class BoundedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         super().connection_lost(exc)
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected:
+            writer = cycle.scope.get("extensions", {}).get(BODY_WRITER)
+            if isinstance(writer, BodyWriter):
+                writer.lost()
 
     def handle_events(self) -> None:
         super().handle_events()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import anyio
@@ -69,7 +69,10 @@ class ClosingStreamingResponse(StreamingResponse):
                 raise _ClientStalled from None
 
         try:
-            await super().__call__(scope, receive, bounded_send)
+            if self.writer is None:
+                await super().__call__(scope, receive, bounded_send)
+            else:
+                await _unless_lost(self.writer, self.stream_response(bounded_send))
         except _ClientStalled:
             error = stalled_error(self.fanout.limits, "its client read nothing")
             self.fanout.metrics.observe_error(error.status, error.code)
@@ -97,6 +100,21 @@ class ClosingStreamingResponse(StreamingResponse):
             writer.write(chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk))
         self.fanout.flush_direct()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _unless_lost(writer: BodyWriter, work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work``; if the client goes away first, it is cancelled and this returns (as Starlette's
+    StreamingResponse ends when its disconnect listener hears the client go)."""
+    task = asyncio.current_task()
+    assert task is not None
+    writer.cancel_on_loss(task)
+    try:
+        await work
+    except asyncio.CancelledError:
+        if not writer.is_lost or task.uncancel() > 0:  # NOTE: also cancelled from elsewhere: let it through
+            raise
+    finally:
+        writer.cancel_on_loss(None)
 
 
 async def sse_stream(

@@ -329,7 +329,11 @@ RAW_BAD: list[tuple[bytes, str | None, str]] = [
     (b'{"prompt": "w1", "top_p": -Infinity}', None, "request body contains -Infinity"),
     (b'{"prompt": "w1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests deeper than 32 levels"),
     (b'{"prompt": "w1", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x", "nests deeper than 32 levels"),
-    (b'{"prompt": "w1", "x": ' + b"[" * 32 + b"]" * 32 + b"}", "x", "nests deeper than 32 levels"),  # 33 levels
+    (
+        b'{"prompt": "w1", "x": ' + b"[" * 32 + b"]" * 32 + b"}",
+        "x",
+        "nests deeper than 32 levels",
+    ),  # 33 levels
 ]
 
 
@@ -500,6 +504,30 @@ def test_client_disconnect_mid_stream_aborts(
         oai.completions.create(model="stub-model", prompt=PROMPT, max_tokens=2).choices[0].finish_reason
         == "length"
     )
+
+
+def test_client_disconnect_before_the_first_token_of_a_stream_aborts(
+    stub: StubRouter, server: ServerThread
+) -> None:
+    """The answer's head waits for the first event (so errors before it keep their status): a client gone
+    before it is a 499 and its request is aborted."""
+
+    def num_499() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        (line,) = [x for x in text.splitlines() if 'code="client_disconnected"' in x and "_total{" in x]
+        return float(line.rsplit(" ", 1)[1])
+
+    before = num_499()
+    stub.behavior = "hang_first"
+    body = {"prompt": PROMPT, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    assert stub.abort_event.wait(timeout=10)
+    assert stub.aborts == [stub.calls[0].request_id]
+    deadline = time.monotonic() + 10
+    while num_499() != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # NOTE: the 499 is counted as the route unwinds, just after the abort
+    assert num_499() == before + 1
 
 
 def test_client_disconnect_while_not_streaming_aborts(stub: StubRouter, server: ServerThread) -> None:

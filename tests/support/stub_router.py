@@ -79,7 +79,7 @@ class StubRouter:
 
     behavior: None (normal), "queue_full", "unavailable" (503), "deadline" (waits until req.deadline,
     then 504), "fail_mid" (2 deltas then WorkerFailedError), "hang" (1 delta then waits until aborted
-    or cancelled). ``fail_next`` errors are raised (and popped) first, one per call.
+    or cancelled), "hang_first" (waits so before its first delta). ``fail_next`` errors are raised (and popped) first, one per call.
     """
 
     def __init__(self, mode: str = "disaggregated", max_model_len: int = 128) -> None:
@@ -137,7 +137,7 @@ class StubRouter:
             await asyncio.sleep(0.001)
             if self.behavior == "fail_mid" and k == 2:
                 raise WorkerFailedError("decode worker decode-0 died")
-            if self.behavior == "hang" and k == 1:
+            if (self.behavior == "hang" and k == 1) or (self.behavior == "hang_first" and k == 0):
                 await asyncio.Event().wait()  # until the server cancels this stream
             finish: FinishReason | None = None
             new_text = token_text(token)
