@@ -84,7 +84,8 @@ async def _collect(fanout: Fanout, plan: Plan, tokenizer: Tokenizer | None) -> d
 
 class _LeasedResponse(Response):
     """Delegates to ``inner`` (a streamed answer) and releases the tenant's ``lease`` once it has ended,
-    however it ends (the inner response closes its fanout, aborting what did not finish, first).
+    however it ends (the inner response closes its fanout, aborting what did not finish, first). A
+    stream written whole gave it back already, before its end reached the client (``on_complete``).
 
     NOTE: not ``background=``: Starlette skips a response's background task when the stream fails.
     """
@@ -114,7 +115,10 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float,
                 raise as_api_error(first[1])
             handed_off = True
             stream = sse_stream(plan, fanout, first, state.edge.tokenizer, state.metrics)
-            return _LeasedResponse(ClosingStreamingResponse(stream, fanout, state.replica_headers), lease)
+            answer = ClosingStreamingResponse(
+                stream, fanout, state.replica_headers, on_complete=lease.release
+            )
+            return _LeasedResponse(answer, lease)
         work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
         choices = await _until_disconnected(request, work)
         response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -49,19 +49,33 @@ class ClosingStreamingResponse(StreamingResponse):
     """
 
     def __init__(
-        self, content: AsyncIterator[bytes], on_close: Fanout, headers: dict[str, str] | None = None
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Fanout,
+        headers: dict[str, str] | None = None,
+        on_complete: Callable[[], None] | None = None,
     ) -> None:
+        """``on_complete``: called once the whole answer is written, just before the message that ends
+        it, so what it gives back (the tenant's lease) is free before the client can see the end and
+        send its next request."""
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})}
         )
         self.fanout = on_close
         self.writer: BodyWriter | None = None
+        self.on_complete = on_complete
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         stall_s = self.fanout.limits.stall_timeout_s
         self.writer = scope.get("extensions", {}).get(BODY_WRITER)
 
         async def bounded_send(message: Any) -> None:
+            if (
+                self.on_complete is not None
+                and message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+            ):
+                self.on_complete()
             try:
                 async with asyncio.timeout(stall_s):
                     await send(message)

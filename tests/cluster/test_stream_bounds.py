@@ -233,3 +233,73 @@ def test_issue31_row6_a_stream_whose_client_reads_nothing_is_aborted_after_the_s
         finally:
             sock.close()
     assert any("its client read nothing for 0.5 s" in r.getMessage() for r in caplog.records)
+
+
+class _ClosedFanout:
+    """What ClosingStreamingResponse needs of a fanout whose choices all finished."""
+
+    def __init__(self) -> None:
+        self.limits = StreamLimits()
+        self.closed = False
+
+    def flush_direct(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        await asyncio.sleep(0)
+        self.closed = True
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_stream_written_whole_gives_its_lease_back_before_its_end_is_sent(direct: bool) -> None:
+    """A client that reads a stream's end and sends its next request at once must find its tenant's
+    lease given back (else a tenant at its request limit gets a 429 for a request that is over): the
+    lease goes back just before the message that ends the answer, on both write paths."""
+    from cluster.http.connections import BODY_WRITER
+    from cluster.http.streaming import ClosingStreamingResponse
+
+    sent: list[dict[str, object]] = []
+    at_release: list[int] = []
+
+    class Writer:
+        is_paused = False
+
+        def write(self, data: bytes) -> None:
+            sent.append({"type": "direct", "body": data})
+
+        def cancel_on_loss(self, task: object) -> None:
+            pass
+
+        is_lost = False
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def main() -> None:
+        fanout = _ClosedFanout()
+        response = ClosingStreamingResponse(
+            body(), cast(Fanout, fanout), on_complete=lambda: at_release.append(len(sent))
+        )
+        never = asyncio.Event()
+
+        async def receive() -> dict[str, object]:
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "extensions": {}}
+        if direct:
+            scope["extensions"] = {BODY_WRITER: Writer()}
+        await response(scope, receive, send)
+        assert fanout.closed
+
+    asyncio.run(main())
+    assert [m["type"] for m in sent] == [
+        "http.response.start",
+        *(["direct"] * 2 if direct else ["http.response.body"] * 2),
+        "http.response.body",
+    ]
+    assert sent[-1].get("more_body", False) is False and at_release == [len(sent) - 1]
