@@ -21,7 +21,6 @@ LOAD_FORMATS = ("auto", "dummy", "mock")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 METRICS_COMPAT = ("none", "vllm")
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen")  # cluster/http/tool_parsers.py's names
 
 T = TypeVar("T")
@@ -429,17 +428,9 @@ class ServerConfig:
     # with replicas > 1: replica i also serves its own /metrics (and /health) on metrics_port + i, for
     # Prometheus to scrape each (the shared port reaches whichever replica the kernel picks); 0: none
     metrics_port: int = 0
-    # the front end's event loop: "uvloop" (libuv: its transports, timers and callbacks are C; the edge's
-    # per-token writes and wake-ups cost less), "asyncio" (the standard library's), or "auto": uvloop
-    # where it is installed
-    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"server port must be in [0, 65535], got {self.port}")
-        _require(
-            self.event_loop in EVENT_LOOPS,
-            f"server event_loop must be one of {EVENT_LOOPS}, got {self.event_loop!r}",
-        )
         _require(1 <= self.replicas <= 64, f"server replicas must be in [1, 64], got {self.replicas}")
         _require(
             self.metrics_port == 0 or 1 <= self.metrics_port <= 65535 - self.replicas,

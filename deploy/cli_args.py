@@ -107,13 +107,6 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
         "front-end replicas (HTTP edge + router processes) sharing the port (default 1)",
     ),
     ("--metrics-port", "server", "metrics_port", int, "with replicas: replica i's own port is this + i"),
-    (
-        "--event-loop",
-        "server",
-        "event_loop",
-        str,
-        "the front end's loop: auto (uvloop if installed), uvloop, asyncio",
-    ),
     ("--served-model-name", "server", "served_model_name", str, "name clients use (default: MODEL)"),
     ("--api-keys-file", "server", "api_keys_file", str, "tenants' keys, one a line: name:key or key"),
     ("--admin-key-file", "server", "admin_key_file", str, "the admin routes' key (or $PDSERVE_ADMIN_KEY)"),

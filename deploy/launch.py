@@ -71,26 +71,11 @@ def _pools(cfg: ClusterConfig) -> list[tuple[str, PoolConfig]]:
     return [(pool, cfg.pool(pool)) for pool in cfg.pool_names]
 
 
-def new_event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
-    """A new event loop of ``kind`` (``ServerConfig.event_loop``): uvloop's or asyncio's; "auto" takes
-    uvloop where it is installed. ImportError for "uvloop" where it is not."""
-    if kind != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if kind == "uvloop":
-                raise
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
 class RouterLoop:
-    """The router's event loop (``new_event_loop(kind)``), run by its own thread (the HTTP server, when
-    hosted, shares it)."""
+    """The router's event loop, run by its own thread (the HTTP server, when hosted, shares it)."""
 
-    def __init__(self, kind: str = "auto") -> None:
-        self.loop = new_event_loop(kind)
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
         self._thread.start()
 
@@ -475,7 +460,7 @@ def start_cluster(
     started_ray = _init_ray(cfg)
     worker_bind, router_host = _bind_host(cfg)
     secret = new_secret()
-    router_loop = RouterLoop(cfg.server.event_loop)
+    router_loop = RouterLoop()
 
     async def make_router() -> Router:
         router = Router(

@@ -131,16 +131,13 @@ async def _serve_replica(spec: ReplicaSpec) -> None:
 
 def replica_main() -> int:
     """``python -m deploy.replicas``: one replica, its spec on stdin, until SIGTERM / SIGINT."""
-    from deploy.launch import new_event_loop
     from deploy.logs import configure_logging
 
     _die_with_parent()
     raw = json.loads(sys.stdin.readline())
     spec = ReplicaSpec(**raw)
-    cfg = ClusterConfig.from_dict(spec.config)
-    configure_logging(cfg.log)
-    with asyncio.Runner(loop_factory=lambda: new_event_loop(cfg.server.event_loop)) as runner:
-        runner.run(_serve_replica(spec))
+    configure_logging(ClusterConfig.from_dict(spec.config).log)
+    asyncio.run(_serve_replica(spec))
     return 0
 
 

@@ -3,7 +3,6 @@ logging formats, the worker stats line, and one real ``pdserve serve REPO_ID`` f
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -53,7 +52,7 @@ def test_flags_override_the_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
         "--max-num-batched-tokens 512 --block-size 32 --gpu-memory-utilization 0.5 --no-enable-prefix-caching "
         "--enforce-eager --num-prefill-workers 2 --num-decode-workers 3 --mode conditional --host 0.0.0.0 "
         "--port 9000 --served-model-name m --api-key s --metrics-compat vllm --log-level debug "
-        "--log-format json --stats-interval 2 --event-loop asyncio"
+        "--log-format json --stats-interval 2"
     )
     cfg = _config(["serve", *flags.split()])
     assert cfg.model == ModelConfig(path="org/model", dtype="bfloat16", max_model_len=256, revision="v2")
@@ -70,7 +69,7 @@ def test_flags_override_the_yaml(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.decode.num_workers == 3 and cfg.router == RouterConfig(
         mode="conditional", request_timeout_s=300
     )
-    assert cfg.server == ServerConfig("0.0.0.0", 9000, "s", "m", metrics_compat="vllm", event_loop="asyncio")
+    assert cfg.server == ServerConfig("0.0.0.0", 9000, "s", "m", metrics_compat="vllm")
     assert cfg.log == LogConfig(level="DEBUG", format="json", stats_interval_s=2.0)
     default = _config(["serve"])
     assert default.model.path == "" and default.engine_config("decode").enable_prefix_caching is True
@@ -104,10 +103,6 @@ BAD_VALUES = [
     ),
     ("engine:\n  blocksize: 16\n", "unknown engine option(s) ['blocksize']"),
     ("log:\n  format: xml\n", "log format must be one of ('text', 'json'), got 'xml'"),
-    (
-        "server:\n  event_loop: trio\n",
-        "server event_loop must be one of ('auto', 'uvloop', 'asyncio'), got 'trio'",
-    ),
 ]
 
 
@@ -341,30 +336,3 @@ def test_uvicorns_access_log_is_on_at_debug_only(restore_logging: None) -> None:
     configure_logging(LogConfig(level="DEBUG", format="text"))
     assert create_server(app, log_level="info").config.access_log is True
     assert create_server(app, log_level="info", access_log=False).config.access_log is False
-
-
-def test_the_front_ends_event_loop_is_uvloops_unless_asked_otherwise() -> None:
-    import uvloop
-
-    from deploy.launch import RouterLoop, new_event_loop
-
-    for kind, expected in [
-        ("auto", uvloop.Loop),
-        ("uvloop", uvloop.Loop),
-        ("asyncio", asyncio.BaseEventLoop),
-    ]:
-        loop = new_event_loop(kind)
-        try:
-            assert isinstance(loop, expected) and isinstance(loop, uvloop.Loop) == (kind != "asyncio")
-        finally:
-            loop.close()
-    router_loop = RouterLoop("auto")
-    try:
-        assert router_loop.run(_running_loop_kind(), timeout=10) == "uvloop.Loop"
-    finally:
-        router_loop.stop()
-
-
-async def _running_loop_kind() -> str:
-    loop = asyncio.get_running_loop()
-    return f"{type(loop).__module__}.{type(loop).__name__}"
