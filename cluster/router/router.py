@@ -491,18 +491,21 @@ class Router:
         later turn of the loop (the descriptor will not signal them again), so a flood of frames cannot
         keep the HTTP edge from its turn."""
         pull, decode = self._pull, self.decoder.decode
+        if pull.closed:  # NOTE: a turn scheduled before close()
+            return
         for _ in range(MAX_FRAMES_PER_TURN):
             try:
                 frame = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event = decode(frame)
-            if event is None:
-                continue
+            # NOTE: a failure is logged and the next frame read: one raised out of here would leave the
+            # frames at hand unread until another arrives (the descriptor signals edges)
             try:
-                self._on_event(event)
+                event = decode(frame)
+                if event is not None:
+                    self._on_event(event)
             except Exception:
-                logger.exception("router: failed to handle %s", type(event).__name__)
+                logger.exception("router: failed to handle an event frame")
         asyncio.get_running_loop().call_soon(self._take_events)
 
     def _on_event(self, event: Event) -> None:

@@ -410,3 +410,36 @@ def test_a_burst_of_more_frames_than_one_turn_takes_is_handled_whole_and_in_orde
         assert got == [[100 + i] for i in range(num)] + [[7]]
 
     run(scenario, mode="colocated")
+
+
+def test_a_frame_whose_handling_fails_is_logged_and_the_frames_after_it_are_still_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exception while one frame is handled must not leave the frames already at hand unread: the
+    descriptor signals edges, so nothing would read them until another frame came."""
+
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        to_flight = router._to_flight
+
+        def failing(w: Any, wire_id: str, event: Any) -> bool:
+            if isinstance(event, TokenDelta) and event.token_ids == [666]:
+                raise RuntimeError("a bug in one event's handling")
+            return to_flight(w, wire_id, event)
+
+        router._to_flight = failing  # type: ignore[method-assign]
+        await fakes.add("colocated-0", "colocated")
+        s = Stream(router, "r", PROMPT)
+        assert (await fakes.op("colocated-0")).request_id == "r"
+        await fakes.send(
+            Deltas("colocated-0", [delta("r", 5)]),
+            Deltas("colocated-0", [delta("r", 666)]),
+            Deltas("colocated-0", [delta("r", 6)]),
+            Deltas("colocated-0", [delta("r", 7, finish=FinishReason.LENGTH)]),
+        )
+        assert [d.token_ids for d in await s.rest()] == [[5], [6], [7]]  # type: ignore[union-attr]
+
+    with caplog.at_level("ERROR", logger="cluster.router.router"):
+        run(scenario, mode="colocated")
+    assert [r.getMessage() for r in caplog.records if r.name == "cluster.router.router"] == [
+        "router: failed to handle an event frame"
+    ]
