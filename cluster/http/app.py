@@ -35,6 +35,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -106,9 +107,11 @@ class EdgeApp(FastAPI):
         await response(scope, receive, send)
 
 
+# NOTE: the generation routes as completion_routes declares them (path -> handler), POST only
 _FAST_ROUTES = {
-    "/v1/completions": completion_routes.completions,
-    "/v1/chat/completions": completion_routes.chat_completions,
+    route.path: route.endpoint
+    for route in completion_routes.routes.routes
+    if isinstance(route, APIRoute) and route.methods == {"POST"}
 }
 
 

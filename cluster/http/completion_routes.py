@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from cluster.http.connections import BODY_WRITER, BodyWriter
+from cluster.http.connections import BODY_WRITER, BodyWriter, ConnectionLost
 from cluster.http.errors import ApiError, as_api_error
 from cluster.http.fanout import Fanout
 from cluster.http.planning import Edge, Plan, completion_plans_on_loop, plan_chat, plan_completion
@@ -40,17 +40,11 @@ async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyn
     """Await ``work`` unless the client goes away first (then ApiError 499 and ``work`` is cancelled)."""
     writer = request.scope.get("extensions", {}).get(BODY_WRITER)
     if isinstance(writer, BodyWriter):  # NOTE: pdserve's connections say when they are lost: no watcher task
-        task = asyncio.current_task()
-        assert task is not None
-        writer.cancel_on_loss(task)
         try:
-            return await work
-        except asyncio.CancelledError:
-            if not writer.is_lost or task.uncancel() > 0:
-                raise
+            return await writer.run(work)
+        except ConnectionLost:
             raise ApiError(499, "client disconnected", code="client_disconnected") from None
         finally:
-            writer.cancel_on_loss(None)
             work.cancel()
 
     async def watch() -> None:

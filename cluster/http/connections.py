@@ -20,13 +20,19 @@ streaming response writes its body chunks with it straight to the transport, as 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 BODY_WRITER = "pdserve.body_writer"  # the scope extension that holds a request's BodyWriter
+T = TypeVar("T")
+
+
+class ConnectionLost(Exception):
+    """The client's connection closed while ``BodyWriter.run`` awaited its work."""
 
 
 @dataclass(frozen=True)
@@ -54,13 +60,23 @@ class BodyWriter:
         self.is_lost = False  # the connection closed before the response was complete
         self._on_loss: asyncio.Task[Any] | None = None
 
-    def cancel_on_loss(self, task: asyncio.Task[Any] | None) -> None:
-        """Cancel ``task`` once the connection is lost before its response is complete (at once if it
-        is already); None stops that. The task tells that cancellation from any other by ``is_lost``.
-        NOTE: what Starlette's disconnect listener does, without a task group and a task per response."""
+    async def run(self, work: Awaitable[T]) -> T:
+        """Await ``work`` on the calling task; if the connection is lost first (or already is), the task
+        is cancelled there and ``ConnectionLost`` raised instead. NOTE: what Starlette's disconnect
+        listener does, without a task group and a listener task per response."""
+        task = asyncio.current_task()
+        assert task is not None
         self._on_loss = task
-        if task is not None and self._cycle.disconnected:
-            self.lost()
+        try:
+            if self._cycle.disconnected:
+                self.lost()
+            return await work
+        except asyncio.CancelledError:
+            if not self.is_lost or task.uncancel() > 0:  # NOTE: also cancelled from elsewhere: let it through
+                raise
+            raise ConnectionLost from None
+        finally:
+            self._on_loss = None
 
     def lost(self) -> None:
         """The connection is gone (the protocol calls it)."""

@@ -10,14 +10,15 @@ offers it, with no timer per write (the stall bound is armed only while the conn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 from fastapi.responses import StreamingResponse
 
-from cluster.http.connections import BODY_WRITER, BodyWriter
+from cluster.http.connections import BODY_WRITER, BodyWriter, ConnectionLost
 from cluster.http.errors import as_api_error, error_body
 from cluster.http.fanout import Fanout, stalled_error
 from cluster.http.metrics import Metrics
@@ -86,7 +87,9 @@ class ClosingStreamingResponse(StreamingResponse):
             if self.writer is None:
                 await super().__call__(scope, receive, bounded_send)
             else:
-                await _unless_lost(self.writer, self.stream_response(bounded_send))
+                # NOTE: a client gone mid-stream ends the answer here, as Starlette's disconnect listener does
+                with contextlib.suppress(ConnectionLost):
+                    await self.writer.run(self.stream_response(bounded_send))
         except _ClientStalled:
             error = stalled_error(self.fanout.limits, "its client read nothing")
             self.fanout.metrics.observe_error(error.status, error.code)
@@ -114,21 +117,6 @@ class ClosingStreamingResponse(StreamingResponse):
             writer.write(chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk))
         self.fanout.flush_direct()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _unless_lost(writer: BodyWriter, work: Coroutine[Any, Any, None]) -> None:
-    """Await ``work``; if the client goes away first, it is cancelled and this returns (as Starlette's
-    StreamingResponse ends when its disconnect listener hears the client go)."""
-    task = asyncio.current_task()
-    assert task is not None
-    writer.cancel_on_loss(task)
-    try:
-        await work
-    except asyncio.CancelledError:
-        if not writer.is_lost or task.uncancel() > 0:  # NOTE: also cancelled from elsewhere: let it through
-            raise
-    finally:
-        writer.cancel_on_loss(None)
 
 
 async def sse_stream(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from types import SimpleNamespace
 from typing import cast
 
@@ -267,10 +267,8 @@ def test_a_stream_written_whole_gives_its_lease_back_before_its_end_is_sent(dire
         def write(self, data: bytes) -> None:
             sent.append({"type": "direct", "body": data})
 
-        def cancel_on_loss(self, task: object) -> None:
-            pass
-
-        is_lost = False
+        async def run(self, work: Awaitable[None]) -> None:
+            await work
 
     async def body() -> AsyncIterator[bytes]:
         yield b"data: 1\n\n"
