@@ -25,6 +25,7 @@ import zmq
 
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import KVLayout, TransferError, TransferTimeoutError
+from transfer.rendezvous import RendezvousLink
 
 # NOTE: a CudaIpcChannel message names a buffer (~300 B of msgpack); its socket drops anything larger unread
 MAX_IPC_MESSAGE_BYTES = 64 << 10
@@ -155,13 +156,9 @@ class Channel(ABC):
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release sockets and process groups."""
 
-    def rejected(self) -> dict[str, int]:
-        """What the channel refused from strangers (PairChannel: rendezvous values), by reason."""
-        return {}
-
-    def use_secret(self, secret: bytes) -> None:  # noqa: B027 (optional hook)
-        """The cluster secret, from the side that moves KV over this channel (PairChannel signs its pairs'
-        rendezvous with a key derived from it)."""
+    def use_link(self, link: RendezvousLink) -> None:  # noqa: B027 (optional hook)
+        """The rendezvous link of a side that moves KV over this channel (``link.me``): PairChannel builds
+        that side's pairs over it (transfer/rendezvous.py)."""
 
 
 def _as_bytes(buf: torch.Tensor) -> torch.Tensor:

@@ -6,22 +6,33 @@ byte of its body is decoded; the body is then rebuilt strictly (`parse_body`). T
 peer process's name (`peer_name(worker id, incarnation)`), so a frame captured on its way to one worker
 cannot be replayed into another one, nor into a restarted process of the same worker. A rejected frame
 is counted by reason and dropped: nothing a peer sends can end a transfer thread.
+
+The same link carries the pairs' rendezvous values (``rendezvous`` frames, transfer/rendezvous.py). A frame
+whose MAC does not verify and whose (unverified) tag says ``rendezvous`` is counted ``rendezvous_bad_tag``
+instead of ``bad_mac``: what a stranger without the secret sends to steer or stall a pair's build.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 from typing import Any
 
+import msgpack
+
 from cluster.frames import (
+    MAC_BYTES,
+    MAGIC,
     REASON_BAD_FIELD,
+    REASON_BAD_MAC,
     REASON_UNKNOWN_TAG,
     FrameRejected,
     FrameSigner,
     FrameVerifier,
 )
 from transfer.protocol import TransferError, header_from_dict, request_from_dict, to_dict
+from transfer.rendezvous import REASON_BAD_TAG
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +50,7 @@ class MessageKind(str, enum.Enum):
     DONE = "done"
     ABORT = "abort"
     READY = "ready"  # a parked request was offered: ask again (early decode admission)
+    RENDEZVOUS = "rendezvous"  # a value a pair's group set while it is built (transfer/rendezvous.py)
 
 
 _BODY_FIELDS: dict[MessageKind, dict[str, type]] = {
@@ -49,6 +61,7 @@ _BODY_FIELDS: dict[MessageKind, dict[str, type]] = {
     MessageKind.DONE: {},
     MessageKind.ABORT: {"error_type": str, "message": str},
     MessageKind.READY: {},
+    MessageKind.RENDEZVOUS: {"prefill": str, "decode": str, "generation": int, "key": str, "value": bytes},
 }
 
 Message = tuple[MessageKind, int, dict[str, Any]]  # (kind, nonce, fields)
@@ -79,6 +92,21 @@ def parse_body(kind: MessageKind, body: Any) -> tuple[int, dict[str, Any]]:
     return body["nonce"], fields
 
 
+def _claims_rendezvous(frame: bytes) -> bool:
+    """Whether an (unverified) frame's envelope names the ``rendezvous`` tag; reads the envelope's first
+    five items only, never its body."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frame), max_str_len=256, max_bin_len=0)
+    unpacker.feed(frame[len(MAGIC) + MAC_BYTES :])
+    try:
+        if unpacker.read_array_header() != 6:
+            return False
+        for _ in range(4):  # session, counter, sent_at, recipient
+            unpacker.skip()
+        return bool(unpacker.unpack() == MessageKind.RENDEZVOUS.value)
+    except Exception:  # noqa: BLE001 (NOTE: anything a stranger sent: it claims nothing)
+        return False
+
+
 class HandshakeFrames:
     """Signs the frames one side sends and verifies the frames it receives (``me``: its peer name).
 
@@ -91,13 +119,17 @@ class HandshakeFrames:
         self._signer = FrameSigner(secret)
         self._verifier = FrameVerifier(secret, me, max_frame_bytes=MAX_HANDSHAKE_FRAME_BYTES)
         self._num_logged = 0
+        # NOTE: `bad_mac` frames that claimed a rendezvous value: counted as `rendezvous_bad_tag` instead.
+        # Under the lock with the verify that counted them, so `rejected` never sees one counted twice.
+        self._lock = threading.Lock()
+        self._num_bad_tags = 0
 
     def encode(self, to: str, kind: MessageKind, nonce: int, **fields: Any) -> bytes:
         return self._signer.sign(to, kind.value, message_body(nonce, **fields))
 
     def decode(self, frame: bytes) -> Message | None:
         try:
-            tag, body = self._verifier.verify(frame)
+            tag, body = self._verify(frame)
             try:
                 kind = MessageKind(tag)
             except ValueError:
@@ -118,7 +150,23 @@ class HandshakeFrames:
         self._verifier.reject(reason)
 
     def rejected(self) -> dict[str, int]:
-        return self._verifier.rejected_snapshot()
+        with self._lock:
+            counts = self._verifier.rejected_snapshot()
+            num_bad_tags = self._num_bad_tags
+        if num_bad_tags:
+            counts[REASON_BAD_MAC] -= num_bad_tags
+            counts[REASON_BAD_TAG] = num_bad_tags
+        return {reason: n for reason, n in counts.items() if n}
+
+    def _verify(self, frame: bytes) -> tuple[str, dict[str, Any]]:
+        with self._lock:
+            try:
+                return self._verifier.verify(frame)
+            except FrameRejected as e:
+                if e.reason != REASON_BAD_MAC or not _claims_rendezvous(frame):
+                    raise
+                self._num_bad_tags += 1
+        raise FrameRejected(REASON_BAD_TAG, "a rendezvous value whose MAC does not verify")
 
     def _log(self, e: FrameRejected) -> None:
         self._num_logged += 1

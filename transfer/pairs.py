@@ -1,27 +1,32 @@
 """PairChannel: every prefill/decode pair gets its own two-rank torch.distributed group, on first use.
 
-A pair's group is a standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) over a ``PrefixStore`` (one
-key space per pair and generation) on the TCPStore the router process hosts (deploy/launch.py). There is
-no global torch.distributed world, so a worker that Ray restarts, or one added later (a new incarnation,
-hence a new peer), moves KV as soon as the router admits it. Both ends call `connect` with the key they
-agreed on in the handshake (transfer/protocol.py); the group is built on a helper thread (the store
-rendezvous) and warmed up with one small send/recv before `connect`'s op completes.
+A pair's group is a standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) over a `LinkStore` of its
+own (transfer/rendezvous.py): what the group sets while it is built (gloo's addresses, NCCL's unique id)
+travels to the pair's other end as a signed handshake frame on the link the two ends already talk over
+(the decode side's DEALER, the prefill side's ROUTER), and what it gets comes only from there. No shared
+store is read: a TCPStore the router may still host (deploy/launch.py ``KVStore``) plays no part, and
+nothing a process without the cluster secret writes anywhere is read. There is no global
+torch.distributed world either, so a worker that Ray restarts, or one added later (a new incarnation,
+hence a new peer), moves KV as soon as the router admits it. Both ends call `connect` with the key they agreed on in the handshake (transfer/protocol.py); the
+side that owns the link attached it first (`use_link`: KVSender and KVReceiver do so). The group is built
+on a helper thread (its rendezvous waits for the other end's values) and warmed up with one small
+send/recv before `connect`'s op completes.
 
 NOTE: the warm-up matters for NCCL, which creates a pair's communicator lazily on its first op and needs
 both ranks inside it: without it the first real transfer's receive would wait for a sender that waits
-for the receiver's ack. With gloo it proves the connection before any KV byte is at stake.
+for the receiver's ack. With gloo it proves the connection before any KV byte is at stake. Once the build
+ended its store is sealed: the pair's ops never need another value (a pair only sends and receives
+between its two ranks, over the communicator the warm-up made).
 
 gloo's device is created with this worker's own address (``bind_host``): its sockets listen there, never
-on every interface. The store cannot authenticate its clients, so once a side hands the channel the
-cluster secret (`use_secret`) every rendezvous value is signed and checked (transfer/rendezvous.py): a
-peer without the secret cannot steer a pair to itself; it can still delay a pair's build (the pair is
-then rebuilt at its next generation). The gloo/NCCL connections are not authenticated either: the KV
-bytes they carry are checked with a MAC keyed from the secret (integrity `mac`, transfer/staging.py).
+on every interface. The gloo/NCCL connections are not authenticated: the KV bytes they carry are checked
+with a MAC keyed from the cluster secret (integrity `mac`, transfer/staging.py).
 
 Broken pairs: a failed op (a gloo op that outlives the group's timeout closes the pair, a dead peer
-closes it, and a closed pair fails every later op at once) or a failed build marks the pair broken. A
-broken pair is never used again: `generation` answers the next generation, which the next transfer
-between the two builds. An old group stays referenced by its unfinished ops until they end.
+closes it, and a closed pair fails every later op at once) or a failed build (the other end's values did
+not come within the group's timeout, or its side dropped the peer) marks the pair broken. A broken pair
+is never used again: `generation` answers the next generation, which the next transfer between the two
+builds. An old group stays referenced by its unfinished ops until they end.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 from transfer.channel import Channel, OpLane, PendingOp, _as_bytes, _GlooOp, _PolledOp
 from transfer.peers import DECODE_RANK, PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import TransferError, TransferPairError, TransferTimeoutError
-from transfer.rendezvous import RejectCounter, SignedStore, rendezvous_key
+from transfer.rendezvous import LinkStore, RendezvousLink
 from transfer.ring import on_stream
 
 logger = logging.getLogger(__name__)
@@ -80,7 +85,7 @@ class _Pair:
         self.peer_rank = 1 - rank
         self.ready = threading.Event()  # the build ended (ok: `group` is set)
         self.group: Any = None
-        self.keep: list[Any] = []  # what the group needs alive (its signed store)
+        self.keep: list[Any] = []  # what the group needs alive (its link store)
         self.error: str | None = None  # why it is broken (the build failed, or an op did)
 
     @property
@@ -115,15 +120,17 @@ class _BuildOp(PendingOp):
 class PairChannel(Channel):
     """send/recv over each pair's own group, gloo (staging on CPU) or nccl (staging on the KV's GPU).
 
-    ``store``: the (host, port) of the cluster's TCPStore; ``bind_host``: this worker's own address;
-    ``group_timeout_s``: the groups' timeout (rendezvous, and any op, which gloo then fails and closes
-    the pair with). Thread-safe. Tags are honoured by gloo; nccl ignores them and relies on the
-    connector's strict ordering of each pair's transfers.
+    ``store``: not read (pairs rendezvous over their sides' links); kept so the callers that still pass
+    the router's store address need not change with this module. ``bind_host``: this worker's own
+    address; ``group_timeout_s``: the groups' timeout (rendezvous, and any op, which gloo then fails and
+    closes the pair with). Thread-safe; one channel may serve several sides (each `use_link`s its own).
+    Tags are honoured by gloo; nccl ignores them and relies on the connector's strict ordering of each
+    pair's transfers.
     """
 
     def __init__(
         self,
-        store: tuple[str, int],
+        store: tuple[str, int] | None,
         bind_host: str,
         backend: str = "gloo",
         *,
@@ -133,14 +140,12 @@ class PairChannel(Channel):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
-        self._store = store
         self._bind_host = bind_host
         self._timeout = datetime.timedelta(seconds=group_timeout_s)
         # NOTE: resolved here, on the owner's thread: a bare "cuda" on the build thread would be its cuda:0
         self._device = indexed_device(device) if device is not None else torch.device("cpu")
         self._lock = threading.Lock()
-        self._rendezvous_key: bytes | None = None
-        self.rejected_rendezvous = RejectCounter()
+        self._links: dict[PeerId, RendezvousLink] = {}
         self._pairs: dict[tuple[PeerId, PeerId], _Pair] = {}
         self._floor: dict[tuple[PeerId, PeerId], int] = {}  # least generation after a pair was dropped
 
@@ -148,11 +153,9 @@ class PairChannel(Channel):
     def is_nccl(self) -> bool:
         return self.backend == "nccl"
 
-    def use_secret(self, secret: bytes) -> None:
-        self._rendezvous_key = rendezvous_key(secret)
-
-    def rejected(self) -> dict[str, int]:
-        return self.rejected_rendezvous.snapshot()
+    def use_link(self, link: RendezvousLink) -> None:
+        with self._lock:
+            self._links[link.me] = link
 
     def staging_device(self, kv_device: torch.device) -> torch.device:
         if self.is_nccl:
@@ -188,8 +191,15 @@ class PairChannel(Channel):
                 del self._pairs[ends]
             pair = _Pair(key, rank)
             self._pairs[key.ends] = pair
+            link = self._links.get(key.ends[rank])
+        if link is None or link.rank != rank:
+            pair.mark_broken(f"{key.ends[rank].name} has no rendezvous link as rank {rank} (use_link)")
+            pair.ready.set()
+            return _BuildOp(pair)
+        store = link.open(key, self._timeout.total_seconds())
+        pair.keep.append(store)
         name = f"pair-{pair.peer.worker_id}-{key.generation}"
-        threading.Thread(target=self._build, args=(pair,), name=name, daemon=True).start()
+        threading.Thread(target=self._build, args=(pair, link, store), name=name, daemon=True).start()
         return _BuildOp(pair)
 
     def drop(self, peer: PeerId) -> None:
@@ -219,8 +229,8 @@ class PairChannel(Channel):
         with self._lock:
             self._pairs.clear()
 
-    def _build(self, pair: _Pair) -> None:
-        """Rendezvous on the store, then one warm-up send (prefill) / recv (decode) of the generation.
+    def _build(self, pair: _Pair, link: RendezvousLink, store: LinkStore) -> None:
+        """Rendezvous over the link, then one warm-up send (prefill) / recv (decode) of the generation.
 
         NOTE: with nccl the warm-up runs on a stream of its own and is polled until the group's timeout
         (`_PolledOp`): `work.wait()` before completion would make this thread's current stream, the
@@ -228,7 +238,8 @@ class PairChannel(Channel):
         wait for the whole device, the engine's forward included. Only the probe's stream is synchronized.
         """
         try:
-            group = self._new_group(pair)
+            timeout_s = self._timeout.total_seconds()
+            group = build_group(store, "", pair.rank, self.backend, self._bind_host, timeout_s, self._device)
             stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
             with on_stream(stream):
                 probe = torch.full((1,), pair.key.generation, dtype=torch.int64, device=self._device)
@@ -250,16 +261,7 @@ class PairChannel(Channel):
             pair.mark_broken(f"building the pair failed: {type(e).__name__}: {e}")
         finally:
             pair.ready.set()
-
-    def _new_group(self, pair: _Pair) -> Any:
-        timeout_s = self._timeout.total_seconds()
-        prefix = pair.key.store_prefix()
-        args = (self._store, prefix, pair.rank, self.backend, self._bind_host, timeout_s, self._device)
-        if self._rendezvous_key is None:  # NOTE: a channel no side gave the secret (tools, tests)
-            return build_group(*args)
-        return build_group(
-            *args, rendezvous_key=self._rendezvous_key, keep=pair.keep, rejected=self.rejected_rendezvous
-        )
+            link.close(store)  # NOTE: after `ready`: it wakes the side's thread, which then sees it
 
     # ---- ops ------------------------------------------------------------------------------------------
     def _usable(self, key: PairKey) -> _Pair:
@@ -303,50 +305,40 @@ class PairChannel(Channel):
 
 
 def build_group(
-    store: tuple[str, int],
+    store: Any,
     prefix: str,
     rank: int,
     backend: str,
     bind_host: str,
     timeout_s: float,
     device: torch.device | None = None,
-    *,
-    rendezvous_key: bytes | None = None,
-    keep: list[Any] | None = None,
-    rejected: RejectCounter | None = None,
 ) -> Any:
-    """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``prefix`` of the
-    TCPStore at ``store``; returns once both ranks joined (gloo) or at once (nccl: lazily, on the first
-    op). gloo's sockets listen on ``bind_host`` only. An nccl group first sets `NCCL_ENV_DEFAULTS`; a
-    ``device`` without an index is the calling thread's current device.
-
-    With ``rendezvous_key`` the group sees the store through a `SignedStore` (values signed and checked,
-    strangers' ignored and counted in ``rejected``), appended to ``keep``: the caller keeps it alive as
-    long as the group (torch calls back into it)."""
+    """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``store`` (a
+    ``dist.Store``: a pair's `LinkStore`; or the (host, port) of a TCPStore, for tools that build raw
+    groups), under ``prefix`` if one is given; returns once both ranks joined (gloo) or at once (nccl:
+    lazily, on the first op). gloo's sockets listen on ``bind_host`` only. An nccl group first sets
+    `NCCL_ENV_DEFAULTS`; a ``device`` without an index is the calling thread's current device. The caller
+    keeps a Python store alive as long as the group (torch calls back into it)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    # NOTE: a store client per group: a client blocks in a rendezvous wait while holding its lock, so a
-    # peer that never comes must not stall the builds of every other pair.
-    client: Any = dist.TCPStore(store[0], store[1], None, False, timeout)
-    if rendezvous_key is not None:
-        client = SignedStore(client, rendezvous_key, timeout_s, rejected or RejectCounter())
-        if keep is None:
-            raise ValueError("a signed rendezvous needs `keep` (the store must outlive the group)")
-        keep.append(client)
-    prefixed = dist.PrefixStore(prefix, client)
+    client: Any = store
+    if isinstance(store, tuple):
+        client = dist.TCPStore(store[0], store[1], None, False, timeout)
+    if prefix:
+        client = dist.PrefixStore(prefix, client)
     if backend == "nccl":
         if device is not None:
             torch.cuda.set_device(indexed_device(device))
         set_nccl_env_defaults()
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+        return dist.ProcessGroupNCCL(client, rank, 2, nccl_options)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
     options._threads = 1  # NOTE: gloo's threads run collectives; pairs only send and recv
-    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+    return dist.ProcessGroupGloo(client, rank, 2, options)
 
 
 def _same_workers(a: tuple[PeerId, PeerId], b: tuple[PeerId, PeerId]) -> bool:

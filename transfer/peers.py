@@ -38,7 +38,3 @@ class PairKey:
 
     def other(self, me: PeerId) -> PeerId:
         return self.decode if me == self.prefill else self.prefill
-
-    def store_prefix(self) -> str:
-        """The group's key space in the cluster's store (one per pair and generation, never reused)."""
-        return f"pdserve/pair/{self.prefill.name}/{self.decode.name}/{self.generation}/"

@@ -23,6 +23,9 @@ Handshake for one request (decode side D asks prefill side P; see transfer/conne
                                              chunk num_slots before it is credited; D credits every few)
     D -> P  done                             every chunk verified and scattered; P may free its blocks
     either  abort    {error_type, message}   the transfer failed on the sender of this frame
+    either  rendezvous {prefill, decode, generation, key, value}
+                                             while the pair at `generation` is built (after the header):
+                                             a value its group set (transfer/rendezvous.py)
 
 Early decode admission: D may send its request before P holds R (``offer_wait_until`` > 0, while R is
 still being prefilled). P keeps such a request parked and answers ``ready`` the moment it offers R (D then

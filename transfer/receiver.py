@@ -10,6 +10,9 @@ whichever posted fetch's HEADER comes first, so it never sits waiting for one se
 another sender waits for its ACK. A fetch submitted with ``wait_for_offer`` (early decode admission) may
 be posted before the sender holds the request: the sender parks it and answers READY when it offers
 it, and the fetch is posted again, as a usual one.
+
+The pair's rendezvous values (transfer/rendezvous.py) travel on the dealer of the sender they belong to:
+while it joins a pair the thread reads that dealer and sends its own values as they are set.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -45,7 +48,8 @@ from transfer.protocol import (
 )
 from transfer.side import NUM_SLOTS, POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
 from transfer.staging import ChunkPlan, block_index
-from transfer.wakeup import Wakeup
+
+MAX_ENDPOINTS = 4096  # senders' handshake endpoints remembered, by peer name
 
 
 @dataclass
@@ -71,6 +75,8 @@ class KVReceiver(Side):
     a chunk that fails its digest or MAC is counted (TransferStats.num_rejected_chunks), never scattered.
     """
 
+    rank = DECODE_RANK
+
     def __init__(
         self,
         kv: torch.Tensor,
@@ -89,7 +95,9 @@ class KVReceiver(Side):
         self._dealers: dict[str, zmq.Socket[Any]] = {}
         self._posted: dict[int, _Job] = {}  # by nonce; the transfer thread's own
         self._cancelled: set[str] = set()  # request ids, under the lock
-        self._wakeup = Wakeup()
+        # NOTE: each prefill peer's handshake endpoint, by peer name (the transfer thread's): its dealer
+        # carries the pairs' rendezvous values both ways (transfer/rendezvous.py)
+        self._endpoints: OrderedDict[str, str] = OrderedDict()
         self._poller = zmq.Poller()  # the transfer thread's: every dealer and the wakeup
         self._wakeup.register(self._poller)
 
@@ -199,6 +207,7 @@ class KVReceiver(Side):
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._flush_rendezvous()
                 self._check_posted()
                 job = self._next_job()
                 if job is None or not job.future.set_running_or_notify_cancel():
@@ -236,6 +245,7 @@ class KVReceiver(Side):
         try:
             self._check_peer(src)
             sock = self._dealer(job.handoff.src_endpoint)
+            self._remember(src, job.handoff.src_endpoint)
             self._send(sock, src, MessageKind.REQUEST, job.nonce, request=self._request(job))
         except Exception as e:  # noqa: BLE001 (NOTE: the transfer thread must outlive any one bad fetch)
             self._fail_job(job, as_transfer_error(e), is_running=True)
@@ -297,6 +307,20 @@ class KVReceiver(Side):
             job.offer_wait_until,
         )
 
+    def _remember(self, peer: PeerId, endpoint: str) -> None:
+        self._endpoints[peer.name] = endpoint
+        self._endpoints.move_to_end(peer.name)
+        if len(self._endpoints) > MAX_ENDPOINTS:
+            self._endpoints.popitem(last=False)
+
+    def _send_rendezvous(self, peer: PeerId, frame: bytes) -> bool:
+        endpoint = self._endpoints.get(peer.name)
+        if endpoint is None:
+            return False
+        with contextlib.suppress(zmq.ZMQError):  # NOTE: best effort: the pair's build is bounded anyway
+            self._dealer(endpoint).send(frame, zmq.NOBLOCK)
+        return True
+
     def _dealer(self, endpoint: str) -> zmq.Socket[Any]:
         sock = self._dealers.get(endpoint)
         if sock is None:
@@ -310,16 +334,19 @@ class KVReceiver(Side):
 
     def _poll(self, sock: zmq.Socket[Any], nonce: int, timeout_ms: int) -> None:
         """Read one frame if it comes within `timeout_ms`: the `abort` of transfer `nonce` raises
-        PeerAbort, a posted fetch's frame goes to its inbox, the rest is dropped (a late frame of an
-        abandoned transfer; one that fails a check is counted, transfer/handshake.py). The sender sends
-        nothing else once its header is out."""
+        PeerAbort, a rendezvous value goes to the link, a posted fetch's frame goes to its inbox, the rest
+        is dropped (a late frame of an abandoned transfer; one that fails a check is counted,
+        transfer/handshake.py). The sender sends nothing else once its header is out."""
         if not sock.poll(timeout_ms):
             return
         message = self._frames.decode(sock.recv())
         if message is None:
             return
         kind, got_nonce, body = message
-        if got_nonce != nonce:
+        if kind is MessageKind.RENDEZVOUS:
+            named = self._dealers.get(self._endpoints.get(body["prefill"], ""))
+            self._take_rendezvous(body, named is sock)
+        elif got_nonce != nonce:
             posted = self._posted.get(got_nonce)
             if posted is not None:
                 posted.inbox.append((kind, body))
@@ -361,8 +388,7 @@ class KVReceiver(Side):
             )
             result.nbytes, result.generation = header.nbytes, header.generation
             key = PairKey(src, self.me, header.generation)
-            joined = self._channel.connect(key, DECODE_RANK)
-            self._wait_op(joined, job.deadline, lambda: self._check_and_poll(sock, src, nonce))
+            self._wait_joined(self._channel.connect(key, DECODE_RANK), job.deadline, sock, src, nonce)
             plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
             with self._on_stream():
                 self._receive_chunks(sock, job, key, nonce, plan, header.checksum, result, ops)
@@ -386,6 +412,28 @@ class KVReceiver(Side):
         result.seconds = time.monotonic() - t0
         self._record(result)
         return result, error
+
+    def _wait_joined(
+        self, joined: PendingOp, deadline: float, sock: zmq.Socket[Any], src: PeerId, nonce: int
+    ) -> None:
+        """Wait (until `deadline`) for the pair's build: read the sender's frames (its rendezvous values,
+        its `abort`: PeerAbort) as they come and send ours as the build sets them (it wakes the thread,
+        also when it ended)."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        self._wakeup.register(poller)
+        while not joined.is_done():
+            self._check_peer(src)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"pair with {src.name} not joined within {self.timeout_s:.3f}s")
+            events = dict(poller.poll(max(1, int(min(left, POLL_S) * 1000))))
+            if self._wakeup.is_set(events):
+                self._wakeup.drain()  # NOTE: queued fetches and cancellations are looked at each turn
+            self._flush_rendezvous()
+            while sock.poll(0):
+                self._poll(sock, nonce, 0)
+        joined.wait(0.0)
 
     def _send(self, sock: zmq.Socket[Any], to: PeerId, kind: MessageKind, nonce: int, **fields: Any) -> None:
         sock.send(self._frames.encode(to.name, kind, nonce, **fields), zmq.NOBLOCK)

@@ -8,6 +8,9 @@ slot it lands in -> receiver's DONE. See transfer/protocol.py and transfer/ring.
 
 A REQUEST that may come before the offer (early decode admission) is parked until the offer, then
 answered READY (the receiver asks again; transfer/parking.py, transfer/protocol.py).
+
+The pair's rendezvous values (transfer/rendezvous.py) travel on the same socket: the sender sends its own
+to the connection the receiver's last verified REQUEST came on, and takes the receiver's only from there.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +56,10 @@ from transfer.side import (
     fail,
 )
 from transfer.staging import ChunkPlan, block_index, chunk_view, junk_chunk
-from transfer.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
+
+MAX_IDENTS = 4096  # receivers' connections remembered (one per live decode peer)
 
 
 @dataclass
@@ -84,6 +88,8 @@ class KVSender(Side):
     them whatever the transfer's size. `integrity` / `checksum`: how chunks are sealed (see Side).
     """
 
+    rank = PREFILL_RANK
+
     def __init__(
         self,
         kv: torch.Tensor,
@@ -108,7 +114,9 @@ class KVSender(Side):
         self._leases: dict[str, _Lease] = {}
         self._pending: deque[tuple[bytes, TransferRequest]] = deque()
         self._parked = ParkedRequests()  # under the lock, with the leases
-        self._wakeup = Wakeup()  # cuts the transfer thread's poll short when a parked request is offered
+        # NOTE: the connection each decode peer's last verified request came on, by peer name: where its
+        # pairs' rendezvous values go, and the only one theirs are taken from (transfer/rendezvous.py)
+        self._idents: OrderedDict[str, bytes] = OrderedDict()
         self._num_posted = 0  # chunks of the transfer in flight posted so far
         self._is_done_early = False  # its `done` came while we waited for our sends to complete
         # (ident, nonce) -> (pair, tag, plan) of transfers we gave up on while waiting for the ack
@@ -118,6 +126,9 @@ class KVSender(Side):
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_FRAME_BYTES)  # NOTE: libzmq drops larger unread
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()  # the transfer thread's: the socket and the wakeup
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._wakeup.register(self._poller)
 
     def offer(
         self,
@@ -195,12 +206,10 @@ class KVSender(Side):
             return len(self._parked)
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        self._wakeup.register(poller)
         try:
             while not self._stop.is_set():
                 try:
+                    self._flush_rendezvous()
                     self._expire_leases()
                     self._forget_dropped()
                     self._unpark()
@@ -209,7 +218,7 @@ class KVSender(Side):
                         if not self._park(ident, req):
                             self._serve(ident, req)
                         continue
-                    events = dict(poller.poll(int(POLL_S * 1000)))
+                    events = dict(self._poller.poll(int(POLL_S * 1000)))
                     if self._wakeup.is_set(events):
                         self._wakeup.drain()
                     if self._sock in events:
@@ -260,6 +269,8 @@ class KVSender(Side):
             self._parked.forget(dropped)
         for key in [k for k, v in self._abandoned.items() if v[0].decode in dropped]:
             del self._abandoned[key]
+        for peer in dropped:
+            self._idents.pop(peer.name, None)
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -288,6 +299,9 @@ class KVSender(Side):
         if message is None:
             return None
         kind, nonce, body = message
+        if kind is MessageKind.RENDEZVOUS:
+            self._take_rendezvous(body, self._idents.get(body["decode"]) == ident)
+            return None
         if waiting == (ident, nonce):
             return message
         if kind is MessageKind.REQUEST:
@@ -295,6 +309,7 @@ class KVSender(Side):
             if req.nonce != nonce:
                 self._frames.reject(REASON_BAD_FIELD)
                 return None
+            self._remember(_dst(req), ident)
             self._see(_dst(req))
             try:
                 self._check_peer(_dst(req))
@@ -317,6 +332,19 @@ class KVSender(Side):
                 self._finish_lease(item[1].request_id, False)
         return None
 
+    def _remember(self, peer: PeerId, ident: bytes) -> None:
+        self._idents[peer.name] = ident
+        self._idents.move_to_end(peer.name)
+        if len(self._idents) > MAX_IDENTS:
+            self._idents.popitem(last=False)
+
+    def _send_rendezvous(self, peer: PeerId, frame: bytes) -> bool:
+        ident = self._idents.get(peer.name)
+        if ident is None:
+            return False
+        self._reply(ident, frame)
+        return True
+
     def _feed_junk(self, plan: ChunkPlan, first_chunk: int, key: PairKey, tag: int) -> None:
         if first_chunk >= plan.num_chunks:
             return
@@ -333,8 +361,13 @@ class KVSender(Side):
             self._on_sent(request_id, ok)
 
     def _poll(self, ident: bytes, nonce: int, timeout_ms: int) -> tuple[MessageKind, dict[str, Any]] | None:
-        """One frame for (ident, nonce) if it comes within `timeout_ms`; raises PeerAbort on `abort`."""
-        if not self._sock.poll(timeout_ms):
+        """One frame for (ident, nonce) if it comes within `timeout_ms`; raises PeerAbort on `abort`.
+        Sends the rendezvous values queued meanwhile (a pair build wakes it)."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wakeup.is_set(events):
+            self._wakeup.drain()  # NOTE: the main loop looks at its parked requests after every transfer
+            self._flush_rendezvous()
+        if self._sock not in events:
             return None
         reply = self._on_frame(self._sock.recv_multipart(), (ident, nonce))
         if reply is None:
@@ -401,7 +434,7 @@ class KVSender(Side):
             if recv_slots < 1:
                 raise TransferError(f"the receiver's ack has no valid num_slots: {recv_slots!r}")
             # NOTE: the receiver acks once it joined the pair, so ours is built by now (or it failed)
-            self._wait_op(joined, deadline, lambda: self._check_peer(peer))
+            self._wait_op(joined, deadline, lambda: self._check_and_flush(peer))
             t_wire = time.monotonic()
             with self._on_stream():
                 self._send_chunks(
@@ -537,6 +570,10 @@ class KVSender(Side):
             tag=tag_for_nonce(req.nonce),
         )
         return header, plan, block_ids[skip:]
+
+    def _check_and_flush(self, peer: PeerId) -> None:
+        self._check_peer(peer)
+        self._flush_rendezvous()
 
 
 def _dst(req: TransferRequest) -> PeerId:

@@ -1,6 +1,6 @@
-"""What KVSender and KVReceiver share: the KV view, channel, staging buffer, the transfer thread, results,
-counters, signed handshake frames, dropped (dead) peers, and a bounded, interruptible wait on a channel
-op."""
+"""What KVSender and KVReceiver share: the KV view, channel, staging buffer, the transfer thread and its
+wakeup, results, counters, signed handshake frames, the pairs' rendezvous link, dropped (dead) peers, and a
+bounded, interruptible wait on a channel op."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import zmq
@@ -28,6 +28,7 @@ from transfer.protocol import (
     TransferTimeoutError,
     row_bytes_of,
 )
+from transfer.rendezvous import REASON_MISBOUND, RendezvousLink
 from transfer.ring import StagingRing, on_stream
 from transfer.staging import (
     CHECKSUM_SCHEMES,
@@ -38,6 +39,7 @@ from transfer.staging import (
     kv_mac_key,
     kv_rows,
 )
+from transfer.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,13 @@ class Side:
     scheme by where chunks are staged (transfer/staging.py; on a GPU: computed there); a receiver accepts
     a header naming any scheme it can check at that integrity or stronger, and refuses a weaker one.
     None keeps `digest` (tools and tests). `checksum` names the scheme itself instead: then the receiver
-    accepts exactly that one. MAC keys derive from `secret`, which also signs the channel's pair
-    rendezvous (`Channel.use_secret`).
+    accepts exactly that one. MAC keys derive from `secret`, which also signs every handshake frame,
+    the pairs' rendezvous values included: the side's `RendezvousLink` (transfer/rendezvous.py), attached
+    to the channel (`Channel.use_link`), queues the values its pairs' builds set, and the transfer thread
+    sends them (`_flush_rendezvous`) and hands over the ones it reads (`_take_rendezvous`).
     """
+
+    rank: ClassVar[int]  # this side's rank in each of its pairs' groups
 
     def __init__(
         self,
@@ -107,7 +113,9 @@ class Side:
             (self.checksum,) if checksum else accepted_checksums(self._staging_device, self.integrity)
         )
         self._mac_key = kv_mac_key(secret)
-        channel.use_secret(secret)
+        self._wakeup = Wakeup()  # cuts the transfer thread's poll short (work from other threads)
+        self._link = RendezvousLink(me, self.rank, self._wakeup.set)
+        channel.use_link(self._link)
         self._buffers: dict[str, torch.Tensor] = {}
         # NOTE: the side's own stream: its copies never wait behind the engine's forward, and the host
         # waits on it alone (transfer/ring.py). None on CPU, where every stream operation is a no-op.
@@ -149,6 +157,7 @@ class Side:
             self._dropped |= peers
         for peer in peers:
             self._channel.drop(peer)
+            self._link.drop(peer)
         return peers
 
     def is_dropped(self, peer: PeerId) -> bool:
@@ -169,9 +178,28 @@ class Side:
         return sorted(k.other(self.me).name for k in keys if self.me in k.ends)
 
     def rejected_frames(self) -> dict[str, int]:
-        """Handshake frames this side dropped, by reason (cluster/frames.py), and the rendezvous values its
-        channel ignored (transfer/rendezvous.py)."""
-        return {**self._frames.rejected(), **self._channel.rejected()}
+        """Handshake frames this side dropped, by reason (cluster/frames.py; a forged rendezvous value:
+        ``rendezvous_bad_tag``), and the signed rendezvous values it refused (transfer/rendezvous.py)."""
+        return dict(Counter(self._frames.rejected()) + Counter(self._link.rejected()))
+
+    def _flush_rendezvous(self) -> None:
+        """Send the rendezvous values this side's pair builds set (transfer thread only)."""
+        for peer, fields in self._link.take_outbox():
+            frame = self._frames.encode(peer.name, MessageKind.RENDEZVOUS, 0, **fields)
+            if not self._send_rendezvous(peer, frame):
+                logger.warning("%s: no link to %s for a rendezvous value: dropped", self.me.name, peer.name)
+
+    def _take_rendezvous(self, fields: dict[str, Any], is_from_named_peer: bool) -> None:
+        """A verified rendezvous message; `is_from_named_peer`: it came over the connection of the peer it
+        names (else it is refused as misbound)."""
+        if is_from_named_peer:
+            self._link.deliver(fields)
+        else:
+            self._link.reject(REASON_MISBOUND, f"{fields['prefill']}|{fields['decode']}|{fields['key']}")
+
+    def _send_rendezvous(self, peer: PeerId, frame: bytes) -> bool:
+        """Send a signed rendezvous frame to `peer`; False if this side has no connection to it."""
+        raise NotImplementedError
 
     def _ring(self, plan: ChunkPlan, nonce: int, num_slots: int, scheme: str | None = None) -> StagingRing:
         """A staging ring for one transfer, carved from buffers reused across transfers.
@@ -222,8 +250,10 @@ class Side:
                 return time.perf_counter() - t0
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the transfer thread (after its current transfer) and close its sockets."""
+        """Stop the transfer thread (after its current transfer) and close its sockets; pair builds still
+        waiting for the other end's rendezvous values fail at once."""
         self._stop.set()
+        self._link.close_all(f"{self.me.name} closed")
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self._close_sockets()

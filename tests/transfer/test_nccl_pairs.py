@@ -21,6 +21,7 @@ import transfer.pairs as pairs
 from transfer.pairs import NCCL_ENV_DEFAULTS, PairChannel, build_group, indexed_device
 from transfer.peers import DECODE_RANK, PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import TransferPairError
+from transfer.rendezvous import RendezvousLink
 
 KEY = PairKey(PeerId("prefill-0", "p0"), PeerId("decode-0", "d0"), 3)
 NCCL_ENV_NAMES = [name for names in NCCL_ENV_DEFAULTS for name in names]
@@ -53,6 +54,12 @@ def fake_dist(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return set_devices
 
 
+def linked(channel: PairChannel, rank: int) -> PairChannel:
+    """`channel` with a rendezvous link for KEY's end at `rank` (as a KVSender / KVReceiver attaches)."""
+    channel.use_link(RendezvousLink(KEY.ends[rank], rank, lambda: None))
+    return channel
+
+
 def test_a_bare_cuda_device_gets_the_current_index(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert indexed_device(torch.device("cuda")) == torch.device("cuda", 3)
@@ -78,7 +85,7 @@ def test_the_pair_channel_resolves_its_device_on_the_owners_thread(monkeypatch: 
         raise RuntimeError("no NCCL here")
 
     monkeypatch.setattr(pairs, "build_group", fake_build_group)
-    channel = PairChannel(("127.0.0.1", 1), "127.0.0.1", "nccl", device=torch.device("cuda"))
+    channel = linked(PairChannel(None, "127.0.0.1", "nccl", device=torch.device("cuda")), PREFILL_RANK)
     with pytest.raises(TransferPairError, match="no NCCL here"):
         channel.connect(KEY, PREFILL_RANK).wait(10.0)
     assert built_on == [torch.device("cuda", 2)]
@@ -167,8 +174,8 @@ def test_the_nccl_warm_up_polls_and_never_blocks_a_stream_or_the_device(
 ) -> None:
     group = FakeGroup(num_polls=3, carried=KEY.generation)
     synced = _nccl_channel(monkeypatch, group, 5.0)
-    channel = PairChannel(
-        ("127.0.0.1", 1), "127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")
+    channel = linked(
+        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), rank
     )
     channel.connect(KEY, rank).wait(10.0)
     [work] = group.works
@@ -180,8 +187,8 @@ def test_the_nccl_warm_up_polls_and_never_blocks_a_stream_or_the_device(
 def test_a_stuck_nccl_warm_up_breaks_the_pair_at_the_group_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     group = FakeGroup(num_polls=None, carried=None)
     synced = _nccl_channel(monkeypatch, group, 0.2)
-    channel = PairChannel(
-        ("127.0.0.1", 1), "127.0.0.1", "nccl", group_timeout_s=0.2, device=torch.device("cpu")
+    channel = linked(
+        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=0.2, device=torch.device("cpu")), DECODE_RANK
     )
     with pytest.raises(TransferPairError, match=r"warm-up with prefill-0/p0 did not complete within 0\.200s"):
         channel.connect(KEY, DECODE_RANK).wait(10.0)
@@ -195,8 +202,8 @@ def test_a_stuck_nccl_warm_up_breaks_the_pair_at_the_group_timeout(monkeypatch: 
 def test_a_wrong_warm_up_value_breaks_the_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     group = FakeGroup(num_polls=1, carried=KEY.generation + 5)
     _nccl_channel(monkeypatch, group, 5.0)
-    channel = PairChannel(
-        ("127.0.0.1", 1), "127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")
+    channel = linked(
+        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), DECODE_RANK
     )
     with pytest.raises(TransferPairError, match="warm-up carried 8, not 3"):
         channel.connect(KEY, DECODE_RANK).wait(10.0)
@@ -224,8 +231,8 @@ def test_the_nccl_warm_up_does_not_wait_for_the_engines_stream(monkeypatch: pyte
     filled, polled, read) while that kernel still runs."""
     group = FakeGroup(num_polls=2, carried=KEY.generation)
     synced = _nccl_channel(monkeypatch, group, 30.0)
-    channel = PairChannel(
-        ("127.0.0.1", 1), "127.0.0.1", "nccl", group_timeout_s=30.0, device=torch.device("cuda")
+    channel = linked(
+        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=30.0, device=torch.device("cuda")), DECODE_RANK
     )
     torch.cuda.current_stream().synchronize()
     torch.cuda._sleep(4_000_000_000)  # NOTE: ~2 s of GPU clock cycles, queued on the default stream

@@ -1,10 +1,11 @@
 """KV transfer over gloo between real processes: byte identity, skips, ordering, and every failure.
 
-The test process hosts the store (like the router) and drives a prefill process (process 0, KVSenders)
-and a decode process (process 1, KVReceivers) like a router would: it asks process 0 to offer a request,
+The test process drives a prefill process (process 0, KVSenders) and a decode process (process 1,
+KVReceivers) like a router would: it asks process 0 to offer a request,
 hands the KVHandoff to process 1, and checks the KV bytes process 1 ends up with against the same seeded
 tensors rebuilt here. Each side is its own peer (worker id = the side's name), so each sender/receiver
-couple builds its own pair (a two-rank gloo group) on its first transfer.
+couple builds its own pair (a two-rank gloo group, its rendezvous over their handshake link) on its first
+transfer.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import zmq
 
 from cluster.frames import FrameSigner, new_secret
-from deploy.launch import KVStore
 from tests.support.cluster_utils import wait_for
 from transfer.channel import TORCH_DTYPES, Channel, CudaIpcChannel, OpLane, PendingOp
 from transfer.digest import DEVICE_CHECKSUM_SCHEME
@@ -39,6 +39,7 @@ from transfer.protocol import (
     handoff_from_dict,
     to_dict,
 )
+from transfer.rendezvous import RendezvousLink
 from transfer.side import DEFAULT_CHUNK_BYTES, NUM_SLOTS
 from transfer.staging import TRAILER_BYTES
 
@@ -126,6 +127,9 @@ class FaultyChannel(Channel):
     def broken_pairs(self) -> list[PairKey]:
         return self.inner.broken_pairs()
 
+    def use_link(self, link: RendezvousLink) -> None:
+        self.inner.use_link(link)
+
     def isend(self, buf: torch.Tensor, key: PairKey, tag: int, lane: OpLane | None = None) -> PendingOp:
         faults = self.faults
         taken = faults.take()
@@ -173,7 +177,7 @@ class _NeverOp(PendingOp):
         raise TransferTimeoutError(f"never completes (waited {timeout_s:.3f}s)")
 
 
-def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, replies: Any) -> None:
+def _worker(index: int, secret: bytes, commands: Any, replies: Any) -> None:
     """Hosts the KVSenders / KVReceivers it is told to (each its own peer: its name, incarnation
     ``p<index>``); each command is answered with ("ok"|"err", value)."""
     torch.set_num_threads(1)
@@ -183,7 +187,7 @@ def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, re
     faults = Faults()
 
     def channel(group_timeout_s: float) -> FaultyChannel:
-        return FaultyChannel(PairChannel(store, "127.0.0.1", group_timeout_s=group_timeout_s), faults)
+        return FaultyChannel(PairChannel(None, "127.0.0.1", group_timeout_s=group_timeout_s), faults)
 
     # NOTE: far beyond the tests: abandoned ops must not expire (and break the pair) unless a test says
     shared = channel(600.0)
@@ -323,19 +327,15 @@ def _worker(index: int, store: tuple[str, int], secret: bytes, commands: Any, re
 
 
 class Pair:
-    """`num_procs` worker processes (2 unless told), driven by commands; this process hosts their store
-    (as the router does)."""
+    """`num_procs` worker processes (2 unless told), driven by commands."""
 
     def __init__(self, num_procs: int = 2) -> None:
         ctx = mp.get_context("spawn")
-        self.store = KVStore("127.0.0.1")
         self.secret = new_secret()
         self.endpoints: dict[str, str] = {}  # handshake sockets of the senders the tests kept
         self._queues = [(ctx.Queue(), ctx.Queue()) for _ in range(num_procs)]
         self.procs = [
-            ctx.Process(
-                target=_worker, args=(i, self.store.address, self.secret, *self._queues[i]), daemon=True
-            )
+            ctx.Process(target=_worker, args=(i, self.secret, *self._queues[i]), daemon=True)
             for i in range(num_procs)
         ]
         for p in self.procs:
@@ -374,7 +374,6 @@ class Pair:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
-        self.store.close()
 
 
 @pytest.fixture(scope="module")
