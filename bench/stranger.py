@@ -1,15 +1,25 @@
-"""A stranger on the cluster network (issue 31, "Safe to expose"), on the two-host lab (bench/netns_lab.py):
+"""A stranger on the cluster network (issue 31 "Safe to expose", issue 41 item 4), on the two-host lab
+(bench/netns_lab.py):
 
     python -m bench.stranger          # root (network namespaces); prints figures, not a pass/fail test
+    python -m bench.stranger --rendezvous-only    # part 1 only (e.g. against a commit before issue 41)
 
 Starts the lab and a cluster on it (prefill on host A with the router, decode on host B, the bundled tiny
-model, CPU), runs a first wave of greedy requests, then acts from processes started in host B's namespace
-that hold no cluster secret:
+model, CPU), runs a first wave of 8 greedy requests, then acts from processes started in host B's
+namespace that hold no cluster secret:
 
-1. rendezvous: lists the router's store, overwrites every pair key there with garbage, writes the signed
-   values of the current generation under the next generations' keys (a replay), then watches the store
-   while decode-0 is killed and a fresh decode-1 is added, and writes a replayed value under every key of
-   the new pair that is not there yet (compare-and-set: strictly before its rightful write).
+1. rendezvous, twice: decode-N is killed and a fresh decode-(N+1) added, so the next wave builds a new
+   pair; meanwhile the stranger attacks that pair's rendezvous everywhere it can reach, and the wave's 8
+   requests are timed (a rendezvous it could stall would show as the pair's group timeout, 80 s here):
+   - ``pre``: it writes a forged value under every key of the new pair's first generations in the
+     router's TCPStore (if the cluster still hosts one) before any rightful write (compare-and-set,
+     atomic: strictly before), and under the missing keys of any pair whose keys appear there;
+   - ``late``: it watches that store every millisecond and overwrites every pair key with a forgery the
+     moment it sees the rightful value there (the denial of service issue 41 names: the rightful reader
+     then only ever finds the forgery);
+   - both: every 20 ms it sends forged ``rendezvous`` handshake frames (signed with a secret of its own)
+     for every key of those generations to the prefill worker's KV handshake socket, the one socket of
+     the pair's link it can reach (the decode side only connects out).
 2. frame: pushes one 400 MiB frame to the router's PULL socket while the router's process (this one)
    samples its VmRSS.
 3. chunk: a live gloo connection cannot be injected into from here, so a KV sender in host B (it holds a
@@ -17,11 +27,8 @@ that hold no cluster secret:
    with a correct XXH3 digest before gloo carries it to a receiver on host A (the nonce, which travels in
    the clear, handed over by fixing it); once under integrity ``mac``, once under ``digest`` (a control).
 
-Then a second wave of the same requests, and the counters, the leak check and whether outputs are equal.
-
-NOTE: step 1 never overwrites a new pair's key after its rightful write: that is the denial of service
-transfer/rendezvous.py documents (a check-then-set version of this script did so once by accident: that
-pair's build waited out its 60 s group timeout, broken, and all 8 requests of the second wave failed).
+Then what each wave did (transfers landed, latencies), the stranger's counts against the prefill worker's
+refusals (``rendezvous_bad_tag``), the leak check and whether every wave's outputs equal the first's.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import asyncio
 import datetime
 import json
 import os
-import select
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 FORGED = b"198.18.255.9:1 a stranger's gloo address"
@@ -43,51 +51,134 @@ NONCE = 0x5EED_0F_A11
 SHAPE = (2, 16, 2, 4, 2, 8)  # a small KV cache: [L, blocks, 2, block_size, heads, dim] float32
 ROW_BYTES = 2 * 4 * 2 * 8 * 4
 PAIR = "pdserve/pair/"
+# NOTE: what a pair's group sets: gloo each rank's address ("0/0", "0/1"; under the old store prefix
+# "P/D/G/" they read "/0/0"), NCCL the unique id ("0:1"); generations 0-2 of each new pair
+STORE_RESTS = ("/0/0", "/0/1", "0:1")
+LINK_KEYS = ("0/0", "0/1", "0:1")
+GENERATIONS = (0, 1, 2)
+FRAME_EVERY_S = 0.02
 
 
 def _split(key: str) -> tuple[str, int, str] | None:
-    """``pdserve/pair/P/p/D/d/G//rest`` -> (ends ``P/p/D/d``, G, rest)."""
+    """``pdserve/pair/P/p/D/d/G/rest`` -> (ends ``P/p/D/d``, G, rest)."""
     parts = key[len(PAIR) :].split("/")
-    if not key.startswith(PAIR) or len(parts) < 7 or not parts[4].isdigit():
+    if not key.startswith(PAIR) or len(parts) < 6 or not parts[4].isdigit():
         return None
-    return "/".join(parts[:4]), int(parts[4]), "/".join(parts[6:])
+    return "/".join(parts[:4]), int(parts[4]), "/".join(parts[5:])
 
 
-def stranger_rendezvous(host: str, port: int) -> None:
-    """In host B, no secret: overwrite, replay forward, then race every new pair until stdin closes."""
-    import torch.distributed as dist
+class Stranger:
+    """In host B, no secret: attacks the pairs named by the driver's last command (see the module
+    docstring) until told otherwise; counts what it did."""
 
-    store: Any = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=10))
-    now = [k for k in store.list_keys() if _split(k)]
-    values = {k: store.get(k) for k in now}
-    rests = sorted({s[2] for k in now if (s := _split(k))})
-    for key in now:
-        store.set(key, FORGED)
-    replayed = []
-    for key, value in values.items():
-        ends, gen, rest = _split(key) or ("", 0, "")
-        for ahead in (1, 2, 3):
-            replayed.append(f"{PAIR}{ends}/{gen + ahead}//{rest}")
-            store.set(replayed[-1], value)
-    print(
-        json.dumps({"keys_seen": now, "overwritten": len(now), "replayed_ahead": len(replayed)}), flush=True
-    )
-    known = {s[:2] for k in now + replayed if (s := _split(k))}  # NOTE: new pairs are the cluster's only
-    by_rest = {(_split(k) or ("", 0, ""))[2]: v for k, v in values.items()}
-    raced: dict[str, bool] = {}
-    while not select.select([sys.stdin], [], [], 0)[0]:
-        keys = set(store.list_keys())
-        for pair in {s[:2] for k in keys if (s := _split(k))} - known:
-            known.add(pair)
-            for rest in rests:
-                key = f"{PAIR}{pair[0]}/{pair[1]}//{rest}"
-                # NOTE: set only if absent (atomic on the store server): strictly before the rightful write.
-                # An overwrite after it is the documented denial of service (transfer/rendezvous.py).
-                value = by_rest.get(rest, FORGED)
-                raced[key] = key not in keys and bytes(store.compare_set(key, "", value)) == value
-    won = [k for k, is_first in raced.items() if is_first and store.check([k])]
-    survived = {k: store.get(k) in (FORGED, *values.values()) for k in won}
-    print(json.dumps({"new_pair_keys": raced, "forgery_still_stored": survived}), flush=True)
+    def __init__(self, store_host: str, store_port: int, endpoint: str) -> None:
+        import torch.distributed as dist
+        import zmq
+
+        from cluster.frames import FrameSigner, new_secret
+
+        self.store: Any = None
+        if store_port:
+            self.store = dist.TCPStore(store_host, store_port, None, False, datetime.timedelta(seconds=10))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(endpoint)
+        self.signer = FrameSigner(new_secret())
+        self.lock = threading.Lock()
+        self.mode: str | None = None
+        self.pairs: list[tuple[str, str]] = []
+        self.counts: Counter[str] = Counter()
+        self.rightful: set[str] = set()  # keys of the named pairs it found in the store holding no forgery
+        self._next_frames = 0.0
+
+    def command(self, line: str) -> dict[str, Any]:
+        """Take one command; returns the JSON line that answers it."""
+        cmd = json.loads(line)
+        if "report" in cmd:
+            with self.lock:
+                counts, self.counts = dict(self.counts), Counter()
+                counts["rightful_store_keys_seen"] = len(self.rightful)
+                self.rightful = set()
+            return counts
+        with self.lock:
+            self.mode, self.pairs = cmd["mode"], [(str(p), str(d)) for p, d in cmd.get("pairs", [])]
+        if self.mode is not None:
+            self.turn(force_frames=True)  # NOTE: armed before the driver goes on
+        return {"armed": self.mode}
+
+    def turn(self, force_frames: bool = False) -> None:
+        with self.lock:
+            mode, pairs = self.mode, list(self.pairs)
+        if mode is None:
+            return
+        if self.store is not None:
+            self._store_turn(mode, pairs)
+        if force_frames or time.monotonic() >= self._next_frames:
+            self._next_frames = time.monotonic() + FRAME_EVERY_S
+            self._frames_turn(pairs)
+
+    def _store_turn(self, mode: str, pairs: list[tuple[str, str]]) -> None:
+        named = {f"{p}/{d}" for p, d in pairs}
+        keys = set(self.store.list_keys())
+        found = sorted(k for k in keys if (s := _split(k)) and s[0] in named)
+        values = [bytes(v) for v in self.store.multi_get(found)] if found else []
+        rightful = [k for k, v in zip(found, values, strict=True) if v != FORGED]
+        with self.lock:
+            self.rightful.update(rightful)
+        if mode == "late":
+            for key in rightful:
+                self.store.set(key, FORGED)  # NOTE: after its rightful write: the denial of service
+                self._count("store_overwritten_after_rightful_write")
+            return
+        for ends in named:
+            for gen in GENERATIONS:
+                for rest in STORE_RESTS:
+                    key = f"{PAIR}{ends}/{gen}/{rest}"
+                    # NOTE: set only if absent (atomic on the store server): strictly before the rightful write
+                    if key not in keys and bytes(self.store.compare_set(key, "", FORGED)) == FORGED:
+                        self._count("store_prewritten")
+
+    def _frames_turn(self, pairs: list[tuple[str, str]]) -> None:
+        for prefill, decode in pairs:
+            for gen in GENERATIONS:
+                for name in LINK_KEYS:
+                    body = {"nonce": 0, "prefill": prefill, "decode": decode, "generation": gen, "key": name,
+                            "value": FORGED}  # fmt: skip
+                    self.sock.send(self.signer.sign(prefill, "rendezvous", body))
+                    self._count("forged_rendezvous_frames")
+
+    def _count(self, what: str) -> None:
+        with self.lock:
+            self.counts[what] += 1
+
+
+def stranger_rendezvous(store_host: str, store_port: str, endpoint: str) -> None:
+    """In host B, no secret: one JSON command a line on stdin, one JSON answer a line on stdout."""
+    stranger = Stranger(store_host, int(store_port), endpoint)
+    lines: list[str] = []
+    cond = threading.Condition()
+
+    def read() -> None:
+        for line in sys.stdin:
+            with cond:
+                lines.append(line)
+                cond.notify()
+        with cond:
+            lines.append("")  # NOTE: EOF: stop
+            cond.notify()
+
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        with cond:
+            cond.wait_for(lambda: bool(lines), 0.001)  # NOTE: the store's watch: every millisecond
+            line = lines.pop(0) if lines else None
+        if line == "":
+            break
+        if line is not None:
+            print(json.dumps(stranger.command(line)), flush=True)
+        stranger.turn()
+    stranger.ctx.destroy(linger=2000)
 
 
 def stranger_push(endpoint: str) -> None:
@@ -114,7 +205,7 @@ def stranger_push(endpoint: str) -> None:
     ctx.destroy(linger=0)
 
 
-def forge_send(host: str, port: int, bind: str, integrity: str) -> None:
+def forge_send(bind: str, integrity: str) -> None:
     """In host B: offer blocks 3..5, print the handoff, forge chunk 0 on its way into gloo."""
     import torch
 
@@ -134,7 +225,7 @@ def forge_send(host: str, port: int, bind: str, integrity: str) -> None:
             return super().isend(buf, key, tag, lane)
 
     done = threading.Event()
-    sender = KVSender(torch.randn(*SHAPE), me=PeerId("forger-b", "0"), channel=ForgingChannel((host, port), bind),
+    sender = KVSender(torch.randn(*SHAPE), me=PeerId("forger-b", "0"), channel=ForgingChannel(None, bind),
                       secret=bytes.fromhex(os.environ["FORGE_SECRET"]), on_sent=lambda r, ok: done.set(),
                       endpoint=f"tcp://{bind}:*", chunk_bytes=2 * ROW_BYTES, integrity=integrity, timeout_s=10)  # fmt: skip
     sender.start()
@@ -143,7 +234,7 @@ def forge_send(host: str, port: int, bind: str, integrity: str) -> None:
     sender.close()
 
 
-def forge_receive(host: str, port: int, bind: str, integrity: str, handoff_hex: str) -> None:
+def forge_receive(bind: str, integrity: str, handoff_hex: str) -> None:
     """In host A: fetch the handoff into blocks 7..9 with the nonce fixed; print what landed."""
     import secrets
 
@@ -156,7 +247,7 @@ def forge_receive(host: str, port: int, bind: str, integrity: str, handoff_hex: 
 
     secrets.randbits = lambda k: NONCE  # NOTE: this process only: the nonce the stranger saw in the clear
     dst = torch.zeros(*SHAPE)
-    receiver = KVReceiver(dst, me=PeerId("receiver-a", "0"), channel=PairChannel((host, port), bind),
+    receiver = KVReceiver(dst, me=PeerId("receiver-a", "0"), channel=PairChannel(None, bind),
                           secret=bytes.fromhex(os.environ["FORGE_SECRET"]), integrity=integrity, timeout_s=10)  # fmt: skip
     receiver.start()
     error = receiver.submit(KVHandoff.from_bytes(bytes.fromhex(handoff_hex)), [7, 8, 9]).exception(30)
@@ -207,63 +298,147 @@ def part_frame(lab: Any, endpoint: str) -> dict[str, Any]:
 
 def part_chunk(lab: Any, integrity: str) -> dict[str, Any]:
     from cluster.frames import new_secret
-    from deploy.launch import KVStore
 
-    store, env = KVStore(lab.ip_a), {"FORGE_SECRET": new_secret().hex()}
-    addr = [store.address[0], str(store.address[1])]
-    sender = _in_b(lab, "forge-send", *addr, lab.ip_b, integrity, env=env)
+    env = {"FORGE_SECRET": new_secret().hex()}
+    sender = _in_b(lab, "forge-send", lab.ip_b, integrity, env=env)
     try:
         handoff = (sender.stdout.readline() if sender.stdout else "").strip()
-        cmd = [sys.executable, "-m", "bench.stranger", "forge-receive", *addr, lab.ip_a, integrity, handoff]
+        cmd = [sys.executable, "-m", "bench.stranger", "forge-receive", lab.ip_a, integrity, handoff]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
         sender.wait(timeout=90)
         return _last_json(done.stdout, done.stderr)
     finally:
         sender.kill()
-        store.close()
 
 
-def run_bench(lab: Any) -> None:
+class Driver:
+    """The router's process talking to the stranger's (one command a line, one answer a line)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the stranger's process ended")
+        return dict(json.loads(line))
+
+
+async def timed_wave(handle: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[Any, float]]:
+    """Each request's outputs (or its error) and its seconds, all sent at once."""
+    from cluster.protocol import RouterError
+    from tests.support.cluster_utils import collect
+    from tests.support.two_host_driver import greedy
+
+    async def one(i: int) -> tuple[Any, float]:
+        t0 = time.monotonic()
+        try:
+            out: Any = await collect(handle, prompts[i], greedy(max_tokens[i]), f"r{i}-{time.monotonic_ns()}")
+        except RouterError as e:
+            out = {"error": type(e).__name__, "message": str(e)}
+        return out, time.monotonic() - t0
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
+def _peer(handle: Any, worker_id: str) -> tuple[str, str]:
+    """(its peer name, its KV endpoint) of a live worker in the router's eyes."""
+    [ref] = [w for w in handle.router.workers if w.worker_id == worker_id and w.state != "dead"]
+    return f"{ref.worker_id}/{ref.info.incarnation}", ref.info.kv_endpoint
+
+
+def _fresh_stats(handle: Any) -> list[Any]:
+    """Every live worker's stats, from a heartbeat sent after this call (bounded)."""
+    from tests.support.cluster_utils import wait_for
+
+    since = time.monotonic()
+    live = [w for w in handle.router.workers if w.state != "dead"]
+    wait_for(lambda: all(w.last_beat > since for w in live), 10, "fresh heartbeats")
+    return list(handle.worker_stats())
+
+
+def _decode_stats(handle: Any, worker_id: str) -> Any:
+    return next(s for s in _fresh_stats(handle) if s.worker_id == worker_id)
+
+
+def _wave_line(name: str, timed: list[tuple[Any, float]], stats: Any, first: list[Any]) -> str:
+    seconds = [s for _, s in timed]
+    outputs = [o for o, _ in timed]
+    errors = [o for o in outputs if not isinstance(o, list)]
+    return (f"{name}: {len(outputs) - len(errors)}/{len(outputs)} ok, outputs equal to wave 1: "
+            f"{outputs == first}; seconds per request: max {max(seconds):.2f}, median "
+            f"{statistics.median(seconds):.2f}; {stats.worker_id}: transfers_ok={stats.transfer.num_ok} "
+            f"failed={stats.transfer.num_failed} broken={stats.broken_peers} "
+            f"rejected_frames={stats.rejected_frames}; errors: {errors}")  # fmt: skip
+
+
+def _build_cluster(config: dict[str, Any]) -> Any:
+    """deploy.launch's builder: ``build_cluster`` (``start_cluster`` before deploy/'s rename)."""
+    import deploy.launch as launch
+
+    build = getattr(launch, "build_cluster", None) or getattr(launch, "start_cluster", None)
+    if build is None:
+        raise RuntimeError("deploy.launch builds no cluster (neither build_cluster nor start_cluster)")
+    return build(config)
+
+
+def run_bench(lab: Any, rendezvous_only: bool = False) -> None:
     import ray
 
-    from deploy.launch import start_cluster
     from tests.support.cluster_utils import shared_prefix_prompts, wait_for
-    from tests.support.two_host_driver import lab_config, run_all
+    from tests.support.two_host_driver import lab_config
 
     prompts = shared_prefix_prompts(8, seed=31, vocab=1229)
     max_tokens = [8 + i % 3 * 4 for i in range(len(prompts))]
     ray.init(address=lab.address, _node_ip_address=lab.ip_a, log_to_driver=False)
-    handle = start_cluster(lab_config({}))
+    handle = _build_cluster(lab_config({}))
     watcher: subprocess.Popen[str] | None = None
     try:
-        first = asyncio.run(run_all(handle, prompts, max_tokens))
-        print(f"wave 1: {sum(isinstance(o, list) for o in first)}/{len(first)} ok", flush=True)
-        if handle._kv_store is None:
-            raise RuntimeError("a disaggregated cluster has a KV store; this one has none")
-        store = handle._kv_store.address  # NOTE: the router process's TCPStore (deploy/launch.py KVStore)
-        watcher = _in_b(lab, "rendezvous", store[0], str(store[1]), stdin=subprocess.PIPE)
-        print("rendezvous, before the rebuild:", watcher.stdout.readline().strip() if watcher.stdout else "")
-        handle.kill_worker("decode-0")
-        wait_for(lambda: any(w.worker_id == "decode-0" and w.state == "dead" for w in handle.router.workers),
-                 30, "decode-0 dead in the router's eyes")  # fmt: skip
-        print("decode pool after the kill:", handle.scale("decode", 1), flush=True)
-        print("frame:", json.dumps(part_frame(lab, handle.router.endpoint)), flush=True)
-        print("router rejected frames after the push:", handle.router.rejected_frames(), flush=True)
-        for integrity in ("mac", "digest"):
-            print(f"chunk ({integrity}):", json.dumps(part_chunk(lab, integrity)), flush=True)
-        second = asyncio.run(run_all(handle, prompts, max_tokens))
-        out, _ = watcher.communicate(timeout=30)
-        print("rendezvous, the rebuild:", out.strip(), flush=True)
-        since = time.monotonic()
-        live = [w for w in handle.router.workers if w.state != "dead"]
-        wait_for(lambda: all(w.last_beat > since for w in live), 10, "fresh heartbeats")
+        first_timed = asyncio.run(timed_wave(handle, prompts, max_tokens))
+        first = [o for o, _ in first_timed]
+        print(_wave_line("wave 1", first_timed, _decode_stats(handle, "decode-0"), first), flush=True)
+        prefill, endpoint = _peer(handle, "prefill-0")
+        kv_store = getattr(handle, "_kv_store", None)  # NOTE: the router process's TCPStore, if still hosted
+        store = kv_store.address if kv_store is not None else ("", 0)
+        print(f"the stranger: router's TCPStore {store if store[1] else 'none'}, prefill-0's KV handshake "
+              f"socket {endpoint}", flush=True)  # fmt: skip
+        watcher = _in_b(lab, "rendezvous", store[0], str(store[1]), endpoint, stdin=subprocess.PIPE)
+        stranger = Driver(watcher)
+        totals: Counter[str] = Counter()
+        old = "decode-0"
+        for n, mode in ((1, "pre"), (2, "late")):
+            handle.kill_worker(old)
+            wait_for(lambda: any(w.worker_id == old and w.state == "dead"  # noqa: B023
+                                 for w in handle.router.workers), 30, "the decode worker dead")  # fmt: skip
+            [new] = handle.scale("decode", 1)
+            decode, _ = _peer(handle, new)
+            print(f"decode pool after the kill: [{decode}]", flush=True)
+            stranger.ask(mode=mode, pairs=[[prefill, decode]])
+            timed = asyncio.run(timed_wave(handle, prompts, max_tokens))
+            stranger.ask(mode=None)
+            counts = stranger.ask(report=True)
+            totals.update(counts)
+            print(f"stranger ({mode}, pair {prefill} | {decode}): {json.dumps(counts)}", flush=True)
+            print(_wave_line(f"wave {n + 1}", timed, _decode_stats(handle, new), first), flush=True)
+            old = new
+        if not rendezvous_only:
+            print("frame:", json.dumps(part_frame(lab, handle.router.endpoint)), flush=True)
+            print("router rejected frames after the push:", handle.router.rejected_frames(), flush=True)
+            for integrity in ("mac", "digest"):
+                print(f"chunk ({integrity}):", json.dumps(part_chunk(lab, integrity)), flush=True)
         handle.wait_until_quiet(timeout_s=60)
-        errors = [o for o in first + second if not isinstance(o, list)]
-        print(f"wave 2: outputs equal to wave 1: {first == second}; client errors: {errors}")
+        stats = _fresh_stats(handle)
         print("leaks:", handle.check_leaks())
-        for s in handle.worker_stats():
+        for s in stats:
             print(f"{s.worker_id}: rejected_frames={s.rejected_frames} num_rejected_chunks="
                   f"{s.transfer.num_rejected_chunks} transfers_ok={s.transfer.num_ok} broken={s.broken_peers}")  # fmt: skip
+        [pre] = [s for s in stats if s.worker_id == "prefill-0"]
+        print(f"forged rendezvous frames sent: {totals['forged_rendezvous_frames']}; prefill-0 counted "
+              f"rendezvous_bad_tag={pre.rejected_frames.get('rendezvous_bad_tag', 0)} "
+              f"bad_mac={pre.rejected_frames.get('bad_mac', 0)}", flush=True)  # fmt: skip
         print("router rejected frames:", handle.router.rejected_frames(), flush=True)
     finally:
         if watcher is not None:
@@ -273,9 +448,8 @@ def run_bench(lab: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    roles: dict[str, Any] = {"rendezvous": lambda h, p: stranger_rendezvous(h, int(p)), "push": stranger_push,
-             "forge-send": lambda h, p, b, i: forge_send(h, int(p), b, i),
-             "forge-receive": lambda h, p, b, i, x: forge_receive(h, int(p), b, i, x)}  # fmt: skip
+    roles: dict[str, Any] = {"rendezvous": stranger_rendezvous, "push": stranger_push,
+             "forge-send": forge_send, "forge-receive": forge_receive}  # fmt: skip
     if argv and argv[0] in roles:
         roles[argv[0]](*argv[1:])
         return 0
@@ -284,7 +458,7 @@ def main(argv: list[str]) -> int:
     os.environ["RAY_AUTH_MODE"] = "token"  # NOTE: the lab's Ray runs token auth; Ray reads it at import
     with two_host_lab() as lab:
         print(f"lab: host A {lab.ip_a}, host B {lab.ip_b} (netns {lab.ns})", flush=True)
-        run_bench(lab)
+        run_bench(lab, rendezvous_only=argv == ["--rendezvous-only"])
     return 0
 
 
