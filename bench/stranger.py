@@ -10,7 +10,8 @@ namespace that hold no cluster secret:
 
 1. rendezvous, twice: decode-N is killed and a fresh decode-(N+1) added, so the next wave builds a new
    pair; meanwhile the stranger attacks that pair's rendezvous everywhere it can reach, and the wave's 8
-   requests are timed (a rendezvous it could stall would show as the pair's group timeout, 80 s here):
+   requests are timed (a rendezvous it could stall would fail them at the transfer timeout, 20 s here,
+   while the pair's build waits out its group timeout, 80 s):
    - ``pre``: it writes a forged value under every key of the new pair's first generations in the
      router's TCPStore (if the cluster still hosts one) before any rightful write (compare-and-set,
      atomic: strictly before), and under the missing keys of any pair whose keys appear there;

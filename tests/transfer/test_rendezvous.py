@@ -26,7 +26,16 @@ from tests.support.cluster_utils import wait_for
 from transfer.handshake import HandshakeFrames, MessageKind
 from transfer.pairs import PairChannel
 from transfer.peers import DECODE_RANK, PREFILL_RANK, PairKey, PeerId
-from transfer.protocol import TransferPairError
+from transfer.protocol import (
+    CHECKSUM_SCHEME,
+    KVHandoff,
+    KVLayout,
+    TransferError,
+    TransferHeader,
+    TransferPairError,
+    TransferRequest,
+    tag_for_nonce,
+)
 from transfer.receiver import KVReceiver
 from transfer.rendezvous import (
     MAX_PENDING_VALUES,
@@ -273,3 +282,93 @@ def test_issue41_a_pair_forms_and_moves_bytes_intact_while_a_stranger_forges_its
         stranger.stop() if stranger._thread.is_alive() else None
         sender.close()
         receiver.close()
+
+
+class Played:
+    """One end of a pair's handshake link, played by the test: real signed frames on a real socket."""
+
+    def __init__(self, ctx: zmq.Context[Any], kind: int, secret: bytes, me: PeerId) -> None:
+        self.sock = ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.frames = HandshakeFrames(secret, me.name)
+
+    def recv(self) -> tuple[list[bytes], tuple[MessageKind, int, dict[str, Any]]]:
+        assert self.sock.poll(int(TIMEOUT_S * 1000)), "nothing came"
+        parts = self.sock.recv_multipart()
+        message = self.frames.decode(parts[-1])
+        assert message is not None
+        return parts[:-1], message
+
+
+def test_issue41_the_prefill_side_takes_a_value_only_from_the_named_peers_connection() -> None:
+    """A signed value naming decode D counts as misbound unless it comes over the connection D's last
+    verified transfer request came on."""
+    secret = new_secret()
+    ctx: zmq.Context[Any] = zmq.Context()
+    sender = KVSender(torch.zeros(*SHAPE), me=P, channel=PairChannel(None, "127.0.0.1"), secret=secret,
+                      on_sent=lambda r, ok: None, timeout_s=TIMEOUT_S)  # fmt: skip
+    sender.start()
+    d, other = Played(ctx, zmq.DEALER, secret, D), Played(ctx, zmq.DEALER, secret, D)
+    try:
+        for played in (d, other):
+            played.sock.connect(sender.endpoint)
+
+        def value(played: Played, key: PairKey) -> None:
+            played.sock.send(
+                played.frames.encode(P.name, MessageKind.RENDEZVOUS, 0, **fields(key, "0/1", FORGED))
+            )
+
+        value(d, PairKey(P, D, 0))  # before D asked for anything: no connection of D's is known
+        request = TransferRequest("unknown", 11, D.worker_id, D.incarnation, 0, 0, 1)
+        d.sock.send(d.frames.encode(P.name, MessageKind.REQUEST, 11, request=request))
+        _, (kind, nonce, _) = d.recv()
+        assert (kind, nonce) == (MessageKind.ABORT, 11)  # refused (never offered), and D's connection known
+        value(d, PairKey(P, D, 0))  # taken: kept for the pair until it is built
+        value(d, PairKey(P, PeerId("decode-1", "d1"), 0))  # names another decode peer
+        wait_for(lambda: sender.rejected_frames() == {REASON_MISBOUND: 2}, TIMEOUT_S, "two counted")
+        value(other, PairKey(P, D, 0))  # signed, but over another connection
+        wait_for(lambda: sender.rejected_frames() == {REASON_MISBOUND: 3}, TIMEOUT_S, "three counted")
+    finally:
+        sender.close()
+        ctx.destroy(linger=0)
+
+
+def test_issue41_the_decode_side_ships_its_value_to_the_sender_and_takes_one_only_from_it() -> None:
+    """The receiver joins the header's pair: its group's value goes to the sender's socket as a signed
+    rendezvous frame bound to the pair and generation; a value naming another prefill peer is refused."""
+    secret = new_secret()
+    ctx: zmq.Context[Any] = zmq.Context()
+    p = Played(ctx, zmq.ROUTER, secret, P)
+    p.sock.bind("tcp://127.0.0.1:*")
+    endpoint = p.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    layout = KVLayout(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5], "float32")
+    receiver = KVReceiver(torch.zeros(*SHAPE), me=D, channel=PairChannel(None, "127.0.0.1", group_timeout_s=2.0),
+                          secret=secret, timeout_s=TIMEOUT_S)  # fmt: skip
+    receiver.start()
+    try:
+        future = receiver.submit(KVHandoff("r", P.worker_id, P.incarnation, endpoint, layout, 4, 1, 0.0), [1])
+        (ident,), (kind, nonce, _) = p.recv()
+        assert kind is MessageKind.REQUEST
+
+        def send(kind: MessageKind, **body: Any) -> None:
+            p.sock.send_multipart([ident, p.frames.encode(D.name, kind, nonce, **body)])
+
+        send(MessageKind.RENDEZVOUS, **fields(PairKey(PeerId("prefill-1", "p1"), D, 0), "0/0", FORGED))
+        row_bytes = layout.bytes_per_block // layout.num_layers
+        header = TransferHeader("r", nonce, P.worker_id, D.worker_id, 0, "gloo", layout, "float32",
+                                layout.layer_shape(1), 1, layout.bytes_per_block, layout.num_layers,
+                                row_bytes, CHECKSUM_SCHEME, tag_for_nonce(nonce))  # fmt: skip
+        send(MessageKind.HEADER, header=header)
+        _, (kind, _, shipped) = p.recv()
+        assert kind is MessageKind.RENDEZVOUS
+        assert {k: v for k, v in shipped.items() if k != "value"} == {
+            "prefill": P.name, "decode": D.name, "generation": 0, "key": "0/1"
+        }  # fmt: skip
+        assert shipped["value"]  # gloo's address of the decode rank
+        send(MessageKind.ABORT, error_type="TransferError", message="played sender gives up")
+        with pytest.raises(TransferError, match="played sender gives up"):
+            future.result(TIMEOUT_S)
+        assert receiver.rejected_frames() == {REASON_MISBOUND: 1}
+    finally:
+        receiver.close()
+        ctx.destroy(linger=0)
