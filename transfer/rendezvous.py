@@ -52,6 +52,7 @@ MAX_VALUE_BYTES = 16 << 10
 MAX_PENDING_VALUES = 64  # values buffered for pairs this end has not opened yet
 MAX_PENDING_BYTES = 256 << 10
 MAX_OUTBOX = 256
+MAX_PAIRS_REMEMBERED = 4096  # pairs whose latest generation is remembered (stale values are told apart)
 
 REASON_BAD_TAG = "rendezvous_bad_tag"
 REASON_TOO_LARGE = "rendezvous_too_large"
@@ -221,7 +222,9 @@ class RendezvousLink:
         with self._lock:
             old = self._open.pop(ends, None)
             self._open[ends] = store
-            self._last[ends] = max(self._last.get(ends, -1), key.generation)
+            self._last[ends] = max(self._last.pop(ends, -1), key.generation)  # NOTE: now the newest entry
+            while len(self._last) > MAX_PAIRS_REMEMBERED:
+                del self._last[next(iter(self._last))]
             for item in [p for p in self._pending if p[:2] == ends and p[2] <= key.generation]:
                 value = self._pending.pop(item)
                 self._pending_bytes -= len(value)
