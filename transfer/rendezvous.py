@@ -27,8 +27,10 @@ is not in, or come over another peer's connection, are counted ``rendezvous_misb
 already built or given up ``rendezvous_stale``; over `MAX_VALUE_BYTES` ``rendezvous_too_large``; buffered
 and evicted by newer ones ``rendezvous_overflow``. A peer that dies mid-rendezvous: its pair's waits fail
 at once when the side drops it (`drop`), else at the group's timeout; the pair is then broken and rebuilt
-at the next generation (transfer/pairs.py). The gloo/NCCL connections the group then opens are not
-authenticated: the KV bytes they carry are checked with a MAC (transfer/staging.py).
+at the next generation (transfer/pairs.py). What stays exposed: a stranger that reaches the prefill
+side's handshake socket makes it check a MAC per frame it sends (frames capped at 64 KiB) and fills its
+refusal counters; the gloo/NCCL connections the group opens are not authenticated, so the KV bytes they
+carry are checked with a MAC (transfer/staging.py).
 """
 
 from __future__ import annotations
