@@ -5,12 +5,17 @@ handshake) is signed with the cluster's secret and checked before anything decod
     envelope = msgpack [session: int, counter: int, sent_at: float, recipient: str, tag: str, body: map]
     mac      = blake2b-128 keyed with the cluster secret, over the envelope bytes
 
+Envelopes are encoded with msgspec (a body is a map, or a msgspec Struct: cluster/wire.py's messages).
+``verify`` returns the body unpacked (the KV-transfer handshake's); ``verify_body`` hands its msgpack
+bytes to a typed decoder (the control plane's: one pass from bytes to message, no dict in between).
+
 ``session`` is random per sending socket and ``counter`` grows by one per frame, so a receiver rejects
 a frame it has seen (or an older one of the same session); ``sent_at`` must lie within
 ``replay_window_s`` of the receiver's clock, which bounds how long a session must be remembered;
 ``recipient`` names the intended receiver, so a frame captured on its way to one worker cannot be
 replayed into another. Frames are decoded with caps on every size (msgpack ``max_*_len``) and
-``strict_map_key``; nothing here can raise anything but :class:`FrameRejected`.
+``strict_map_key``; nothing here can raise anything but :class:`FrameRejected`. ``verify_body`` rejects
+exactly the frames ``verify`` does, for the same reasons, in the same order (see ``_verify_body``).
 
 Trust boundary: a process that knows the secret is trusted (the secret is made at launch and handed to
 actors through Ray). The torch.distributed store and the gloo/NCCL connections cannot authenticate
@@ -31,10 +36,11 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import msgpack
+import msgspec
 
 MAGIC = b"PDC1"
 MAC_BYTES = 16
@@ -52,6 +58,11 @@ REASON_STALE = "stale"
 REASON_MISADDRESSED = "misaddressed"
 REASON_UNKNOWN_TAG = "unknown_tag"
 REASON_BAD_FIELD = "bad_field"
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_MAP_HEADS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # the first byte of a msgpack map
+T = TypeVar("T")
 
 
 def new_secret() -> bytes:
@@ -82,12 +93,13 @@ class FrameSigner:
         self._counter = itertools.count(1)
         self._lock = threading.Lock()
 
-    def sign(self, recipient: str, tag: str, body: Mapping[str, Any]) -> bytes:
+    def sign(self, recipient: str, tag: str, body: Mapping[str, Any] | msgspec.Struct) -> bytes:
+        """One frame of ``body`` (a map of builtins, or a Struct: encoded as the map of its fields)."""
         with self._lock:
             counter = next(self._counter)
-        envelope: bytes = msgpack.packb(
-            [self.session, counter, time.time(), recipient, tag, body], use_bin_type=True
-        )
+        if not isinstance(body, (dict, msgspec.Struct)):
+            body = dict(body)
+        envelope = _ENCODER.encode((self.session, counter, time.time(), recipient, tag, body))
         return MAGIC + _mac(self._secret, envelope) + envelope
 
 
@@ -131,7 +143,47 @@ class FrameVerifier:
         with self._lock:
             return dict(self.rejected)
 
+    def verify_body(self, frame: bytes, decode: Callable[[str, memoryview], T]) -> T:
+        """What ``decode`` makes of a verified frame's tag and body (its msgpack bytes); ``decode`` raises
+        FrameRejected (unknown tag, bad field) for a body it refuses. Rejections are counted by reason,
+        exactly as ``verify`` and a decoder of its unpacked body would count them."""
+        try:
+            return self._verify_body(frame, decode)
+        except FrameRejected as e:
+            with self._lock:
+                self.rejected[e.reason] += 1
+            raise
+
     def _verify(self, frame: bytes) -> tuple[str, dict[str, Any]]:
+        envelope = self._authenticate(frame)
+        session, counter, sent_at, recipient, tag, body = _unpack_envelope(envelope, self.max_frame_bytes)
+        self._check_fresh(session, counter, sent_at, recipient)
+        self._remember(session, counter)
+        return tag, body
+
+    def _verify_body(self, frame: bytes, decode: Callable[[str, memoryview], T]) -> T:
+        envelope = self._authenticate(frame)
+        session, counter, sent_at, recipient, tag, body_at = _unpack_head(envelope, self.max_frame_bytes)
+        try:
+            self._check_fresh(session, counter, sent_at, recipient)
+            message = decode(tag, memoryview(envelope)[body_at:])
+            if len(envelope) > self.max_frame_bytes // 2:
+                # NOTE: only a frame this large can hold a list past _unpack_envelope's max_array_len
+                _unpack_envelope(envelope, self.max_frame_bytes)
+        except FrameRejected as e:
+            # NOTE: ``verify`` unpacks the whole envelope (every map's keys str, no ext, every size capped)
+            # before it checks anything else: a frame that unpack refuses is malformed, whatever else is
+            # wrong with it. A typed body's decoder refuses every such body too (for a reason of its
+            # own), so the unpack has the last word on a refused frame; only a refused one is unpacked.
+            _unpack_envelope(envelope, self.max_frame_bytes)
+            if e.reason in (REASON_UNKNOWN_TAG, REASON_BAD_FIELD):
+                self._remember(session, counter)  # NOTE: its body was refused after the replay check
+            raise
+        self._remember(session, counter)
+        return message
+
+    def _authenticate(self, frame: bytes) -> bytes:
+        """The envelope of a frame of the right size, shape and MAC."""
         if len(frame) > self.max_frame_bytes:
             raise FrameRejected(REASON_TOO_LARGE, f"{len(frame)} B > max_frame_bytes {self.max_frame_bytes}")
         head = len(MAGIC) + MAC_BYTES
@@ -140,7 +192,10 @@ class FrameVerifier:
         envelope = frame[head:]
         if not hmac.compare_digest(frame[len(MAGIC) : head], _mac(self._secret, envelope)):
             raise FrameRejected(REASON_BAD_MAC, "wrong key or altered frame")
-        session, counter, sent_at, recipient, tag, body = _unpack_envelope(envelope, self.max_frame_bytes)
+        return envelope
+
+    def _check_fresh(self, session: int, counter: int, sent_at: float, recipient: str) -> None:
+        """Recipient, freshness and replay (nothing remembered: ``_remember`` does that)."""
         if recipient != self.recipient:
             raise FrameRejected(REASON_MISADDRESSED, f"frame for {recipient!r} reached {self.recipient!r}")
         now = time.time()
@@ -148,13 +203,13 @@ class FrameVerifier:
             raise FrameRejected(
                 REASON_STALE, f"sent {now - sent_at:.1f} s ago (window {self.replay_window_s} s)"
             )
-        self._check_replay(session, counter, time.monotonic())
-        return tag, body
-
-    def _check_replay(self, session: int, counter: int, now: float) -> None:
         last = self._sessions.get(session)
         if last is not None and counter <= last[0]:
             raise FrameRejected(REASON_REPLAYED, f"session {session:x} counter {counter} <= {last[0]}")
+
+    def _remember(self, session: int, counter: int) -> None:
+        """A frame of ``session`` numbered ``counter`` was taken: older ones of it are replays."""
+        now = time.monotonic()
         self._sessions[session] = (counter, now)
         self._sessions.move_to_end(session)
         # NOTE: a session silent for longer than the window can only send stale frames, so forgetting
@@ -164,6 +219,40 @@ class FrameVerifier:
             if now - seen <= 2 * self.replay_window_s and len(self._sessions) <= MAX_SESSIONS:
                 break
             del self._sessions[oldest]
+
+
+def _unpack_head(envelope: bytes, max_bytes: int) -> tuple[int, int, float, str, str, int]:
+    """The envelope's first five items, checked as ``_unpack_envelope`` checks them, and where its body
+    starts: a map, left unread (a typed decoder reads it, and nothing else walks it)."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=len(envelope),
+        max_str_len=max_bytes,
+        max_bin_len=max_bytes,
+        max_array_len=max_bytes // 2,
+        max_map_len=4096,
+        max_ext_len=0,
+    )
+    unpacker.feed(envelope)
+    try:
+        if unpacker.read_array_header() != 6:
+            raise FrameRejected(REASON_MALFORMED, "envelope is not a 6-item array")
+        session, counter, sent_at, recipient, tag = (unpacker.unpack() for _ in range(5))
+    except (ValueError, msgpack.UnpackException) as e:  # OutOfData, ExtraData, FormatError, StackError, ...
+        raise FrameRejected(REASON_MALFORMED, f"envelope is not valid msgpack: {type(e).__name__}") from None
+    body_at = unpacker.tell()
+    if not (
+        type(session) is int
+        and type(counter) is int
+        and type(sent_at) is float
+        and isinstance(recipient, str)
+        and isinstance(tag, str)
+        and body_at < len(envelope)
+        and envelope[body_at] in _MAP_HEADS
+    ):
+        raise FrameRejected(REASON_MALFORMED, "envelope fields have the wrong types")
+    return session, counter, sent_at, recipient, tag, body_at
 
 
 def _unpack_envelope(envelope: bytes, max_bytes: int) -> tuple[int, int, float, str, str, dict[str, Any]]:

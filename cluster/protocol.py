@@ -1,16 +1,14 @@
 """Boundary types: sampling parameters, token deltas, request outputs, error codes, stats.
 
-Plain dataclasses that survive a msgpack round trip (``to_dict`` here; the typed, strict decoding of the
-router <-> worker messages that carry them is cluster/wire.py). This module imports nothing of the
-project and nothing heavy, so the router, server, client and workers all use it.
+Plain dataclasses; the router <-> worker messages that carry them, and their strict msgpack codec, are
+cluster/wire.py (each dataclass travels as its strict form: cluster/wire_forms.py). This module imports
+nothing of the project and nothing heavy, so the router, server, client and workers all use it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 MAX_LOGPROBS = 20
 # Caps on the sampling fields a request may carry (each a 400 at the edge, a ValueError offline).
@@ -253,37 +251,6 @@ class RequestOutput:
             self.finish_reason = delta.finish_reason
             self.finish_time = now
             self.error = delta.error
-
-
-_PLAIN_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, gathered once per class
-
-
-def to_dict(obj: Any) -> Any:
-    """Turn a protocol dataclass (nested) into msgpack-able builtins.
-
-    NOTE: runs for every field of every message a worker sends (each step's token deltas), so plain
-    values return first and a dataclass's fields are looked up once per class: ~2.5 us for a one-token
-    delta, where ``dataclasses.fields`` on every call cost ~7.5 us."""
-    cls = type(obj)
-    if cls in _PLAIN_TYPES:
-        return obj
-    names = _FIELD_NAMES.get(cls)
-    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(obj))
-    if names is not None:
-        return {name: to_dict(getattr(obj, name)) for name in names}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(x) for x in obj]
-    if isinstance(obj, dict):
-        if obj and all(type(k) is int for k in obj):
-            # NOTE: msgpack maps on our sockets take str keys only (strict_map_key): an int-keyed map
-            # (logit_bias) travels as [key, value] pairs; cluster/wire.py decodes dict[int, V] from them.
-            return [[k, to_dict(v)] for k, v in obj.items()]
-        return {k: to_dict(v) for k, v in obj.items()}
-    return obj
 
 
 @dataclass(slots=True)

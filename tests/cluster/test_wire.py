@@ -3,11 +3,11 @@ bad frame is rejected with its reason, counted, and never raises."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -246,4 +246,104 @@ def test_signed_frames_of_random_shape_never_raise(tag: str, body: dict[str, Any
     if message is None:
         assert sum(decoder.rejected().values()) == 1
     else:  # NOTE: a random body that happens to be valid must decode to its own fields
-        assert {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}.keys() >= body.keys()
+        assert {f.name for f in msgspec.structs.fields(message)} >= body.keys()
+
+
+def _first_delta_on_the_wire(frame: bytes) -> object:
+    """What a Deltas frame carries for its first delta (the envelope unpacked, not checked)."""
+    return msgpack.unpackb(frame[len(MAGIC) + 16 :], raw=False)[5]["deltas"][0]
+
+
+def test_a_delta_travels_as_its_fields_off_their_defaults_and_decodes_to_the_same_delta() -> None:
+    encoder, decoder = WireEncoder(SECRET), WireDecoder(SECRET, ROUTER_ID, EVENTS)
+    plain = TokenDelta("a", [5], " hi")
+    assert _first_delta_on_the_wire(encoder.encode(ROUTER_ID, Deltas("w", [plain]))) == {
+        "request_id": "a",
+        "token_ids": [5],
+        "text": " hi",
+    }
+    first = TokenDelta("d", [3], "", scheduled_time=0.0, num_cached_tokens=16)  # 0.0 is not None: sent
+    assert _first_delta_on_the_wire(encoder.encode(ROUTER_ID, Deltas("w", [first]))) == {
+        "request_id": "d",
+        "token_ids": [3],
+        "num_cached_tokens": 16,
+        "scheduled_time": 0.0,
+    }
+    deltas = [
+        plain,
+        TokenDelta("b", [], ""),
+        TokenDelta("c", [1, 2], "x", num_cached_tokens=16),
+        first,
+        TokenDelta(
+            "e", [4], "y", [TokenLogprobs(4, -0.5, [4], [-0.5])], FinishReason.STOP, 3, None, None, 1.5
+        ),
+        TokenDelta("f", [], "", error="boom", finish_reason=FinishReason.ERROR),
+        DELTA,
+    ]
+    event = decoder.decode(encoder.encode(ROUTER_ID, Deltas("w", deltas)))
+    assert isinstance(event, Deltas) and event.deltas == deltas
+    assert all(type(d) is TokenDelta for d in event.deltas)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"request_id": "a", "token_ids": [True]},
+        {"request_id": "a", "token_ids": ["5"]},
+        {"request_id": 1, "token_ids": [5]},
+        {"token_ids": [5]},
+        {"request_id": "a", "token_ids": [5], "text": b"x"},
+        {"request_id": "a", "token_ids": [5], "num_cached_tokens": 1.0},
+        {"request_id": "a", "token_ids": [5], "surprise": 1},
+        {"request_id": "a", "token_ids": [5], "logprobs": [{"token_id": 5, "logprob": -0.5, "nope": 1}]},
+        {"request_id": "a", "token_ids": [5], "scheduled_time": float("nan")},
+        {"request_id": "a", "token_ids": [5], "finish_reason": "done"},
+    ],
+)
+def test_a_bad_delta_is_rejected(bad: dict[str, object]) -> None:
+    decoder = WireDecoder(SECRET, ROUTER_ID, EVENTS)
+    frame = FrameSigner(SECRET).sign(ROUTER_ID, Deltas.TAG, {"worker_id": "w", "deltas": [bad]})
+    assert decoder.decode(frame) is None
+    assert decoder.rejected() == {"bad_field": 1}
+
+
+def test_int_keyed_maps_travel_as_pairs_and_an_empty_one_as_either() -> None:
+    op = Generate("r", [1], SamplingParams(logit_bias={7: -1.5, 3: 100.0}), 1e9)
+    body = body_of(op)
+    assert body["params"]["logit_bias"] == [[7, -1.5], [3, 100.0]]
+    assert roundtrip(op, OPS) == op
+    params = body["params"]
+    for logit_bias in ({}, []):
+        assert rejected_or_decoded({**body, "params": {**params, "logit_bias": logit_bias}}) == Generate(
+            "r", [1], SamplingParams(), 1e9
+        )
+    for logit_bias in ({"7": 1.0}, [[7]], [[True, 1.0]], [[7, "1"]], [[7, 1.0, 2]], [7, 1.0]):
+        assert rejected_or_decoded({**body, "params": {**params, "logit_bias": logit_bias}}) == "bad_field"
+
+
+def rejected_or_decoded(body: dict[str, Any], tag: str = "generate") -> Any:
+    """The op a signed frame of ``body`` decodes to, or the reason it was rejected."""
+    decoder = WireDecoder(SECRET, "w", OPS)
+    message = decoder.decode(signed(tag, body))
+    if message is None:
+        (reason,) = decoder.rejected()
+        return reason
+    return message
+
+
+def test_a_map_past_the_cap_is_malformed_as_before_at_any_depth() -> None:
+    good = body_of(ALL_EVENTS[0])
+    stats = good["stats"]
+    big = {f"r{i}": i for i in range(4097)}
+    frames = [
+        signed("heartbeat", {**good, "stats": {**stats, "rejected_frames": big}}, recipient=ROUTER_ID),
+        signed("heartbeat", {**good, **big}, recipient=ROUTER_ID),
+    ]
+    decoder = WireDecoder(SECRET, ROUTER_ID, EVENTS)
+    assert [decoder.decode(f) for f in frames] == [None, None]
+    assert decoder.rejected() == {"malformed": 2}
+    at_cap = {f"r{i}": i for i in range(4096)}
+    message = decoder.decode(
+        signed("heartbeat", {**good, "stats": {**stats, "rejected_frames": at_cap}}, recipient=ROUTER_ID)
+    )
+    assert isinstance(message, Heartbeat) and message.stats.rejected_frames == at_cap

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -144,7 +144,7 @@ class FakeWorkers:
                 continue
             if isinstance(op, (Generate, PrepareDecode, DecodeHandoff)):
                 assert op.owner == self.router.members.owner, (op.owner, self.router.members.owner)
-                return replace(op, owner="")
+                return msgspec.structs.replace(op, owner="")
             return op
 
     async def ops(self, worker_id: str, n: int) -> list[Any]:
@@ -159,7 +159,7 @@ class FakeWorkers:
             if isinstance(op, RouterLease):
                 continue
             if isinstance(op, (Generate, PrepareDecode, DecodeHandoff)):
-                op = replace(op, owner="")
+                op = msgspec.structs.replace(op, owner="")
             out.append(op)
         return out
 
