@@ -140,6 +140,7 @@ def _record_form(cls: type, fields: list[tuple[str, Any, Any, Any]]) -> Form:
         frozen=True,
         forbid_unknown_fields=True,
         omit_defaults=True,
+        gc=False,
         module=__name__,
     )
     names = tuple(name for name, _, _, _ in fields)
