@@ -43,11 +43,10 @@ from cluster.http import admin_routes, completion_routes, model_routes
 from cluster.http.auth import DEFAULT_TENANT, KeyRing
 from cluster.http.connections import ConnectionLimits, bounded_protocol
 from cluster.http.errors import RETRY_AFTER_S, ApiError, as_api_error, error_body
-from cluster.http.fanout import StreamLimits
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Edge
 from cluster.http.quotas import TenantLimits, TenantQuotas
-from cluster.http.server_state import AdvisorLike, RouterLike, Scaler, ServerState, state_of
+from cluster.http.server_state import AdvisorLike, RouterLike, Scaler, ServerState, StreamLimits, state_of
 from cluster.http.tool_parsers import create_tool_parser
 from cluster.protocol import RouterError
 from cluster.tokenizer import Tokenizer
@@ -166,11 +165,11 @@ def create_app(
     app = EdgeApp(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(
         router.worker_stats,
-        getattr(router, "rejected_frames", None),
+        router.rejected_frames,
         model_name=names[0],
         mode=router.mode,
         compat=metrics_compat,
-        route_decisions=getattr(router, "route_decisions", None),
+        route_decisions=router.route_decisions,
         advice=advisor.latest if advisor is not None else None,
     )
     app.state.pdserve = ServerState(

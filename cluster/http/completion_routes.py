@@ -1,84 +1,51 @@
 """The generation routes: POST /v1/completions and /v1/chat/completions.
 
-Each validates and plans its body off the event loop (``ServerState.plan``), counts it against its
-tenant's limits (``cluster/http/quotas.py``: 429 naming the limit), runs the plan through a
-:class:`Fanout` and answers one JSON body or an SSE stream (``cluster/http/streaming.py``). A request may
+Each validates and plans its body (``ServerState.plan``), counts it against its tenant's limits
+(``cluster/http/quotas.py``: 429 naming the limit), runs the plan as an :class:`Answer`
+(``cluster/http/answer.py``) and answers one JSON body or an SSE stream (``cluster/http/streaming.py``). A request may
 carry ``x-pdserve-ttft-slo-ms`` (its TTFT SLO for SLO-aware admission: a request predicted to miss it is a
 429 with Retry-After).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from cluster.http.connections import BODY_WRITER, BodyWriter, ConnectionLost
-from cluster.http.errors import ApiError, as_api_error
-from cluster.http.fanout import Fanout
+from cluster.http.answer import Answer
+from cluster.http.connections import ConnectionLost, writer_for
+from cluster.http.errors import ApiError
 from cluster.http.planning import Edge, Plan, completion_plans_on_loop, plan_chat, plan_completion
 from cluster.http.quotas import Lease
-from cluster.http.responses import ChoiceBuilder, choice_builders, envelope, response_prompt_logprobs, usage
+from cluster.http.responses import envelope, response_prompt_logprobs, usage
 from cluster.http.server_state import ServerState, state_of
-from cluster.http.streaming import ClosingStreamingResponse, sse_stream
-from cluster.tokenizer import Tokenizer
+from cluster.http.streaming import SseResponse
 
 TTFT_SLO_HEADER = "x-pdserve-ttft-slo-ms"
 MAX_TTFT_SLO_MS = 3_600_000.0
 
+T = TypeVar("T")
+
 routes = APIRouter()
 
 
-async def _until_disconnected(request: Request, work: asyncio.Future[Any] | asyncio.Task[Any]) -> Any:
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client goes away first (then ApiError 499 and ``work`` is cancelled)."""
-    writer = request.scope.get("extensions", {}).get(BODY_WRITER)
-    if isinstance(writer, BodyWriter):  # NOTE: pdserve's connections say when they are lost: no watcher task
-        try:
-            return await writer.run(work)
-        except ConnectionLost:
-            raise ApiError(499, "client disconnected", code="client_disconnected") from None
-        finally:
-            work.cancel()
-
-    async def watch() -> None:
-        # NOTE: the body is read by now, so the next ASGI message is the disconnect, which the server
-        # sends the moment the connection drops (a poll of is_disconnected() would notice a poll late).
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.create_task(watch())
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        raise ApiError(499, "client disconnected", code="client_disconnected")
-    finally:
-        watcher.cancel()
-        work.cancel()
-
-
-async def _collect(fanout: Fanout, plan: Plan, tokenizer: Tokenizer | None) -> dict[int, ChoiceBuilder]:
-    choices = choice_builders(plan, tokenizer)
-    remaining = len(choices)
-    while remaining:
-        index, event = await fanout.queue.get()
-        if isinstance(event, BaseException):
-            raise as_api_error(event)
-        choices[index].add(event)
-        remaining -= event.finish_reason is not None
-    return choices
+        return await writer_for(request.scope, request.receive).run(work)
+    except ConnectionLost:
+        raise ApiError(499, "client disconnected", code="client_disconnected") from None
 
 
 class _LeasedResponse(Response):
     """Delegates to ``inner`` (a streamed answer) and releases the tenant's ``lease`` once it has ended,
-    however it ends (the inner response closes its fanout, aborting what did not finish, first). A
+    however it ends (the inner response closes its answer, aborting what did not finish, first). A
     stream written whole gave it back already, before its end reached the client (``on_complete``).
 
     NOTE: not ``background=``: Starlette skips a response's background task when the stream fails.
@@ -98,23 +65,27 @@ class _LeasedResponse(Response):
 
 async def _run(state: ServerState, plan: Plan, request: Request, arrival: float, lease: Lease) -> Response:
     """Run ``plan`` and answer it; ``lease`` (the tenant's quota) is released once the answer ends."""
-    fanout = Fanout(state.router, state.metrics, plan, arrival, state.stream_limits)
     handed_off = False
+    answer: Answer | None = None
     try:
+        answer = Answer(
+            state.router,
+            state.metrics,
+            plan,
+            arrival,
+            due=state.due_answers,
+            limits=state.stream_limits,
+            tokenizer=state.edge.tokenizer,
+        )
         if plan.stream:
-            # NOTE: wait for the first event before sending headers, so 429/503/504 raised before the
+            # NOTE: wait for the first output before sending headers, so 429/503/504 raised before the
             # first token still get their HTTP status (and clients may retry them).
-            first = await _until_disconnected(request, asyncio.ensure_future(fanout.queue.get()))
-            if isinstance(first[1], BaseException):
-                raise as_api_error(first[1])
+            await _until_disconnected(request, answer.first_output())
             handed_off = True
-            stream = sse_stream(plan, fanout, first, state.edge.tokenizer, state.metrics)
-            answer = ClosingStreamingResponse(
-                stream, fanout, state.replica_headers, on_complete=lease.release
+            return _LeasedResponse(
+                SseResponse(answer, state.replica_headers, on_complete=lease.release), lease
             )
-            return _LeasedResponse(answer, lease)
-        work = asyncio.ensure_future(_collect(fanout, plan, state.edge.tokenizer))
-        choices = await _until_disconnected(request, work)
+        choices = await _until_disconnected(request, answer.collect())
         response = {**envelope(plan, chunk=False), "choices": [c.full_choice(i) for i, c in choices.items()]}
         return JSONResponse(
             {**response, "usage": usage(plan, choices), **response_prompt_logprobs(plan, choices)},
@@ -122,8 +93,8 @@ async def _run(state: ServerState, plan: Plan, request: Request, arrival: float,
         )
     finally:
         if not handed_off:
-            with anyio.move_on_after(30, shield=True):
-                await fanout.close()
+            if answer is not None:
+                answer.close()
             lease.release()
 
 

@@ -14,15 +14,16 @@ open indefinitely, and ``limit_concurrency`` answers 503 only once a full head h
 
 Each request's scope also carries a :class:`BodyWriter` (``scope["extensions"][BODY_WRITER]``): a
 streaming response writes its body chunks with it straight to the transport, as uvicorn's ``send`` would
-(same bytes, same flow control), without an ASGI message and an h11 event per chunk.
+(same bytes, same flow control), without an ASGI message and an h11 event per chunk. Under any other ASGI
+server, :class:`AsgiWriter` is the same :class:`Writer` over plain ASGI messages (``writer_for``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
@@ -43,6 +44,26 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
+
+
+class Writer(Protocol):
+    """How an answer writes its body to its client (the response head is sent through ASGI first)."""
+
+    @property
+    def is_paused(self) -> bool:
+        """The connection's buffer is full (a client that does not read): write nothing until ``drain``."""
+
+    @property
+    def num_buffered_bytes(self) -> int:
+        """Bytes written and not yet taken by the client's connection."""
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None:
+        """Until the connection takes writes again (the caller bounds the wait)."""
+
+    async def run(self, work: Awaitable[T]) -> T:
+        """Await ``work``; ConnectionLost (and ``work`` cancelled) if the client goes away first."""
 
 
 class BodyWriter:
@@ -89,6 +110,11 @@ class BodyWriter:
     def is_paused(self) -> bool:
         return self._cycle.flow.write_paused and not self._cycle.disconnected
 
+    @property
+    def num_buffered_bytes(self) -> int:
+        transport = self._cycle.transport
+        return 0 if transport.is_closing() else transport.get_write_buffer_size()
+
     async def drain(self) -> None:
         await self._cycle.flow.drain()
 
@@ -99,6 +125,64 @@ class BodyWriter:
         if not cycle.response_started or cycle.response_complete:
             raise RuntimeError("BodyWriter.write outside a started, unfinished response")
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._is_chunked else data)
+
+
+class AsgiWriter:
+    """A :class:`Writer` over plain ASGI messages, for a server that is not pdserve's (an ASGI test
+    transport, say): what ``write`` takes waits until ``drain`` sends it as one ``http.response.body``
+    message, and counts as a full buffer meanwhile, so the answer's task drains it within the stall bound
+    like any full connection. ``run`` watches ``receive`` for the client's disconnect."""
+
+    def __init__(
+        self, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]] | None = None
+    ):
+        self._receive = receive
+        self.send = send  # set once the response starts
+        self._pending: list[bytes] = []
+
+    @property
+    def is_paused(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def num_buffered_bytes(self) -> int:
+        return sum(map(len, self._pending))
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._pending.append(data)
+
+    async def drain(self) -> None:
+        if self.send is None:
+            raise RuntimeError("AsgiWriter.drain before the response started")
+        data, self._pending = b"".join(self._pending), []
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def run(self, work: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(work)
+
+        async def watch() -> None:
+            # NOTE: the body is read by now, so the next ASGI message is the disconnect, which the server
+            # sends the moment the connection drops
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            raise ConnectionLost
+        finally:
+            watcher.cancel()
+            task.cancel()
+
+
+def writer_for(scope: Any, receive: Callable[[], Awaitable[Any]]) -> Writer:
+    """The request's writer from its connection (``BODY_WRITER``: pdserve's connections), else an
+    :class:`AsgiWriter`."""
+    writer = scope.get("extensions", {}).get(BODY_WRITER)
+    return cast(Writer, writer) if writer is not None else AsgiWriter(receive)
 
 
 def _plain_response(status_line: bytes, extra_headers: bytes, message: str) -> bytes:

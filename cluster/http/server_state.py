@@ -1,12 +1,14 @@
 """What the HTTP edge's routes share: :class:`ServerState` (``app.state.pdserve``) and the protocols of
 what it holds: the router (:class:`RouterLike`), the live advisor (:class:`AdvisorLike`) and the cluster's
-scaler (:class:`Scaler`). Tests pass stubs for all three."""
+scaler (:class:`Scaler`). Tests pass stubs for all three. :class:`DueAnswers` batches the answers that got
+output in one turn of the loop."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -17,9 +19,11 @@ from cluster.http.json_body import parse_body, read_body
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Edge, Plan
 from cluster.http.quotas import Lease, TenantQuotas
-from cluster.protocol import GenerateRequest, ModelInfo, TokenDelta, WorkerStats
+from cluster.protocol import GenerateRequest, ModelInfo, WorkerStats
+from cluster.router.stream import OutputListener, RequestStream
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,17 +36,54 @@ class StreamLimits:
 
 
 class RouterLike(Protocol):
-    """The slice of ``cluster.router.router.Router`` the server uses (tests pass a stub)."""
+    """The edge's whole contract with the router (``cluster.router.router.Router``; tests pass stubs)."""
 
     @property
     def model_info(self) -> ModelInfo: ...
     @property
     def mode(self) -> str: ...
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
-    async def abort(self, request_id: str) -> None: ...
+    def open(
+        self,
+        req: GenerateRequest,
+        listener: OutputListener | None = None,
+        *,
+        max_unread_bytes: int | None = None,
+        unread_elsewhere: Callable[[], int] | None = None,
+    ) -> RequestStream:
+        """Send ``req``; its output arrives in the returned stream, told to ``listener``; RouterError
+        before anything is queued (``Router.open``)."""
+
     def is_healthy(self) -> bool: ...
     def worker_stats(self) -> list[WorkerStats]: ...
+    def rejected_frames(self) -> dict[str, int]: ...
+    def route_decisions(self) -> dict[tuple[str, str], int]: ...
+
+
+class _Flushable(Protocol):
+    def flush(self) -> None: ...
+
+
+class DueAnswers:
+    """The answers of one server (one event loop) that got output in this turn of the loop: one callback
+    flushes them all once the turn's frames are handled, not one per answer per step
+    (``cluster/http/answer.py``)."""
+
+    def __init__(self) -> None:
+        self._due: list[_Flushable] = []
+
+    def add(self, answer: _Flushable) -> None:
+        if not self._due:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._due.append(answer)
+
+    def _flush(self) -> None:
+        due, self._due = self._due, []
+        for answer in due:
+            try:
+                answer.flush()
+            except Exception:  # NOTE: one broken answer must not keep the others' output back
+                logger.exception("writing an answer's output failed")
 
 
 class AdvisorLike(Protocol):
@@ -87,6 +128,7 @@ class ServerState:
     scaling: asyncio.Lock = field(default_factory=asyncio.Lock)
     advisor: AdvisorLike | None = None  # live advice (/v1/pdserve/advice, the advice gauges)
     stream_limits: StreamLimits = field(default_factory=StreamLimits)  # a stream's buffer and stall bounds
+    due_answers: DueAnswers = field(default_factory=DueAnswers)  # the answers with output this turn
     # NOTE: a body past large_body_bytes is parsed and tokenized on its own one-thread lane, so huge
     # prompts queue behind each other, never in front of a small request (issue 31 row 8).
     large_pool: concurrent.futures.ThreadPoolExecutor = field(

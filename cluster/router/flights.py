@@ -1,6 +1,6 @@
 """Flights: the router's state of each request it carries (across its migrations): which workers hold it,
-the queue of events its ``generate()`` reads (and its size in bytes, which the router bounds), its timings and deadline, and the worker counters it adds
-to while it is on them.
+the stream its output goes to (cluster/router/stream.py), the tokens it streamed so far (a migration goes
+on after them), its timings and deadline, and the worker counters it adds to while it is on them.
 
 Each attempt of a request has its own wire id (``<request id>~<attempt>``), so late events of an
 abandoned attempt are dropped: ``Flights`` finds a flight by the caller's request id and by its current
@@ -11,64 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from cluster.protocol import (
-    GenerateRequest,
-    RequestTimings,
-    RouteInfo,
-    RouterError,
-    TokenDelta,
-    delta_nbytes,
-)
+from cluster.protocol import GenerateRequest, RequestTimings, RouteInfo
 from cluster.router.membership import WorkerRef, WorkerState
-from cluster.wire import Prefilled, Transferred
-
-# NOTE: a decode step's delta is queued as the TokenDelta itself (the wire carries a step's deltas
-# together, in ``Deltas``): no wrapper object per token
-FlightEvent = TokenDelta | Prefilled | Transferred | RouterError
-QueuedEvent = tuple[int, FlightEvent, int]  # (attempt, event, its delta_nbytes)
-# takes a delta straight from the receive loop (True) or leaves it to the flight's queue (False)
-DeltaSink = Callable[[TokenDelta], bool]
-
-
-class Mailbox:
-    """A flight's queued events for its one reader (``generate()``): a deque and one waiter future,
-    made only when the reader finds it empty (an asyncio.Queue costs a future and a timer per get)."""
-
-    def __init__(self) -> None:
-        self._items: deque[QueuedEvent] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: QueuedEvent) -> None:
-        self._items.append(item)
-        self.wake()
-
-    def wake(self) -> None:
-        """Wake the reader waiting in ``wait`` (an event arrived, or its deadline passed)."""
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self) -> None:
-        """Until an event is queued or ``wake`` is called (at once when one is queued)."""
-        if self._items:
-            return
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter
-
-    def get_nowait(self) -> QueuedEvent:
-        return self._items.popleft()
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def empty(self) -> bool:
-        return not self._items
+from cluster.router.stream import RequestStream
 
 
 @dataclass
@@ -78,69 +26,28 @@ class Flight:
     req: GenerateRequest
     arrival: float
     deadline: float
-    # (attempt, event, its delta_nbytes): the size is counted once, when queued
-    events: Mailbox = field(default_factory=Mailbox)
+    stream: RequestStream  # where its output goes
     attempt: int = 0
     prefill: WorkerRef | None = None
     decode: WorkerRef | None = None
     is_early_decode: bool = False  # `decode` holds an early reservation; the handoff has not happened
-    # NOTE: counted when a delta arrives, not when the caller consumes it: every received token will reach
-    # the caller, so a migration continues after all of them (none twice, none lost).
+    # NOTE: counted when a delta arrives (it is in the stream from then on): a migration continues after
+    # all of them (none twice, none lost)
     token_ids: list[int] = field(default_factory=list)
-    finished: bool = False  # its final delta arrived (it must not migrate any more)
+    is_ended: bool = False  # finished or failed: the router let go of it (its stream ended)
     scheduled_time: float | None = None
     first_token_time: float | None = None
     transfer_s: float = 0.0
-    done: bool = False
     route: RouteInfo | None = None  # the current attempt's routing decision
     queued_on: WorkerRef | None = None  # the worker whose prefill queue holds the current attempt
     queued_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of the tokens the current attempt prefills
-    num_queued_bytes: int = 0  # of the deltas in ``events`` (protocol.delta_nbytes)
-    # its caller left request_buffer_bytes of events untaken: aborted on its workers, the error queued
-    is_overflowed: bool = False
-    deadline_timer: asyncio.TimerHandle | None = None  # wakes generate() at the deadline (Router)
-    sink: DeltaSink | None = None  # Router.generate_into's
-    is_waiting: bool = False  # its generate() waits for an event (none is queued)
+    deadline_timer: asyncio.TimerHandle | None = None  # ends it at the deadline (Router)
 
     @property
     def wire_id(self) -> str:
         rid = self.req.request_id
         return rid if self.attempt == 0 else f"{rid}~{self.attempt}"
-
-    def put(self, event: FlightEvent) -> None:
-        """Queue an event of the current attempt for generate()."""
-        num_bytes = 0
-        delta = (
-            event if isinstance(event, TokenDelta) else event.delta if isinstance(event, Prefilled) else None
-        )
-        if delta is not None:
-            self.token_ids += delta.token_ids
-            self.finished = self.finished or delta.finish_reason is not None
-            num_bytes = delta_nbytes(delta)
-            self.num_queued_bytes += num_bytes
-        self.events.put_nowait((self.attempt, event, num_bytes))
-
-    def can_hand_over(self, delta: TokenDelta) -> bool:
-        """Whether ``delta`` may skip the queue for the sink: generate() would only yield it as it is (a
-        first attempt's mid-stream, unfinished delta, before the deadline) and waits for it with nothing
-        queued before it."""
-        return (
-            self.is_waiting
-            and self.attempt == 0
-            and delta.finish_reason is None
-            and self.first_token_time is not None
-            and not self.finished
-            and not self.is_overflowed
-            and self.events.empty()
-            and time.time() < self.deadline
-        )
-
-    def take(self) -> tuple[int, FlightEvent]:
-        """The next queued (attempt, event) (one must be queued); its bytes leave ``num_queued_bytes``."""
-        attempt, event, num_bytes = self.events.get_nowait()
-        self.num_queued_bytes -= num_bytes
-        return attempt, event
 
     @property
     def is_handed_off(self) -> bool:

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, assert_never
 
@@ -46,6 +46,7 @@ from cluster.protocol import (
     ModelInfo,
     QueueFullError,
     RequestAbortedError,
+    RouterError,
     SloUnattainableError,
     TokenDelta,
     WorkerFailedError,
@@ -53,11 +54,12 @@ from cluster.protocol import (
     router_error,
 )
 from cluster.router.admission import SloAdmission, build_admission
-from cluster.router.flights import DeltaSink, Flight, FlightEvent, Flights
+from cluster.router.flights import Flight, Flights
 from cluster.router.handoff import Handoffs
 from cluster.router.membership import Membership, WorkerRef, WorkerState
 from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.routing import Pools, PrefixView, Route, decide
+from cluster.router.stream import OutputListener, RequestStream
 from cluster.wire import (
     EVENTS,
     Abort,
@@ -224,68 +226,56 @@ class Router:
         return dict(self._route_counts)
 
     # ---- the request path -----------------------------------------------------------------------------
-    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Yield the request's token deltas; the last has finish_reason and timings. Raises RouterError.
-        If the caller stops iterating early (disconnect), the request is aborted everywhere."""
-        return self._generate(req, None)
+    def open(
+        self,
+        req: GenerateRequest,
+        listener: OutputListener | None = None,
+        *,
+        max_unread_bytes: int | None = None,
+        unread_elsewhere: Callable[[], int] | None = None,
+    ) -> RequestStream:
+        """Route and send ``req``; its output arrives in the returned stream (cluster/router/stream.py),
+        told to ``listener`` as it comes (None: the stream is an async iterator). Raises RouterError
+        before anything is queued (queue full, a duplicate id, no healthy path, SLO refusal).
 
-    def generate_into(self, req: GenerateRequest, sink: DeltaSink) -> AsyncIterator[TokenDelta]:
-        """``generate``, but a decode step's plain delta may go to ``sink`` instead of being yielded: when
-        the caller waits for the next one, none is queued before it, and ``sink(delta)`` accepts it
-        (returns True). The deltas the sink accepts and those yielded are the request's deltas, in order.
-
-        NOTE: the hot path of the front end: a delta handed to the sink from the receive loop costs no
-        wake-up of the caller's task and no trip through this generator (one token per stream per step)."""
-        return self._generate(req, sink)
-
-    async def _generate(self, req: GenerateRequest, sink: DeltaSink | None) -> AsyncIterator[TokenDelta]:
+        The stream ends with the final delta (it carries finish_reason and timings) or with a RouterError
+        (``stream.error``); ``stream.close()`` aborts the request everywhere if it has not ended. A
+        consumer that leaves more than ``max_unread_bytes`` untaken (with what ``unread_elsewhere()``
+        says it holds itself) has its request aborted on its workers and its stream ended with
+        RequestAbortedError ``stream_stalled``."""
         if len(self._flights) >= self.config.max_pending_requests:
             raise QueueFullError(f"{len(self._flights)} requests in flight (max_pending_requests)")
         if req.request_id in self._flights:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
         arrival = time.time()
         deadline = req.deadline if req.deadline is not None else arrival + self.config.request_timeout_s
-        flight = Flight(req, arrival, deadline, sink=sink)
+        stream = RequestStream(
+            req.request_id, listener, max_unread_bytes=max_unread_bytes, unread_elsewhere=unread_elsewhere
+        )
+        flight = Flight(req, arrival, deadline, stream)
         route = self._route(flight)
         self._admit_or_refuse(flight, route)
         self._flights.add(flight)
         self._arm_deadline(flight)
         try:
             self._commit(flight, route)
-            while True:
-                attempt, event = await self._next_event(flight)
-                if isinstance(event, TokenDelta):
-                    delta = event
-                elif isinstance(event, Prefilled):
-                    delta = event.delta
-                elif isinstance(event, Transferred):
-                    flight.transfer_s = event.seconds
-                    continue
-                else:
-                    raise event
-                if delta.request_id != req.request_id:  # a migrated attempt's wire id
-                    # NOTE: a copy: the delta is a (frozen) wire message's payload, never changed in place
-                    delta = replace(delta, request_id=req.request_id)
-                if flight.first_token_time is None:
-                    flight.first_token_time = time.time()
-                    flight.scheduled_time = delta.scheduled_time
-                    if self.admission is not None and flight.attempt == 0 and flight.route is not None:
-                        measured = flight.first_token_time - flight.arrival
-                        self.admission.observe(flight.route.predicted_ttft_s, measured)
-                if isinstance(event, Prefilled) and attempt == flight.attempt and not flight.is_overflowed:
-                    is_handed_off = self._handoffs.hand_off(flight, event)
-                    if not is_handed_off:
-                        self._migrate(flight, "no healthy decode worker for the handoff")
-                if delta.finish_reason is not None:
-                    flight.done = True
-                    delta = replace(delta, timings=flight.timings())
-                    yield delta
-                    return
+        except BaseException:
+            flight.is_ended = True
+            self._settle(flight, finished=False)
+            raise
+        stream.on_close(lambda: self._on_stream_closed(flight))
+        return stream
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """``open`` for an in-process caller: the request's deltas (merged while the caller falls behind);
+        the last has finish_reason and timings. Raises RouterError. If the caller stops iterating early,
+        the request is aborted everywhere."""
+        stream = self.open(req)
+        try:
+            async for delta in stream:
                 yield delta
         finally:
-            if flight.deadline_timer is not None:
-                flight.deadline_timer.cancel()
-            self._settle(flight)
+            stream.close()
 
     def _dispatch(self, flight: Flight) -> None:
         """Send the flight's current attempt to a worker; raises ClusterUnavailableError if none can."""
@@ -368,39 +358,68 @@ class Router:
         self._send(w, op)
 
     def _arm_deadline(self, flight: Flight) -> None:
-        """One timer per flight (``flight.deadline_timer``, cancelled when its generate() ends) wakes
-        its generate() at the deadline: none per event."""
+        """One timer per flight (``flight.deadline_timer``, cancelled when it ends) ends it with
+        DeadlineExceededError at its deadline."""
         loop = asyncio.get_running_loop()
 
         def check() -> None:
+            if flight.is_ended:
+                return
             left = flight.deadline - time.time()
             if left <= 0:
-                flight.events.wake()
+                self._fail(
+                    flight, DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
+                )
             else:  # NOTE: the loop's clock and the wall clock may drift apart: wait the rest
                 flight.deadline_timer = loop.call_later(left, check)
 
         flight.deadline_timer = loop.call_later(max(0.0, flight.deadline - time.time()), check)
 
-    async def _next_event(self, flight: Flight) -> tuple[int, FlightEvent]:
-        """The flight's next event; DeadlineExceededError once its deadline passed (queued events
-        included), woken by the flight's deadline timer while it waits."""
-        events = flight.events
-        while True:
-            if time.time() >= flight.deadline:
-                raise DeadlineExceededError(f"request {flight.req.request_id!r} passed its deadline")
-            if not events.empty():
-                return flight.take()
-            flight.is_waiting = True
-            try:
-                await events.wait()
-            finally:
-                flight.is_waiting = False
+    def _deliver(self, flight: Flight, delta: TokenDelta) -> None:
+        """A delta of the flight's current attempt arrived: into its stream (the final one with the
+        flight's timings, and the flight then ends)."""
+        flight.token_ids += delta.token_ids
+        if delta.request_id != flight.req.request_id:  # a migrated attempt's wire id
+            # NOTE: a copy: the delta is a (frozen) wire message's payload, never changed in place
+            delta = replace(delta, request_id=flight.req.request_id)
+        if flight.first_token_time is None:
+            flight.first_token_time = time.time()
+            flight.scheduled_time = delta.scheduled_time
+            if self.admission is not None and flight.attempt == 0 and flight.route is not None:
+                measured = flight.first_token_time - flight.arrival
+                self.admission.observe(flight.route.predicted_ttft_s, measured)
+        if delta.finish_reason is not None:
+            delta = replace(delta, timings=flight.timings())
+            flight.is_ended = True
+            self._settle(flight, finished=True)
+            flight.stream.put(delta)
+            return
+        if flight.stream.put(delta):
+            self._abort_overflowed(flight)
 
-    def _settle(self, flight: Flight) -> None:
-        """Request over (finished, failed, cancelled): release router counters; abort if unfinished."""
-        self._release(flight, abort=not flight.done)
+    def _fail(self, flight: Flight, error: RouterError) -> None:
+        """End the flight with ``error`` (after the output its stream holds), aborting it everywhere."""
+        if flight.is_ended:
+            return
+        flight.is_ended = True
+        self._settle(flight, finished=False)
+        flight.stream.fail(error)
+
+    def _on_stream_closed(self, flight: Flight) -> None:
+        """Its consumer left: abort it everywhere unless it has ended."""
+        if not flight.is_ended:
+            flight.is_ended = True
+            self._settle(flight, finished=False)
+
+    def _settle(self, flight: Flight, finished: bool) -> None:
+        """The flight ended (``finished``, or failed, or abandoned): release router counters, abort it on
+        its workers unless it finished (``Flight.release`` says which), forget it."""
+        if flight.deadline_timer is not None:
+            flight.deadline_timer.cancel()
+            flight.deadline_timer = None
+        self._release(flight, abort=not finished)
         self._flights.remove(flight)
-        out = len(flight.token_ids) if flight.done else flight.req.params.max_tokens
+        out = len(flight.token_ids) if finished else flight.req.params.max_tokens
         self.traffic.record(flight.arrival, len(flight.req.prompt_token_ids), out)
 
     def _release(self, flight: Flight, abort: bool) -> None:
@@ -411,18 +430,20 @@ class Router:
 
     def _migrate(self, flight: Flight, why: str) -> None:
         """Dispatch the flight again (a new attempt) or, past max_migrations, fail it."""
-        if flight.done or flight.finished or flight.is_overflowed:
+        if flight.is_ended:
             return
         if flight.attempt >= self.config.max_migrations:
             limit = self.config.max_migrations
-            flight.put(WorkerFailedError(f"{why}; request not migrated again (max_migrations {limit})"))
+            self._fail(
+                flight, WorkerFailedError(f"{why}; request not migrated again (max_migrations {limit})")
+            )
             return
         self._release(flight, abort=True)
         self._flights.next_attempt(flight)
         try:
             self._dispatch(flight)
         except ClusterUnavailableError as e:
-            flight.put(ClusterUnavailableError(f"{why}; {e}"))
+            self._fail(flight, ClusterUnavailableError(f"{why}; {e}"))
             return
         target = flight.prefill or flight.decode
         logger.warning(
@@ -434,14 +455,11 @@ class Router:
         )
 
     async def abort(self, request_id: str) -> None:
-        """Idempotent: every worker holding the request frees it; a generate() still being iterated
-        for it raises RequestAbortedError."""
+        """Idempotent: every worker holding the request frees it; its stream ends with
+        RequestAbortedError."""
         flight = self._flights.get(request_id)
         if flight is not None:
-            for w in (flight.prefill, flight.decode):
-                if w is not None and w.state != WorkerState.DEAD:
-                    self._send(w, Abort(flight.wire_id))
-            flight.put(RequestAbortedError("aborted"))
+            self._fail(flight, RequestAbortedError("aborted"))
 
     def _send(self, w: WorkerRef, op: Op) -> None:
         self.members.send(w, op)
@@ -451,7 +469,7 @@ class Router:
         """``w`` died (its peers were told): its requests move on."""
         for flight in [f for f in self._flights if f.decode is w and f.is_early_decode]:
             flight.drop_early_decode()  # NOTE: its prefill goes on; the handoff picks another worker
-        for flight in [f for f in self._flights if f.depends_on(w) and not f.done]:
+        for flight in [f for f in self._flights if f.depends_on(w)]:
             self._migrate(flight, f"worker {w.worker_id} failed: {why}")
 
     def _forget_worker(self, worker_id: str) -> None:
@@ -523,13 +541,15 @@ class Router:
                 self._on_request_failed(w, event)
             case Deltas():
                 for delta in event.deltas:
-                    self._to_flight(w, delta.request_id, delta)
+                    self._on_delta(w, delta)
             case Prefilled():
-                if not self._to_flight(w, event.delta.request_id, event):
+                if not self._on_prefilled(w, event):
                     # NOTE: the caller went away (or the request moved on) while prefill ran: let go of it.
                     self._send(w, Abort(event.delta.request_id))
             case Transferred():
-                self._to_flight(w, event.request_id, event)
+                flight = self._flights.of(w, event.request_id)
+                if flight is not None:
+                    flight.transfer_s = event.seconds
             case WorkerGone():
                 self.members.on_gone(event)
             case KeepAlive():
@@ -546,39 +566,47 @@ class Router:
         step = self.predictor.step_now_s(w)
         self.admission.observe_steps(w.worker_id, w.last_beat, event.stats.engine.num_steps, step)
 
-    def _to_flight(self, w: WorkerRef, wire_id: str, event: FlightEvent) -> bool:
-        flight = self._flights.of(w, wire_id)
+    def _on_delta(self, w: WorkerRef, delta: TokenDelta) -> None:
+        """A decode step's delta (the token path: one per running request per step)."""
+        flight = self._flights.of(w, delta.request_id)
+        if flight is None:
+            return
+        if flight.queued_on is w:
+            flight.unqueue()
+        self._deliver(flight, delta)
+
+    def _on_prefilled(self, w: WorkerRef, event: Prefilled) -> bool:
+        """A held request's first token: to its stream, then its KV handed to a decode worker (or the
+        flight migrates when none can take it). False: the flight is gone (its caller left, or it moved
+        on)."""
+        flight = self._flights.of(w, event.delta.request_id)
         if flight is None:
             return False
-        if flight.queued_on is w and isinstance(event, (TokenDelta, Prefilled)):
+        if flight.queued_on is w:
             flight.unqueue()
-        sink = flight.sink
-        if sink is not None and isinstance(event, TokenDelta) and flight.can_hand_over(event) and sink(event):
-            flight.token_ids += event.token_ids
-            return True
-        flight.put(event)
-        if flight.num_queued_bytes > self.config.request_buffer_bytes and not flight.finished:
-            self._abort_overflowed(flight)
+        self._deliver(flight, event.delta)
+        if not flight.is_ended and not self._handoffs.hand_off(flight, event):
+            self._migrate(flight, "no healthy decode worker for the handoff")
         return True
 
     def _abort_overflowed(self, flight: Flight) -> None:
-        """The flight's caller has left ``request_buffer_bytes`` of its events untaken (a stalled stream):
-        a worker cannot pause one request, so it is aborted on its workers now (its KV freed, nothing
-        more queued) and the caller finds the error after the events already queued."""
-        limit = self.config.request_buffer_bytes
-        flight.is_overflowed = True
-        self._release(flight, abort=True)
-        flight.put(
-            RequestAbortedError(
-                f"stream_stalled: the caller left {flight.num_queued_bytes} bytes of this request's "
-                f"output untaken (router request_buffer_bytes {limit}); generation aborted"
-            )
-        )
+        """The flight's consumer has left more than its bound of output untaken (a stalled stream): a
+        worker cannot pause one request, so it is aborted on its workers now (its KV freed, nothing more
+        taken) and the consumer finds the error after the output its stream holds."""
+        stream = flight.stream
+        num_bytes, limit = stream.num_unread_bytes, stream.max_unread_bytes
         logger.warning(
-            "router: aborted %s: its caller left %d bytes untaken (request_buffer_bytes %d)",
+            "router: aborted %s: its consumer left %d bytes untaken (stream_buffer_bytes %s)",
             flight.req.request_id,
-            flight.num_queued_bytes,
+            num_bytes,
             limit,
+        )
+        self._fail(
+            flight,
+            RequestAbortedError(
+                f"stream_stalled: the caller left {num_bytes} bytes of this request's output untaken "
+                f"(stream_buffer_bytes {limit}); generation aborted"
+            ),
         )
 
     def _on_request_failed(self, w: WorkerRef, event: RequestFailed) -> None:
@@ -594,4 +622,4 @@ class Router:
             # NOTE: the KV's owner died mid-transfer: not the request's fault, so it moves on
             self._migrate(flight, f"KV source {prefill.worker_id} died mid-transfer")
             return
-        flight.put(router_error(event.code, event.message))
+        self._fail(flight, router_error(event.code, event.message))

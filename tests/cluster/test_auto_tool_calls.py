@@ -148,6 +148,7 @@ class ScriptedRouter(StubRouter):
 
     def __init__(self) -> None:
         super().__init__()
+        self.paced = True  # NOTE: a chunk per piece, as the cases spell them
         self.script: list[str] = []
         self.finish = FinishReason.STOP
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import cast
 
 import pytest
 
 from cluster.frames import REASON_BAD_FIELD, FrameSigner
-from cluster.http.connections import BodyWriter
-from cluster.http.fanout import EventBuffer, Fanout
+from cluster.http import answer as answer_module
+from cluster.http.answer import Answer
+from cluster.http.connections import Writer
 from cluster.http.metrics import Metrics
 from cluster.http.planning import Plan
 from cluster.http.responses import ChoiceBuilder, SseChunks, choice_builders, envelope, sse_event
-from cluster.http.server_state import RouterLike
+from cluster.http.server_state import DueAnswers
 from cluster.protocol import (
     FinishReason,
     GenerateRequest,
@@ -25,10 +26,12 @@ from cluster.protocol import (
     SamplingParams,
     TokenDelta,
     TokenLogprobs,
+    delta_nbytes,
 )
 from cluster.router.router import Router
 from cluster.wire import EVENTS, ROUTER_ID, Deltas, Generate, WireDecoder, WireEncoder
 from tests.support.fake_workers import TIMEOUT_S, FakeWorkers, assert_idle, run, until
+from tests.support.stub_router import StubRouter
 
 SECRET = b"k" * 32
 TEXTS = ["", " hello", 'say "hi"\n', "tab\tback\\slash", "naïve — 日本 🙂", "\x00\x1f\x7f", "</script>"]
@@ -141,113 +144,112 @@ def test_a_bad_plain_delta_is_still_rejected(bad: dict[str, object]) -> None:
     assert decoder.rejected() == {REASON_BAD_FIELD: 1}
 
 
-def test_the_event_buffer_hands_events_in_order_and_wakes_its_reader() -> None:
-    async def main() -> None:
-        buffer = EventBuffer(max_bytes=1 << 20)
-        reader = asyncio.ensure_future(buffer.get())
-        await asyncio.sleep(0)  # NOTE: one loop iteration: the reader is now waiting
-        assert not reader.done()
-        first, second = TokenDelta("a", [1], "x"), TokenDelta("a", [2], "y")
-        buffer.put((0, first))
-        buffer.put((0, second))
-        assert await reader == (0, first)
-        assert buffer.qsize() == 1 and buffer.get_nowait() == (0, second)
-        assert buffer.empty() and buffer.num_bytes == 0
-        with pytest.raises(asyncio.QueueEmpty):
-            buffer.get_nowait()
-
-    asyncio.run(main())
-
-
-class _SilentRouter:
-    """A router whose streams never yield (until the fanout closes them)."""
-
-    mode = "colocated"
-
-    def __init__(self) -> None:
-        self.aborts: list[str] = []
+class _SilentRouter(StubRouter):
+    """A router whose streams never yield (until the answer closes them)."""
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        self.calls.append(req)
         await asyncio.Event().wait()
         yield TokenDelta(req.request_id, [])  # NOTE: never reached
 
-    async def abort(self, request_id: str) -> None:
-        self.aborts.append(request_id)
+
+class _Writer:
+    """A ``connections.Writer`` stand-in: the bytes written, and a switch for a connection whose buffer
+    is full (``drain`` then waits until the test opens it)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.num_writes = 0
+        self.is_paused = False
+        self.num_buffered_bytes = 0
+        self.room = asyncio.Event()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+        self.num_writes += 1
+
+    async def drain(self) -> None:
+        await self.room.wait()
+        self.is_paused = False
+
+    async def run(self, work: Awaitable[None]) -> None:
+        await work
 
 
-def test_the_keep_alive_comes_after_the_idle_timeout_and_an_event_ends_the_wait() -> None:
+def test_the_keep_alive_comes_after_the_idle_timeout_and_output_puts_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(answer_module, "KEEPALIVE_S", 0.05)
+
     async def main() -> None:
         router = _SilentRouter()
         plan = _plan("completion", False, num_choices=1)
-        fanout = Fanout(cast(RouterLike, router), Metrics(model_name="m"), plan, 0.0)
+        answer = Answer(router, Metrics(model_name="m"), plan, 0.0, due=DueAnswers())
+        writer = _Writer()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        assert await fanout.next(0.05) is None
+        answer.attach(cast(Writer, writer))
+        assert writer.data == b""
+        await until(lambda: writer.data == b": keep-alive\n\n", "the first keep-alive")
         assert loop.time() - t0 >= 0.05
-        waiting = asyncio.ensure_future(fanout.next(60.0))
-        await asyncio.sleep(0)  # NOTE: one loop iteration: the wait has started
+        (choice,) = answer.choices
+        assert choice.stream is not None
         delta = TokenDelta("r0", [1], "x")
-        fanout.queue.put((0, delta))
-        assert await asyncio.wait_for(waiting, 10) == (0, delta)
-        await fanout.close()
-        assert router.aborts == ["r0"] and fanout._idle_timer is None
+        choice.stream.put(delta)
+        await until(lambda: writer.num_writes == 2, "the output written")
+        assert bytes(writer.data) == b": keep-alive\n\n" + _general(
+            plan, choice_builders(plan, None), 0, delta
+        )
+        answer.close()
+        assert router.aborts == ["r0"] and answer._keepalive is None
 
     asyncio.run(main())
 
 
-class _Writer:
-    """A ``BodyWriter`` stand-in: the bytes written, and a switch for a connection whose buffer is full."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.is_paused = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-
-def test_a_streams_plain_deltas_go_from_the_receive_loop_to_the_connection() -> None:
-    """The real router and a fake worker: once the stream's writer waits, each plain mid-stream delta is
-    handed from the router's receive loop to the fanout and written at once (nothing in the fanout's
-    buffer, the same bytes as the general path's, in order, and counted by the flight for a migration);
-    while the connection's buffer is full, or for the delta that finishes, the buffer takes them."""
+def test_a_streams_deltas_go_from_the_receive_loop_to_the_connection_one_write_a_turn() -> None:
+    """The real router and a fake worker: each plain delta is written from the turn of the loop that
+    received it, in one write per turn, the same bytes as the general path's (and counted by the flight
+    for a migration); while the connection's buffer is full the output waits in the stream, merged, and
+    goes out as one chunk once it drains; the final delta ends the answer with [DONE]."""
 
     async def scenario(router: Router, fakes: FakeWorkers) -> None:
         await fakes.add("colocated-0", "colocated")
         plan = _plan("completion", False, num_choices=1)
-        fanout = Fanout(cast(RouterLike, router), Metrics(model_name="m"), plan, 0.0)
+        answer = Answer(router, Metrics(model_name="m"), plan, 0.0, due=DueAnswers())
         writer, reference = _Writer(), choice_builders(plan, None)
-        fanout.body_writer = cast(BodyWriter, writer)
-        fanout.chunks = SseChunks(plan, choice_builders(plan, None))
         assert isinstance(await fakes.op("colocated-0"), Generate)
         first = TokenDelta("r0", [5], " a")
         await fakes.send(Deltas("colocated-0", [first]))
-        assert await asyncio.wait_for(fanout.next(60.0), TIMEOUT_S) == (0, first)  # the first: queued
-        # NOTE: the writer renders the first itself (both renderers see it; it is not written here)
-        assert fanout.chunks.chunk(0, first) == _general(plan, reference, 0, first)
-        expected = b""
-        waiting = asyncio.ensure_future(fanout.next(60.0))
-        flight = router._flights.get("r0")
-        assert flight is not None
-        await until(lambda: flight.is_waiting and fanout._is_waiting, "the stream and its writer wait")
+        await asyncio.wait_for(answer.first_output(), TIMEOUT_S)
+        answer.attach(cast(Writer, writer))
+        expected = _general(plan, reference, 0, first)
+        assert bytes(writer.data) == expected and writer.num_writes == 1
         plain = [TokenDelta("r0", [6], ' "b"'), TokenDelta("r0", [7, 8], "c\n")]
-        await fakes.send(Deltas("colocated-0", plain[:1]))
-        await fakes.send(Deltas("colocated-0", plain[1:]))
-        for d in plain:
+        for k, d in enumerate(plain):
+            await fakes.send(Deltas("colocated-0", [d]))
             expected += _general(plan, reference, 0, d)
-        await until(lambda: len(writer.data) == len(expected), "the direct writes")
-        assert bytes(writer.data) == expected and fanout.queue.empty() and not waiting.done()
-        assert flight.token_ids == [5, 6, 7, 8]
-        writer.is_paused = True  # the client stopped reading: the writer's own path, within its bounds
-        held = TokenDelta("r0", [9], "d")
-        await fakes.send(Deltas("colocated-0", [held]))
-        assert await asyncio.wait_for(waiting, TIMEOUT_S) == (0, held)
-        last = TokenDelta("r0", [10], "e", finish_reason=FinishReason.LENGTH)
-        await fakes.send(Deltas("colocated-0", [last]))
-        got = await asyncio.wait_for(fanout.next(60.0), TIMEOUT_S)
-        assert got is not None and got[0] == 0 and isinstance(got[1], TokenDelta) and got[1].token_ids == [10]
+            await until(lambda k=k: writer.num_writes == 2 + k, "the write of the turn")  # type: ignore[misc]
         assert bytes(writer.data) == expected
-        await fanout.close()
+        flight = router._flights.get("r0")
+        assert flight is not None and flight.token_ids == [5, 6, 7, 8]
+        writer.is_paused = True  # the client stopped reading: the output waits in the stream
+        written = asyncio.ensure_future(answer.written())
+        held = [TokenDelta("r0", [9], "d"), TokenDelta("r0", [10], "e")]
+        await fakes.send(*(Deltas("colocated-0", [d]) for d in held))
+        stream = answer.choices[0].stream
+        assert stream is not None
+        await until(lambda: stream.num_unread_bytes == sum(map(delta_nbytes, held)), "both held")
+        assert writer.num_writes == 3
+        writer.room.set()  # the client reads again: the held output goes out as one chunk
+        expected += _general(plan, reference, 0, TokenDelta("r0", [9, 10], "de"))
+        await until(lambda: writer.num_writes == 4, "the held output written")
+        assert bytes(writer.data) == expected and not written.done()
+        last = TokenDelta("r0", [11], "f", finish_reason=FinishReason.LENGTH)
+        await fakes.send(Deltas("colocated-0", [last]))
+        await asyncio.wait_for(written, TIMEOUT_S)
+        tail = bytes(writer.data)[len(expected) :]
+        assert tail.endswith(b"data: [DONE]\n\n") and b'"token_ids":[11],"finish_reason":"length"' in tail
+        answer.close()
         assert_idle(router)
 
     run(scenario, mode="colocated")

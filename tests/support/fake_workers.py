@@ -3,7 +3,7 @@
 ``FakeWorkers`` speaks the router's real wire protocol (signed frames, cluster/wire.py): each fake worker
 binds its own PULL socket for ops and registers with a Heartbeat; every event of every fake worker goes
 through ONE PUSH socket, so the router handles events in exactly the order a test sends them.
-``Stream`` drives one ``Router.generate`` as a task and hands its deltas (or its error) to the test.
+``Stream`` holds one ``Router.open`` stream in a task and hands its deltas (or its error) to the test.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from cluster.protocol import (
     peer_name,
 )
 from cluster.router.router import Router
+from cluster.router.stream import RequestStream
 from cluster.wire import (
     OPS,
     ROUTER_ID,
@@ -170,22 +171,40 @@ class FakeWorkers:
 
 
 class Stream:
-    """One request through ``router.generate``, run as a task; ``next()`` is its next delta, or the
-    RouterError it raised, or None once it ended."""
+    """One request through ``router.open``, held by a task (its consumer: cancelling the task closes the
+    stream, as a client that leaves); ``next()`` is its next delta as the router delivered it (the
+    stream's listener sees each one before the stream merges it), or the RouterError it ended with, or
+    None once it ended."""
 
     def __init__(self, router: Router, request_id: str, prompt: Sequence[int], **request: Any) -> None:
         params = request.pop("params", SamplingParams(max_tokens=16, temperature=0.0))
         self.req = GenerateRequest(request_id, list(prompt), params, **request)
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.task = asyncio.create_task(self._run(router), name=f"{STREAM_TASK}{request_id}")
 
     async def _run(self, router: Router) -> None:
         try:
-            async for delta in router.generate(self.req):
-                self._queue.put_nowait(delta)
-            self._queue.put_nowait(_END)
+            stream = router.open(self.req, self)
         except RouterError as e:
             self._queue.put_nowait(e)
+            return
+        try:
+            await self._ended
+        finally:
+            stream.close()
+
+    def on_output(self, stream: RequestStream, delta: TokenDelta | None) -> None:
+        stream.take()  # NOTE: the deltas are kept as they came; the stream holds nothing
+        if delta is None:
+            self._queue.put_nowait(stream.error)
+        else:
+            self._queue.put_nowait(delta)
+            if delta.finish_reason is None:
+                return
+            self._queue.put_nowait(_END)
+        if not self._ended.done():
+            self._ended.set_result(None)
 
     async def next(self) -> TokenDelta | RouterError | None:
         item = await asyncio.wait_for(self._queue.get(), TIMEOUT_S)

@@ -13,7 +13,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 
 import httpx
@@ -29,6 +29,7 @@ from cluster.protocol import (
     GenerateRequest,
     ModelInfo,
     QueueFullError,
+    RequestAbortedError,
     RequestTimings,
     RouterError,
     SamplingParams,
@@ -38,6 +39,7 @@ from cluster.protocol import (
     WorkerFailedError,
     WorkerStats,
 )
+from cluster.router.stream import OutputListener, RequestStream
 from cluster.tokenizer import Tokenizer
 
 VOCAB_SIZE = 512
@@ -86,6 +88,9 @@ class StubRouter:
         self.model_info = ModelInfo("stub-model", "/models/stub", max_model_len, VOCAB_SIZE)
         self.mode = mode
         self.behavior: str | None = None
+        # each delta waits until the consumer took the one before (a consumer that keeps up: a chunk per
+        # delta; else the stream merges what the consumer has not taken)
+        self.paced = False
         self.fail_next: list[RouterError] = []
         self.healthy = True
         self.num_cached_tokens = 0
@@ -161,7 +166,60 @@ class StubRouter:
             if finish is not None:
                 return
 
+    def open(
+        self,
+        req: GenerateRequest,
+        listener: OutputListener | None = None,
+        *,
+        max_unread_bytes: int | None = None,
+        unread_elsewhere: Callable[[], int] | None = None,
+    ) -> RequestStream:
+        """``Router.open`` over ``generate``: a task puts its deltas into the stream (a stream past its
+        bound is aborted as the router aborts it); closing an unfinished stream records an abort."""
+        stream = RequestStream(
+            req.request_id, listener, max_unread_bytes=max_unread_bytes, unread_elsewhere=unread_elsewhere
+        )
+        task = asyncio.get_running_loop().create_task(self._feed(req, stream))
+
+        def on_close() -> None:
+            if not task.done():
+                task.cancel()
+            if not stream.is_ended:
+                self._record_abort(req.request_id)
+
+        stream.on_close(on_close)
+        return stream
+
+    async def _feed(self, req: GenerateRequest, stream: RequestStream) -> None:
+        gen = self.generate(req)
+        try:
+            async for delta in gen:
+                if self.paced:
+                    await _taken(stream)
+                if stream.put(delta):
+                    stream.fail(
+                        RequestAbortedError(
+                            f"stream_stalled: the caller left {stream.num_unread_bytes} bytes of this request's "
+                            f"output untaken (stream_buffer_bytes {stream.max_unread_bytes}); generation aborted"
+                        )
+                    )
+                    self._record_abort(req.request_id)
+                    return
+        except RouterError as e:
+            stream.fail(e)
+        finally:
+            await gen.aclose()
+
+    def rejected_frames(self) -> dict[str, int]:
+        return {}
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        return {}
+
     async def abort(self, request_id: str) -> None:
+        self._record_abort(request_id)
+
+    def _record_abort(self, request_id: str) -> None:
         with self._abort_cond:
             # NOTE: the server awaits aborts after a client has gone, so one from an earlier test's
             # request can land after the fixture reset; only this test's requests count.
@@ -181,6 +239,16 @@ class StubRouter:
 
     def worker_stats(self) -> list[WorkerStats]:
         return list(self.stats)
+
+
+async def _taken(stream: RequestStream, timeout_s: float = 10.0) -> None:
+    """Until the stream's consumer took its output (bounded: TimeoutError)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while stream.has_output and not stream.is_closed:
+        if loop.time() > deadline:
+            raise TimeoutError(f"the consumer of {stream.request_id} took nothing for {timeout_s} s")
+        await asyncio.sleep(0.001)
 
 
 class FakeScaler:
@@ -208,10 +276,16 @@ class ServerThread:
     bounded by ``ready_timeout_s``) connects at once and simply waits for the server to accept.
     """
 
-    def __init__(self, app: FastAPI, ready_timeout_s: float = 20.0) -> None:
+    def __init__(
+        self, app: FastAPI, ready_timeout_s: float = 20.0, send_buffer_bytes: int | None = None
+    ) -> None:
+        """``send_buffer_bytes``: the accepted connections' kernel send buffer (Linux: inherited from the
+        listening socket), so a client that reads nothing fills a connection soon."""
         self.sock = socket.socket(
             socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
         )  # NOTE: TCP_NODELAY on accepts
+        if send_buffer_bytes is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.port = int(self.sock.getsockname()[1])
