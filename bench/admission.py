@@ -40,10 +40,10 @@ from deploy.plan.harness import running_cluster
 from deploy.plan.inputs import DEFAULT_CONFIG, load_cluster_config
 
 if TYPE_CHECKING:
-    from deploy.launch import ClusterHandle
+    from deploy.launch import Cluster
 
 
-def set_admission(handle: ClusterHandle, predictor: Predictor, admission: SloAdmission | None) -> None:
+def set_admission(handle: Cluster, predictor: Predictor, admission: SloAdmission | None) -> None:
     """On the router's loop: the predictor, and the admission policy (None: off)."""
 
     async def apply() -> None:
@@ -58,7 +58,7 @@ def measure(url: str, args: argparse.Namespace, scenario: Scenario, label: str) 
     return asyncio.run(run_scenario(url, label, client, scenario))
 
 
-def saturation_rate(url: str, handle: ClusterHandle, args: argparse.Namespace) -> float:
+def saturation_rate(url: str, handle: Cluster, args: argparse.Namespace) -> float:
     """Requests per second the cluster completes while it is kept full: a closed loop of
     ``--saturation-concurrency`` clients, the completion rate over the middle half of the run (the ramp
     up and the drain at the ends excluded)."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from cluster.config import ClusterConfig
 from cluster.protocol import SamplingParams
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from deploy.loadgen import SCENARIOS, arrival_offsets, build_dataset
 
 
@@ -38,7 +38,7 @@ class Sample:
     transfer_s: float = 0.0
 
 
-async def one(handle: ClusterHandle, rid: str, prompt: list[int], max_tokens: int, sample: Sample) -> None:
+async def one(handle: Cluster, rid: str, prompt: list[int], max_tokens: int, sample: Sample) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     times: list[float] = []
@@ -51,7 +51,7 @@ async def one(handle: ClusterHandle, rid: str, prompt: list[int], max_tokens: in
 
 
 async def run_round(
-    handle: ClusterHandle, round_index: int, num_requests: int | None, is_sequential: bool
+    handle: Cluster, round_index: int, num_requests: int | None, is_sequential: bool
 ) -> list[Sample]:
     scenario = SCENARIOS["long_prompts"]
     if num_requests is not None:
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sequential", action="store_true", help="one request at a time, not the arrivals")
     args = p.parse_args(argv)
     cfg = ClusterConfig.from_yaml(args.config)
-    handle = start_cluster(dataclasses.replace(cfg, pin_cpu_cores=True) if args.pin_cpu_cores else cfg)
+    handle = build_cluster(dataclasses.replace(cfg, pin_cpu_cores=True) if args.pin_cpu_cores else cfg)
     samples: list[Sample] = []
     try:
         for is_early in (False, True):  # warm-up, both ways: the KV pair, the kernels' shapes

@@ -156,9 +156,9 @@ def edge_only(one_lane: bool) -> Iterator[str]:
 @contextlib.contextmanager
 def live_cluster(config: str) -> Iterator[str]:
     from deploy.http_host import start_http
-    from deploy.launch import start_cluster
+    from deploy.launch import build_cluster
 
-    handle = start_cluster(config)
+    handle = build_cluster(config)
     try:
         with start_http(handle) as http:
             yield http.url

@@ -138,7 +138,7 @@ def live_cluster(args: argparse.Namespace) -> Iterator[str]:
     from cluster.config import ClusterConfig
     from deploy.cli_args import config_path, load_config_data
     from deploy.http_host import start_http
-    from deploy.launch import start_cluster
+    from deploy.launch import build_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         keys_file = Path(tmp) / "keys"
@@ -150,7 +150,7 @@ def live_cluster(args: argparse.Namespace) -> Iterator[str]:
             "max_requests_per_key": args.max_requests_per_key,
             "max_tokens_per_key": args.max_tokens_per_key,
         }
-        handle = start_cluster(ClusterConfig.from_dict(data))
+        handle = build_cluster(ClusterConfig.from_dict(data))
         try:
             with start_http(handle) as http:
                 yield http.url

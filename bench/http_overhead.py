@@ -11,7 +11,7 @@ Targets, all measured in one run:
 * minimal: a minimal FastAPI app with the same three answers, uvicorn binding its own socket (what
   ``uvicorn app:app`` does) on its own loop thread: the reference.
 * minimal@pdserve-host: the minimal app hosted like pdserve; separates the app's cost from the hosting's.
-* cluster (``--config``): ``start_cluster`` + ``start_http``, the real thing; engine time is the
+* cluster (``--config``): ``build_cluster`` + ``start_http``, the real thing; engine time is the
   router's ``pdserve_timings.e2e_s``.
 
 Kinds: a non-streaming completion (``max_tokens=1``), the same streamed, and a 400 (``max_tokens=-1``).
@@ -378,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(Target(name, http.url, model, http.server, pdserve_loop.loop))
         if args.config:
             from deploy.http_host import start_http
-            from deploy.launch import start_cluster
+            from deploy.launch import build_cluster
 
-            handle = start_cluster(args.config)
+            handle = build_cluster(args.config)
             stack.callback(handle.shutdown)
             http = stack.enter_context(start_http(handle))
             targets.append(Target("cluster", http.url, handle.model_info.name, http.server, handle.loop))

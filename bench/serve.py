@@ -1,6 +1,6 @@
 """Online serving benchmark (``pdserve bench serve``): against a running server (``--url``), or against
 local clusters it starts in turn (``--config A.yaml --config B.yaml`` / ``--compare A.yaml B.yaml``:
-start_cluster + start_http, the chosen scenarios, shutdown) and then one comparison table.
+build_cluster + start_http, the chosen scenarios, shutdown) and then one comparison table.
 
 Sends random token-id prompts (lengths drawn from ranges, fixed seed) as streaming completions with
 Poisson / gamma arrivals (``--request-rate``, ``--burstiness``: 1 is Poisson, < 1 burstier) or a fixed
@@ -209,12 +209,12 @@ def bench_config(path: str, args: argparse.Namespace) -> dict[str, dict[str, Any
     from cluster.config import ClusterConfig
     from cluster.heap import freeze_startup_heap
     from deploy.http_host import start_http
-    from deploy.launch import start_cluster
+    from deploy.launch import build_cluster
 
     label = Path(path).stem
     print(f"== {label}: starting {path}", flush=True)
     cfg = ClusterConfig.from_yaml(path)
-    handle = start_cluster(replace(cfg, pin_cpu_cores=True) if args.pin_cpu_cores else cfg)
+    handle = build_cluster(replace(cfg, pin_cpu_cores=True) if args.pin_cpu_cores else cfg)
     try:
         with start_http(handle) as http:
             freeze_startup_heap()

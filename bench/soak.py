@@ -389,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from deploy.launch import start_cluster
+    from deploy.launch import build_cluster
 
     lab = None
     if args.lab:
@@ -399,7 +399,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if lab is not None:
             ray.init(address=lab.address, _node_ip_address=lab.ip_a, log_to_driver=False)
-        handle = start_cluster(soak_config(args.config, lab is not None))
+        handle = build_cluster(soak_config(args.config, lab is not None))
         try:
             return Soak(handle, args, lab).run()
         finally:

@@ -48,24 +48,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from deploy.cli_args import build_config
-    from deploy.http_host import check_exposure, serve_on_loop
-    from deploy.launch import start_cluster
+    from deploy.front_end import check_exposure
+    from deploy.http_host import serve
+    from deploy.launch import build_cluster
     from deploy.logs import configure_logging
 
     cfg = build_config(args)
     configure_logging(cfg.log)
     # NOTE: before the cluster starts: refusing an unauthenticated public bind must cost nothing
     check_exposure(cfg.server, cfg.server.host)
-    if cfg.server.replicas > 1:
-        from deploy.replicas import serve_replicated
-
-        serve_replicated(cfg)
-        return 0
-    handle = start_cluster(cfg)
-    try:
-        serve_on_loop(handle, cfg.server.host, cfg.server.port)
-    finally:
-        handle.shutdown()
+    with build_cluster(cfg) as cluster:
+        serve(cluster)
     return 0
 
 
@@ -73,19 +66,16 @@ def _demo(args: argparse.Namespace) -> int:
     """Local cluster -> HTTP server on a free loopback port -> streaming SDK requests -> latency table."""
     from deploy.cli_args import build_config
     from deploy.http_host import start_http
-    from deploy.launch import start_cluster
+    from deploy.launch import build_cluster
 
     cfg = build_config(args)
     where = args.config or "the packaged cpu-disagg.yaml"
     print(f"starting the {cfg.router.mode} cluster from {where} (Ray) ...", flush=True)
-    handle = start_cluster(cfg)
-    try:
-        with start_http(handle) as http:
-            print(f"serving {handle.model_info.name} on {http.url}\n", flush=True)
+    with build_cluster(cfg) as cluster:
+        with start_http(cluster) as http:
+            print(f"serving {cluster.model_info.name} on {http.url}\n", flush=True)
             results = asyncio.run(_demo_requests(http.url, args.max_tokens))
         _print_table(results)
-    finally:
-        handle.shutdown()
     print("\ncluster shut down", flush=True)
     return 0
 

@@ -1,9 +1,10 @@
-"""Hosting the HTTP app on a running cluster: the app is served on the router's own event loop
-(``handle.loop``), so handlers and the router share one loop and no request crosses threads.
+"""Hosting the HTTP app on a running cluster with one front end: the app is served on the router's own
+event loop (``cluster.loop``), so handlers and the router share one loop and no request crosses threads.
+(Front-end replicas serve the app themselves: deploy/replicas.py.)
 
-``start_http(handle)`` (tests, benchmarks, the demo) returns once /health answers; ``serve_on_loop(handle)``
-(``pdserve serve``: the one serving path) blocks until Ctrl-C / SIGTERM. Sits above ``deploy.launch``,
-whose ``ClusterHandle`` it serves; launch never imports it.
+``start_http(cluster)`` (tests, benchmarks, the demo) returns once /health answers; ``serve(cluster)``
+(``pdserve serve``: the one serving path, either front end) blocks until Ctrl-C / SIGTERM. Sits above
+``deploy.launch``, whose ``Cluster`` it serves; launch never imports it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ipaddress
 import logging
 import signal
 import socket
@@ -29,30 +29,31 @@ from cluster.heap import freeze_startup_heap
 from cluster.http.app import create_app, create_server
 from cluster.http.auth import load_keys_file, read_key_file
 from cluster.http.connections import ConnectionLimits
-from cluster.http.fanout import StreamLimits
 from cluster.http.quotas import TenantLimits
-from cluster.http.server_state import Scaler
+from cluster.http.server_state import Scaler, StreamLimits
 from cluster.router.router import Router
 from cluster.tokenizer import Tokenizer
+from deploy.front_end import check_exposure
 from deploy.planner.advice import Advisor
+from deploy.replica_set import ReplicatedFrontEnd
 
 if TYPE_CHECKING:
-    from deploy.launch import ClusterHandle
+    from deploy.launch import Cluster
 
 logger = logging.getLogger(__name__)
 
 
-def create_cluster_app(handle: ClusterHandle) -> FastAPI:
-    """The app over ``handle.router`` with the cluster's config; ``POST /v1/pdserve/scale`` scales its
+def create_cluster_app(cluster: Cluster) -> FastAPI:
+    """The app over ``cluster.router`` with the cluster's config; ``POST /v1/pdserve/scale`` scales its
     pools (``create_router_app``)."""
-    return create_router_app(handle.router, handle.config, scaler=handle)
+    return create_router_app(cluster.router, cluster.config, scaler=cluster)
 
 
 def create_router_app(
     router: Router, config: ClusterConfig, scaler: Scaler | None = None, replica: int | None = None
 ) -> FastAPI:
     """The app over ``router`` with the cluster's ``server:`` config and the model's tokenizer; client
-    deadlines are capped at the router's ``request_timeout_s``; ``scaler`` (a cluster's handle) serves
+    deadlines are capped at the router's ``request_timeout_s``; ``scaler`` (a cluster) serves
     ``POST /v1/pdserve/scale``. Structured outputs are on: every worker's engine masks constrained
     requests (workers/structured.py). With a cost profile, live advice (/v1/pdserve/advice) is on: the
     planner replays the router's recent traffic. ``replica``: a front-end replica's index (a response
@@ -104,33 +105,6 @@ def connection_limits(cfg: ServerConfig) -> ConnectionLimits:
     )
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` reaches this machine only (``localhost`` or a loopback address)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # NOTE: any other name may resolve to a public address: treat it as public
-
-
-def check_exposure(cfg: ServerConfig, host: str) -> None:
-    """Refuse (ValueError) to serve a non-loopback ``host`` without an API key unless
-    ``allow_unauthenticated``; when allowed, say so in the log. Never names a key."""
-    if is_loopback(host) or cfg.api_key or cfg.api_keys_file:
-        return
-    if not cfg.allow_unauthenticated:
-        raise ValueError(
-            f"server.host {host!r} is not a loopback address and no API key is set: anyone who reaches "
-            "it could use the model. Set --api-key / $PDSERVE_API_KEY or --api-keys-file, or pass "
-            "--allow-unauthenticated (server.allow_unauthenticated) to serve it open"
-        )
-    logger.warning(
-        "serving %s WITHOUT an API key (--allow-unauthenticated): anyone who can reach it can generate",
-        host,
-    )
-
-
 def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     # NOTE: bound here, in the caller's thread: uvicorn answers a bind failure with sys.exit(1), which
     # on the router's loop would stop that loop instead of reaching the caller.
@@ -156,7 +130,7 @@ class HttpServerHandle:
 
     Lifecycle: ``stop()`` asks uvicorn to exit (in-flight responses get its 5 s graceful window), waits
     at most ``timeout_s`` for ``serve()`` to return and closes the listening socket; it is idempotent
-    and must run before ``handle.shutdown()`` (which stops the loop the server runs on).
+    and must run before ``cluster.shutdown()`` (which stops the loop the server runs on).
     """
 
     def __init__(
@@ -209,25 +183,26 @@ class HttpServerHandle:
 
 
 def start_http(
-    handle: ClusterHandle,
+    cluster: Cluster,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
     ready_timeout_s: float = 30.0,
     log_level: str = "warning",
 ) -> HttpServerHandle:
-    """Serve the cluster's API on ``handle.loop`` without blocking; port 0 picks a free port. Returns
+    """Serve the cluster's API on ``cluster.loop`` without blocking; port 0 picks a free port. Returns
     once /health answers 200 (bounded by ``ready_timeout_s``). The caller must ``stop()`` it."""
-    check_exposure(handle.config.server, host)
+    check_exposure(cluster.config.server, host)
+    loop = cluster.loop  # NOTE: a cluster whose routers run in replica processes refuses before a bind
     sock = listen(host, port)
     server = create_server(
-        create_cluster_app(handle),
+        create_cluster_app(cluster),
         host,
         int(sock.getsockname()[1]),
         log_level,
-        connection_limits(handle.config.server),
+        connection_limits(cluster.config.server),
     )
-    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
+    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
     http = HttpServerHandle(server, future, sock)
     try:
         http.wait_ready(ready_timeout_s)
@@ -237,19 +212,48 @@ def start_http(
     return http
 
 
-def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | None = None) -> None:
-    """Serve the cluster's API on ``handle.loop`` and block until Ctrl-C / SIGTERM (then a graceful
-    stop). host/port default to ``handle.config.server``. The caller still owns ``handle.shutdown()``."""
-    cfg = handle.config.server
+def serve(cluster: Cluster) -> None:
+    """``pdserve serve``: serve the cluster's API on ``cluster.config.server``'s host and port until
+    Ctrl-C / SIGTERM. One front end: the app on the router's loop (``serve_on_loop``); replicas: they
+    serve already, and this process supervises them meanwhile. The caller still owns
+    ``cluster.shutdown()``."""
+    front = cluster.front_end
+    if not isinstance(front, ReplicatedFrontEnd):
+        serve_on_loop(cluster)
+        return
+    stop = threading.Event()
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        pids = [slot.pid for slot in front.replicas.slots]
+        print(
+            f"pdserve: serving ({cluster.config.router.mode}) on {front.url} with {len(pids)} front-end "
+            f"replicas (pids {pids})",
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve_on_loop(cluster: Cluster, host: str | None = None, port: int | None = None) -> None:
+    """Serve the cluster's API on ``cluster.loop`` and block until Ctrl-C / SIGTERM (then a graceful
+    stop). host/port default to ``cluster.config.server``. The caller still owns ``cluster.shutdown()``."""
+    cfg = cluster.config.server
     check_exposure(cfg, host or cfg.host)
+    loop = cluster.loop  # NOTE: a cluster whose routers run in replica processes refuses before a bind
     sock = listen(host or cfg.host, cfg.port if port is None else port)
     server = create_server(
-        create_cluster_app(handle),
+        create_cluster_app(cluster),
         host or cfg.host,
         int(sock.getsockname()[1]),
         limits=connection_limits(cfg),
     )
-    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), handle.loop)
+    future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
     http = HttpServerHandle(server, future, sock)
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
@@ -266,7 +270,7 @@ def serve_on_loop(handle: ClusterHandle, host: str | None = None, port: int | No
     )
     try:
         print(
-            f"pdserve: serving {handle.model_info.name} ({handle.config.router.mode}) on {http.url}",
+            f"pdserve: serving {cluster.model_info.name} ({cluster.config.router.mode}) on {http.url}",
             flush=True,
         )
         # NOTE: after the line above (printed as soon as serving starts, as before); this process serves

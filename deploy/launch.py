@@ -1,4 +1,5 @@
-"""The only place that creates worker actors (WorkerLauncher); start_cluster() and ClusterHandle.
+"""The composition root: ``build_cluster`` turns a ``ClusterConfig`` into the running actor graph, and
+:class:`Cluster` owns its lifecycle. The only place that creates actors (:class:`WorkerLauncher`).
 
     ray job submit --working-dir . -- python -m deploy.launch --config deploy/cpu-disagg.yaml \
         --prompt "Once upon a time"                                    # one request, then exit
@@ -7,19 +8,24 @@
 Serving the HTTP API is the CLI's (``pdserve serve``, ``python -m deploy.cli serve --config ...``, also
 under ``ray job submit``), through ``deploy/http_host.py``, which sits above this module.
 
-Python API (tests, benchmarks):
+Python API (tests, benchmarks, the CLI):
 
-    handle = start_cluster("deploy/cpu-disagg.yaml")   # or a ClusterConfig / dict
-    out = handle.generate(prompt_token_ids, SamplingParams(max_tokens=16))
-    async for delta in handle.agenerate(prompt_token_ids, params): ...
-    handle.scale("decode", 2)                           # grow / shrink a pool (drains, migrates)
-    handle.shutdown()                                   # no actor or thread left
+    cluster = build_cluster("deploy/cpu-disagg.yaml")   # or a ClusterConfig / dict
+    out = cluster.generate(prompt_token_ids, SamplingParams(max_tokens=16))
+    async for delta in cluster.agenerate(prompt_token_ids, params): ...
+    cluster.scale("decode", 2)                           # grow / shrink a pool (drains, migrates)
+    cluster.shutdown()                                   # no process, actor or thread left
 
-The router runs on an event loop owned by the handle (its own thread); the HTTP server, when asked
-for (deploy/http_host.py), is served on that same loop so handlers and router share it. The router
-process also hosts the torch.distributed store (``KVStore``) on which each prefill/decode pair builds its
-own KV-transfer group on first use (transfer/pairs.py): there is no launch-time world, so workers added
-by ``scale`` or restarted by Ray move KV like the first ones. Each worker gets its own pool's engine
+One graph, one swapped part, the front end (deploy/front_end.py): with ``server.replicas: 1`` a
+``RouterFrontEnd``, the router on an event loop owned by the cluster (its own thread; the HTTP server,
+when asked for, is served on that same loop so handlers and router share it); with N, a
+``ReplicatedFrontEnd`` (deploy/replica_set.py), N HTTP edge + router processes on one port, supervised
+here. What needs the router in this process (``generate``, ``agenerate``, ``scale``, ``router``) refuses
+the second with :class:`NoLocalRouterError`. Each prefill/decode pair builds its own KV-transfer group
+on first use (transfer/pairs.py): there is no launch-time world, so workers added by ``scale`` or
+restarted by Ray move KV like the first ones. (The cluster's process still hosts a torch.distributed
+store, ``KVStore``: the pairs rendezvous over their own signed links and no worker reads it, but a worker
+turns KV transfers on by its address, ``WorkerControl.store``.) Each worker gets its own pool's engine
 settings (``ClusterConfig.engine_config(pool)``).
 """
 
@@ -28,14 +34,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import replace
+from types import TracebackType
 from typing import Any, TypeVar
 
 # NOTE: ray is imported in the functions that use it: a bare GPU machine (no Ray) imports this module too
@@ -44,52 +49,35 @@ from cluster.config import ClusterConfig, PoolConfig, TransferConfig
 from cluster.frames import new_secret
 from cluster.hub import resolve_cluster_model
 from cluster.protocol import (
-    GenerateRequest,
     ModelInfo,
     RequestOutput,
     SamplingParams,
     TokenDelta,
     WorkerStats,
 )
-from cluster.router.admission import load_predictor
 from cluster.router.router import Router
 from cluster.wire import WorkerControl
 from deploy import device_check, logs
+from deploy.front_end import FrontEnd, RouterFrontEnd
+from deploy.replica_set import ReplicatedFrontEnd
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _START_TIMEOUT_S = 600.0
 _LOCAL_RAY_CPUS = 16
+_STOP_TIMEOUT_S = 10.0  # a worker's graceful shutdown, before it is killed
 # NOTE: Ray's worker_niceness is added to the niceness its workers inherit (the process that started
 # Ray's): 0 runs a local cluster's workers at the front end's own priority (Ray's default is 15)
 WORKER_NICENESS = 0
-_ids = itertools.count()
 
 
 def _pools(cfg: ClusterConfig) -> list[tuple[str, PoolConfig]]:
     return [(pool, cfg.pool(pool)) for pool in cfg.pool_names]
 
 
-class RouterLoop:
-    """The router's event loop, run by its own thread (the HTTP server, when hosted, shares it)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a coroutine on the loop from any other thread."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-
-
 class KVStore:
-    """The torch.distributed TCPStore KV-transfer pairs rendezvous on, served by the router process.
+    """The torch.distributed TCPStore KV-transfer pairs rendezvous on, served by the cluster's process.
 
     NOTE: bound to ``host`` only (the router's own address): given no socket, torch's store server
     listens on every interface, so it gets one already bound and listening (``master_listen_fd``, which
@@ -131,9 +119,10 @@ class KVStore:
 
 
 class WorkerLauncher:
-    """Creates and stops worker actors of one cluster (at start and when scaling): the only place that
-    creates actors. Each worker asks Ray for its own resources (no placement group), so a worker can be
-    added or removed alone and its resources go back to Ray with it."""
+    """Creates and stops the worker actors of one cluster (at start and when scaling): the only place that
+    creates actors. Each worker asks Ray for its own resources, so a worker can be added or removed alone
+    and its resources go back to Ray with it. ``actors`` maps each worker id to its face: the actor the
+    router talks to and Ray's lifecycle watch pings."""
 
     def __init__(
         self, cfg: ClusterConfig, secret: bytes, control: WorkerControl, fault_injection: bool
@@ -148,18 +137,28 @@ class WorkerLauncher:
         self._num_created = 0
 
     def create(self, pool: str) -> tuple[str, Any]:
-        import ray
-
-        from workers.worker import EngineWorker
-
-        pc = self.cfg.pool(pool)
+        """A new worker of ``pool``, named ``<pool>-<index>``; returns (worker id, its actor)."""
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         worker_id = f"{pool}-{index}"
         core = self._cores[self._num_created % len(self._cores)] if self.cfg.pin_cpu_cores else None
         self._num_created += 1
+        self.actors[worker_id] = self._create_actor(worker_id, pool, core)
+        return worker_id, self.actors[worker_id]
+
+    def _create_actor(self, worker_id: str, pool: str, core: int | None) -> Any:
+        """One worker, one actor with its pool's resources (no placement group).
+
+        NOTE: the seat of a tensor-parallel worker: there, one placement group per worker (a bundle per
+        rank, STRICT_PACK) and N rank actors in it, rank 0 returned as the worker's face; ``_release``
+        then removes the group with its ranks. Nothing else here or in the cluster changes."""
+        import ray
+
+        from workers.worker import EngineWorker
+
+        pc = self.cfg.pool(pool)
         actor_cls: Any = ray.remote(EngineWorker)
-        actor = actor_cls.options(
+        return actor_cls.options(
             num_cpus=max(pc.num_cpus, 0.001),
             num_gpus=pc.num_gpus,
             resources=dict(pc.resources) or None,
@@ -178,60 +177,112 @@ class WorkerLauncher:
             stats_interval_s=self.cfg.log.stats_interval_s,
             freeze_heap=True,  # NOTE: each actor is a process of its own
         )
-        self.actors[worker_id] = actor
-        return worker_id, actor
 
-    def stop(self, worker_id: str) -> None:
+    def kill(self, worker_id: str, *, no_restart: bool) -> None:
+        """kill -9 a worker (failure injection): Ray restarts it if its pool allows and ``no_restart`` is
+        False. It stays in ``actors`` (dead or restarted)."""
         import ray
 
-        actor = self.actors.pop(worker_id)
-        # NOTE: a dead actor cannot shut down; it is killed regardless
-        with contextlib.suppress(Exception):
-            ray.get(actor.shutdown.remote(), timeout=10)
-        ray.kill(actor, no_restart=True)
+        ray.kill(self.actors[worker_id], no_restart=no_restart)
+
+    def stop(self, worker_id: str) -> None:
+        """Stop one worker (scale-down): a graceful shutdown (bounded), then killed; its resources go back
+        to Ray."""
+        self._release([self.actors.pop(worker_id)])
 
     def stop_all(self) -> None:
-        for worker_id in list(self.actors):
-            self.stop(worker_id)
+        """Stop every worker at once (each gets the same bounded graceful shutdown)."""
+        actors = list(self.actors.values())
+        self.actors.clear()
+        self._release(actors)
+
+    def _release(self, actors: list[Any]) -> None:
+        import ray
+
+        if not actors:
+            return
+        refs = []
+        for actor in actors:
+            # NOTE: a dead actor cannot shut down; it is killed regardless
+            with contextlib.suppress(Exception):
+                refs.append(actor.shutdown.remote())
+        with contextlib.suppress(Exception):
+            ray.wait(refs, num_returns=len(refs), timeout=_STOP_TIMEOUT_S)
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
 
 
-class ClusterHandle:
-    """A running cluster: worker actors and the router on its own loop.
+class NoLocalRouterError(RuntimeError):
+    """What needs the router in this process, asked of a cluster whose routers run in its front-end
+    replica processes."""
 
-    Built complete by :func:`start_cluster`; ``shutdown()`` leaves no actor or thread behind.
+
+class Cluster:
+    """A running cluster: Ray (when it started it), the KV-transfer store, the worker actors and its front
+    end (see the module docstring). Built complete by :func:`build_cluster`.
+
+    Lifecycle: ``shutdown()`` (idempotent, bounded; also ``with cluster:``) stops the front end first (no
+    new request, no replica left), then the workers, the store and a Ray it started: no process, actor
+    or thread of the cluster is left behind.
     """
 
     def __init__(
         self,
         config: ClusterConfig,
-        router: Router,
-        router_loop: RouterLoop,
-        launcher: WorkerLauncher,
-        started_ray: bool,
+        secret: bytes,
+        front_end: FrontEnd,
+        launcher: WorkerLauncher | None,
         kv_store: KVStore | None,
+        started_ray: bool,
     ) -> None:
         self.config = config
-        self.router = router
-        self._kv_store = kv_store
-        self._router_loop = router_loop
-        self.loop = router_loop.loop
+        self.secret = secret  # the control plane's key (cluster/frames.py); tests sign with it
+        self.front_end = front_end
         self._launcher = launcher
-        self.secret = launcher.secret  # the control plane's key (cluster/frames.py); tests sign with it
+        self._kv_store = kv_store
         self._started_ray = started_ray
+        self._is_shut_down = False
 
     @property
     def actors(self) -> dict[str, Any]:
-        return self._launcher.actors
+        """Each worker's actor, by worker id (a dead one too, until it is stopped)."""
+        return self._launcher.actors if self._launcher is not None else {}
+
+    @property
+    def kv_store_address(self) -> tuple[str, int] | None:
+        """The address of the store this process hosts (``KVStore``; None: colocated, no transfers)."""
+        return self._kv_store.address if self._kv_store is not None else None
+
+    # ---- the router in this process ------------------------------------------------------------------
+    def _local(self, what: str) -> RouterFrontEnd:
+        if isinstance(self.front_end, RouterFrontEnd):
+            return self.front_end
+        n = self.config.server.replicas
+        where = self.front_end.url if isinstance(self.front_end, ReplicatedFrontEnd) else "its front end"
+        raise NoLocalRouterError(
+            f"{what} needs the router in this process; this cluster's routers run in its {n} front-end "
+            f"replica processes (server.replicas {n}): send requests over HTTP to {where}"
+        )
+
+    @property
+    def router(self) -> Router:
+        return self._local("router").router
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The router's event loop (its own thread)."""
+        return self._local("loop").loop
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the router's loop from any other thread."""
-        return self._router_loop.run(coro, timeout)
+        return self._local("run").run(coro, timeout)
 
     @property
     def model_info(self) -> ModelInfo:
         return self.router.model_info
 
-    # ---- requests -------------------------------------------------------------------------------------
+    # ---- requests (through the router in this process) ------------------------------------------------
     def generate(
         self,
         prompt_token_ids: list[int],
@@ -240,19 +291,9 @@ class ClusterHandle:
         timeout_s: float | None = None,
     ) -> RequestOutput:
         """Blocking: the whole request. Router errors (RouterError subclasses) propagate."""
-        return self.run(self._collect(prompt_token_ids, params or SamplingParams(), timeout_s))
+        return self._local("generate").generate(prompt_token_ids, params, timeout_s=timeout_s)
 
-    async def _collect(
-        self, prompt: list[int], params: SamplingParams, timeout_s: float | None
-    ) -> RequestOutput:
-        rid = f"req-{next(_ids)}"
-        out = RequestOutput.start(rid, prompt, params, time.time())
-        deadline = None if timeout_s is None else time.time() + timeout_s
-        async for d in self.router.generate(GenerateRequest(rid, list(prompt), params, deadline)):
-            out.apply(d, time.time())
-        return out
-
-    async def agenerate(
+    def agenerate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
@@ -260,33 +301,7 @@ class ClusterHandle:
         request_id: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Async streaming from any event loop: yields the router's TokenDeltas as they arrive."""
-        router = self.router
-        rid = request_id or f"req-{next(_ids)}"
-        req = GenerateRequest(rid, list(prompt_token_ids), params or SamplingParams())
-        caller = asyncio.get_running_loop()
-        inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for d in router.generate(req):
-                    caller.call_soon_threadsafe(inbox.put_nowait, ("delta", d))
-                caller.call_soon_threadsafe(inbox.put_nowait, ("end", None))
-            except Exception as e:  # noqa: BLE001 - handed to the caller's loop and re-raised there
-                caller.call_soon_threadsafe(inbox.put_nowait, ("error", e))
-
-        fut = asyncio.run_coroutine_threadsafe(pump(), self.loop)
-        try:
-            while True:
-                kind, item = await inbox.get()
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise item
-                yield item
-        finally:
-            if not fut.done():
-                fut.cancel()
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(router.abort(rid), self.loop))
+        return self._local("agenerate").agenerate(prompt_token_ids, params, request_id=request_id)
 
     # ---- elasticity -----------------------------------------------------------------------------------
     @property
@@ -301,38 +316,51 @@ class ClusterHandle:
         (nothing new is routed to them; their requests finish or migrate within ``drain_timeout_s``),
         then stops them, which returns their resources to Ray. Never call it on the router's loop.
         """
+        front = self._local("scale")
         if pool not in self.pools:
             raise ValueError(f"pool must be one of {self.pools}, got {pool!r}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        live = self._live(pool)
+        launcher = self._running_launcher()
+        live = self._live(front, pool)
         if num_workers > len(live):
-            new = [self._launcher.create(pool) for _ in range(num_workers - len(live))]
+            new = [launcher.create(pool) for _ in range(num_workers - len(live))]
             for worker_id, actor in new:
-                self.run(_call(self.router.watch, worker_id, actor))
-            self.run(self.router.wait_admitted([wid for wid, _ in new], timeout_s), timeout_s + 10)
+                front.watch(worker_id, actor)
+            front.wait_serving([wid for wid, _ in new], timeout_s)
         for worker_id in sorted(live, key=_index)[num_workers:][::-1]:
-            drain_s = self.config.router.drain_timeout_s
-            self.run(self.router.drain(worker_id, drain_s), drain_s + 30)
-            self._launcher.stop(worker_id)
-        return self._live(pool)
+            front.drain(worker_id, self.config.router.drain_timeout_s)
+            launcher.stop(worker_id)
+        return self._live(front, pool)
 
-    def _live(self, pool: str) -> list[str]:
+    @staticmethod
+    def _live(front: RouterFrontEnd, pool: str) -> list[str]:
         return sorted(
-            (w.worker_id for w in self.router.workers if w.pool == pool and w.state != "dead"), key=_index
+            (w.worker_id for w in front.router.workers if w.pool == pool and w.state != "dead"), key=_index
         )
+
+    def _running_launcher(self) -> WorkerLauncher:
+        if self._launcher is None or self._is_shut_down:
+            raise RuntimeError("the cluster is not running")
+        return self._launcher
 
     # ---- observability & tests ------------------------------------------------------------------------
     def worker_stats(self) -> list[WorkerStats]:
-        return self.router.worker_stats()
+        """The latest stats of every live worker (with one front end: the router's, from heartbeats)."""
+        return self.front_end.worker_stats()
+
+    def _live_actors(self) -> dict[str, Any]:
+        actors = self.actors
+        return {wid: actors[wid] for wid in self.front_end.live_worker_ids() if wid in actors}
 
     def check_leaks(self, timeout_s: float = 30.0) -> dict[str, str | None]:
-        """Leak invariant on every worker that is not dead: None where clean."""
+        """Leak invariant on every worker the front end does not know dead: None where clean. Each
+        worker's check and the wait for all of them are bounded by ``timeout_s``."""
         import ray
 
-        live = {w.worker_id: self.actors[w.worker_id] for w in self.router.workers if w.state != "dead"}
-        refs = {wid: a.check_leaks.remote() for wid, a in live.items()}
-        return {wid: ray.get(ref, timeout=timeout_s) for wid, ref in refs.items()}
+        live = self._live_actors()
+        reports = ray.get([a.check_leaks.remote(timeout_s) for a in live.values()], timeout=timeout_s + 10)
+        return dict(zip(live, reports, strict=True))
 
     def wait_until_quiet(self, timeout_s: float = 30.0) -> None:
         """Wait (bounded) until no live worker runs, waits, or waits for KV (e.g. after aborts)."""
@@ -340,11 +368,8 @@ class ClusterHandle:
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            stats: list[WorkerStats] = [
-                ray.get(self.actors[w.worker_id].stats.remote(), timeout=timeout_s)
-                for w in self.router.workers
-                if w.state != "dead"
-            ]
+            actors = list(self._live_actors().values())
+            stats: list[WorkerStats] = ray.get([a.stats.remote() for a in actors], timeout=timeout_s)
             idle = all(
                 s.engine.num_running == 0 and s.engine.num_waiting == 0 and s.num_waiting_for_kv == 0
                 for s in stats
@@ -355,14 +380,12 @@ class ClusterHandle:
         raise TimeoutError(f"workers still busy after {timeout_s} s: {self.check_leaks(timeout_s)}")
 
     def kill_worker(self, worker_id: str, *, no_restart: bool = True) -> None:
-        """Failure injection: kill one worker actor (Ray restarts it if its pool allows and no_restart
-        is False)."""
-        import ray
-
-        ray.kill(self.actors[worker_id], no_restart=no_restart)
+        """Failure injection: kill -9 one worker (Ray restarts it if its pool allows and no_restart is
+        False). Ray's word reaches every router (with replicas, through the supervisor's relay)."""
+        self._running_launcher().kill(worker_id, no_restart=no_restart)
 
     def inject_fault(self, worker_id: str, kind: str) -> None:
-        """Failure injection (``start_cluster(..., fault_injection=True)``): a worker thread dies."""
+        """Failure injection (``build_cluster(..., fault_injection=True)``): a worker thread dies."""
         import ray
 
         try:
@@ -373,23 +396,40 @@ class ClusterHandle:
             logger.info("%s ended before answering the injected %s fault", worker_id, kind)
 
     def shutdown(self) -> None:
+        """See the class docstring. A step that fails is logged and the next one still runs."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        _teardown(self.front_end, self._launcher, self._kv_store, self._started_ray)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+
+def _teardown(
+    front_end: FrontEnd, launcher: WorkerLauncher | None, kv_store: KVStore | None, started_ray: bool
+) -> None:
+    """The one teardown, of a running cluster and of one that failed to start: front end, workers, the
+    store, then a Ray this process started."""
+    steps: list[tuple[str, Callable[[], None]]] = [("front end", front_end.stop)]
+    if launcher is not None:
+        steps.append(("workers", launcher.stop_all))
+    if kv_store is not None:
+        steps.append(("KV store", kv_store.close))
+    if started_ray:
         import ray
 
+        steps.append(("Ray", ray.shutdown))
+    for name, stop in steps:
         try:
-            self.run(self.router.close(), timeout=10)
+            stop()
         except Exception:
-            logger.exception("router close failed")
-        self._launcher.stop_all()
-        self._router_loop.stop()
-        if self._kv_store is not None:
-            self._kv_store.close()
-        if self._started_ray:
-            ray.shutdown()
-
-
-async def _call(fn: Any, *args: Any) -> None:
-    """Run a plain function on the router's loop (router methods that create tasks)."""
-    fn(*args)
+            logger.exception("cluster shutdown: stopping the %s failed", name)
 
 
 def _index(worker_id: str) -> int:
@@ -438,11 +478,19 @@ def _bind_host(cfg: ClusterConfig) -> tuple[str, str]:
     return "node", str(ray.util.get_node_ip_address())
 
 
-def start_cluster(
-    config: ClusterConfig | dict[str, Any] | str, *, fault_injection: bool = False
-) -> ClusterHandle:
-    """KV store + router -> worker actors (each registers with the router). See the module docstring.
-    fault_injection: workers accept ``ClusterHandle.inject_fault`` (tests only)."""
+def _front_end(cfg: ClusterConfig) -> FrontEnd:
+    """The swapped part: one router here, or N front-end replica processes. Built before Ray starts, so
+    what it checks (a cost profile; a public bind without a key) fails before anything runs."""
+    if cfg.server.replicas > 1:
+        return ReplicatedFrontEnd(cfg)
+    return RouterFrontEnd(cfg)
+
+
+def build_cluster(config: ClusterConfig | dict[str, Any] | str, *, fault_injection: bool = False) -> Cluster:
+    """Ray, the front end (binds the event sockets the workers report to), the KV store, the worker
+    actors, then wait (bounded) until the front end serves with every worker admitted. See the module
+    docstring. ``fault_injection``: workers accept ``Cluster.inject_fault`` (tests only). On any failure
+    everything started so far is stopped before the error propagates."""
     import ray
 
     if isinstance(config, str):
@@ -452,57 +500,36 @@ def start_cluster(
     else:
         cfg = config
     cfg = resolve_cluster_model(cfg)
-    # NOTE: a bad profile fails before Ray starts
-    predictor = load_predictor(cfg.router, cfg.engine_config(cfg.prefill_pool))
+    front_end = _front_end(cfg)
     joining = bool(cfg.ray_address or os.environ.get("RAY_ADDRESS"))
     if not joining:
         device_check.check_local(cfg)
     started_ray = _init_ray(cfg)
-    worker_bind, router_host = _bind_host(cfg)
-    secret = new_secret()
-    router_loop = RouterLoop()
-
-    async def make_router() -> Router:
-        router = Router(
-            cfg.router,
-            secret,
-            served_model_name=cfg.server.served_model_name,
-            bind_host=router_host,
-            predictor=predictor,
-        )
-        await router.start()
-        return router
-
-    router = router_loop.run(make_router(), timeout=60)
-    kv_store = KVStore(router_host) if cfg.router.mode != "colocated" else None
-    store = kv_store.address if kv_store is not None else None
-    control = WorkerControl((router.endpoint,), cfg.router.health_interval_s, worker_bind, store)
-    launcher = WorkerLauncher(
-        replace(cfg, transfer=_resolved_transfer(cfg)), secret, control, fault_injection
-    )
+    launcher: WorkerLauncher | None = None
+    kv_store: KVStore | None = None
     try:
+        worker_bind, router_host = _bind_host(cfg)
+        secret = new_secret()
+        endpoints = front_end.start(secret, router_host)
+        kv_store = KVStore(router_host) if cfg.router.mode != "colocated" else None
+        store = kv_store.address if kv_store is not None else None
+        control = WorkerControl(endpoints, cfg.router.health_interval_s, worker_bind, store)
+        launcher = WorkerLauncher(
+            replace(cfg, transfer=_resolved_transfer(cfg)), secret, control, fault_injection
+        )
         if joining:
             device_check.check_remote(cfg)
         for pool, pc in _pools(cfg):
             for _ in range(pc.num_workers):
-                worker_id, actor = launcher.create(pool)
-                router_loop.run(_call(router.watch, worker_id, actor))
+                front_end.watch(*launcher.create(pool))
         try:
-            router_loop.run(
-                router.wait_admitted(list(launcher.actors), _START_TIMEOUT_S), _START_TIMEOUT_S + 10
-            )
+            front_end.wait_serving(list(launcher.actors), _START_TIMEOUT_S)
         except TimeoutError as e:
             raise RuntimeError(f"{e}; Ray resources available: {ray.available_resources()}") from None
     except BaseException:
-        router_loop.run(router.close(), timeout=10)
-        launcher.stop_all()
-        router_loop.stop()
-        if kv_store is not None:
-            kv_store.close()
-        if started_ray:
-            ray.shutdown()
+        _teardown(front_end, launcher, kv_store, started_ray)
         raise
-    return ClusterHandle(cfg, router, router_loop, launcher, started_ray, kv_store)
+    return Cluster(cfg, secret, front_end, launcher, kv_store, started_ray)
 
 
 def _resolved_transfer(cfg: ClusterConfig) -> TransferConfig:
@@ -525,16 +552,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     cfg = ClusterConfig.from_yaml(args.config)
+    if cfg.server.replicas > 1:
+        raise SystemExit(
+            "python -m deploy.launch sends prompts through a router in this process: the config's "
+            f"server.replicas must be 1, got {cfg.server.replicas} (serve replicas with `pdserve serve`)"
+        )
     logs.configure_logging(cfg.log)
-    handle = start_cluster(cfg)
-    try:
+    with build_cluster(cfg) as cluster:
         from cluster.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_pretrained(handle.model_info.model_dir)
+        tok = Tokenizer.from_pretrained(cluster.model_info.model_dir)
         if tok is None:
             raise SystemExit("the model has no tokenizer.json; --prompt needs one")
         for prompt in args.prompt:
-            out = handle.generate(
+            out = cluster.generate(
                 tok.encode(prompt), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
             )
             print(
@@ -543,8 +574,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         return 0
-    finally:
-        handle.shutdown()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from deploy.plan.probe import probe
 from deploy.planner.calibrate import Sample
 
 if TYPE_CHECKING:
-    from deploy.launch import ClusterHandle
+    from deploy.launch import Cluster
 
 
 def _calibration_task(
@@ -61,14 +61,14 @@ def calibrate_profile(
     return profile
 
 
-def calibrate_and_probe(url: str, handle: ClusterHandle, *, reps: int, seed: int) -> CostProfile:
+def calibrate_and_probe(url: str, handle: Cluster, *, reps: int, seed: int) -> CostProfile:
     """On a running cluster: the sweep in a Ray worker, then the probe."""
     sweep = calibrate_profile(handle.config, reps=reps, seed=seed, in_ray=True)
     return probe_and_report(url, handle, sweep, seed)
 
 
 def probe_and_report(
-    url: str, handle: ClusterHandle, sweep: CostProfile, seed: int, label: str = ""
+    url: str, handle: Cluster, sweep: CostProfile, seed: int, label: str = ""
 ) -> CostProfile:
     """The probe over the sweep's profile `sweep`; prints its figures (``cluster probe<label>: {...}``)."""
     profile, report = asyncio.run(probe(url, handle, sweep, seed))
@@ -77,7 +77,7 @@ def probe_and_report(
 
 
 def mock_probe_and_report(
-    url: str, handle: ClusterHandle, profile: CostProfile, seed: int, label: str = ""
+    url: str, handle: Cluster, profile: CostProfile, seed: int, label: str = ""
 ) -> CostProfile:
     """The mock probe (deploy/plan/mock_probe.py) over ``profile``, the one the mock workers wait; prints
     its figures (``mock cluster probe<label>: {...}``)."""

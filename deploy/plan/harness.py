@@ -13,19 +13,19 @@ from cluster.config import ClusterConfig
 from cluster.protocol import StepSplit, TransferStats, WorkerStats
 
 if TYPE_CHECKING:
-    from deploy.launch import ClusterHandle
+    from deploy.launch import Cluster
 
 
 @contextlib.contextmanager
-def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
+def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, Cluster]]:
     """The cluster of ``cfg`` served over HTTP on a free loopback port; yields its URL and handle. This
     process then hosts the router and the HTTP edge as a serving process does, and freezes its start-up
     heap as one does (``deploy.http_host.serve_on_loop``): a benchmark process and nothing else."""
     from cluster.heap import freeze_startup_heap
     from deploy.http_host import start_http
-    from deploy.launch import start_cluster
+    from deploy.launch import build_cluster
 
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         with start_http(handle) as http:
             freeze_startup_heap()
@@ -34,7 +34,7 @@ def running_cluster(cfg: ClusterConfig) -> Iterator[tuple[str, ClusterHandle]]:
         handle.shutdown()
 
 
-def pool_stats(handle: ClusterHandle, pool: str) -> list[WorkerStats]:
+def pool_stats(handle: Cluster, pool: str) -> list[WorkerStats]:
     """Fresh stats of every worker of ``pool`` (asked of the actors, not the last heartbeat)."""
     import ray
 
@@ -51,7 +51,7 @@ class EngineTotals:
     num_generated: int
 
     @classmethod
-    def of(cls, handle: ClusterHandle, pool: str) -> EngineTotals:
+    def of(cls, handle: Cluster, pool: str) -> EngineTotals:
         """Fresh totals of every worker of ``pool`` (``pool_stats``)."""
         engines = [st.engine for st in pool_stats(handle, pool)]
         seconds = sum(
@@ -67,7 +67,7 @@ class EngineTotals:
         )
 
 
-def step_split_of(handle: ClusterHandle, pool: str) -> StepSplit:
+def step_split_of(handle: Cluster, pool: str) -> StepSplit:
     """The step split of every worker of ``pool``, summed (fresh: ``pool_stats``)."""
     total = StepSplit()
     for st in pool_stats(handle, pool):
@@ -76,7 +76,7 @@ def step_split_of(handle: ClusterHandle, pool: str) -> StepSplit:
     return total
 
 
-def received_of(handle: ClusterHandle, pool: str) -> TransferStats:
+def received_of(handle: Cluster, pool: str) -> TransferStats:
     """The KV-transfer totals of every worker of ``pool``, summed (fresh: ``pool_stats``)."""
     total = TransferStats()
     for st in pool_stats(handle, pool):
@@ -98,7 +98,7 @@ def split_delta(after: StepSplit, before: StepSplit) -> StepSplit:
 class SplitWindows:
     """Pools' step splits over chosen phases of the probe, one window per phase."""
 
-    def __init__(self, handle: ClusterHandle, pools: Sequence[str]) -> None:
+    def __init__(self, handle: Cluster, pools: Sequence[str]) -> None:
         self.handle = handle
         self.windows: dict[str, list[StepSplit]] = {pool: [] for pool in pools}
         self._at: dict[str, StepSplit] = {}

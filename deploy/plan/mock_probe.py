@@ -55,7 +55,7 @@ from deploy.plan.probe_loads import (
 )
 
 if TYPE_CHECKING:
-    from deploy.launch import ClusterHandle
+    from deploy.launch import Cluster
 
 IDLE_PROMPT_LENS = (16, 256, 1024, 2048, 3072)  # each alone (up to the context less the 2 tokens out)
 FRONTEND_BATCHES = (8, 32)  # the decode batches the front end's CPU per token is measured over
@@ -83,7 +83,7 @@ class MockPhases:
     """Runs the mock probe's loads against ``url`` (serving ``handle``): around each, the pools' engine
     totals, the decode pool's step split and its receivers' transfer totals."""
 
-    def __init__(self, url: str, handle: ClusterHandle, seed: int) -> None:
+    def __init__(self, url: str, handle: Cluster, seed: int) -> None:
         self.url = url
         self.handle = handle
         cfg = handle.config
@@ -109,7 +109,7 @@ def steady_scenario(batch: int) -> Scenario:
     return Scenario(batch, (16, 16), (192, 192), max_concurrency=batch)
 
 
-def spin_scenario(handle: ClusterHandle, prompt_len: int) -> Scenario | None:
+def spin_scenario(handle: Cluster, prompt_len: int) -> Scenario | None:
     """Prompts of ``prompt_len`` sent at once, holding ``SPIN_OVERFILL`` times the prefill worker's KV
     blocks: it spins while the first ones' KV leaves. None colocated or with a KV cache sized at run
     time (no block count in the config)."""
@@ -122,7 +122,7 @@ def spin_scenario(handle: ClusterHandle, prompt_len: int) -> Scenario | None:
     return Scenario(n, (prompt_len, prompt_len), (2, 2))
 
 
-async def run_mock_phases(url: str, handle: ClusterHandle, seed: int) -> MockMeasurements:
+async def run_mock_phases(url: str, handle: Cluster, seed: int) -> MockMeasurements:
     """Every phase of the module docstring, in turn, on the running mock cluster."""
     p = MockPhases(url, handle, seed)
     lens = [n for n in IDLE_PROMPT_LENS if n <= handle.model_info.max_model_len - 2]
@@ -227,7 +227,7 @@ def fit_mock_probe(
 
 
 def probe_mock(
-    url: str, handle: ClusterHandle, profile: CostProfile, seed: int
+    url: str, handle: Cluster, profile: CostProfile, seed: int
 ) -> tuple[CostProfile, dict[str, Any]]:
     """The mock probe on a running mock cluster (``url`` serves ``handle``) whose workers wait ``profile``."""
     m = asyncio.run(run_mock_phases(url, handle, seed))

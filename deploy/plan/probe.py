@@ -75,7 +75,7 @@ from deploy.plan.probe_loads import (
 )
 
 if TYPE_CHECKING:
-    from deploy.launch import ClusterHandle
+    from deploy.launch import Cluster
 
 
 class ProbePhases:
@@ -84,7 +84,7 @@ class ProbePhases:
     generator and reads the pools' engine counters (and the decode pool's step splits) around them; the
     prefill pool's runs gather in ``prefill_runs`` and ``prefill_loads``."""
 
-    def __init__(self, url: str, handle: ClusterHandle, sweep: CostProfile, seed: int) -> None:
+    def __init__(self, url: str, handle: Cluster, sweep: CostProfile, seed: int) -> None:
         self.url = url
         self.handle = handle
         self.sweep = sweep
@@ -227,7 +227,7 @@ class ProbePhases:
 
 
 async def probe(
-    url: str, handle: ClusterHandle, profile: CostProfile, seed: int
+    url: str, handle: Cluster, profile: CostProfile, seed: int
 ) -> tuple[CostProfile, dict[str, Any]]:
     """Measure the terms of the module docstring on the running cluster (``url`` serves ``handle``)."""
     phases = ProbePhases(url, handle, profile, seed)

@@ -1,7 +1,7 @@
 """The admin scale route (``POST /v1/pdserve/scale``) and ``pdserve scale``, over a fake scaler: the API
 key is required when set, bad bodies are a 400 naming the field before the scaler is called, a second
 scale while one runs is a 409, and the CLI prints the pool or the server's error. The real
-``ClusterHandle.scale`` under traffic is tested in tests/e2e/test_elastic.py."""
+``Cluster.scale`` under traffic is tested in tests/e2e/test_elastic.py."""
 
 from __future__ import annotations
 

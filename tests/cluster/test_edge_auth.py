@@ -145,11 +145,11 @@ def test_issue31_row10_serve_refuses_before_starting_the_cluster(
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     started: list[Any] = []
 
-    def fake_start_cluster(cfg: Any) -> Any:
+    def fake_build_cluster(cfg: Any) -> Any:
         started.append(cfg)
         raise ValueError("the test stops here")
 
-    monkeypatch.setattr(deploy.launch, "start_cluster", fake_start_cluster)
+    monkeypatch.setattr(deploy.launch, "build_cluster", fake_build_cluster)
     assert cli_main(["serve", "--host", "0.0.0.0"]) == 2
     assert started == []
     assert any("--allow-unauthenticated" in r.getMessage() for r in caplog.records)

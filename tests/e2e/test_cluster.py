@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cluster.protocol import FinishReason, RouterError, WorkerFailedError
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import (
     cluster_config,
     collect,
@@ -46,12 +46,12 @@ def workload(model_dir: str) -> tuple[list[list[int]], list[int], list[list[int]
 
 @pytest.fixture(scope="module")
 def disagg(model_dir: str) -> Any:
-    handle = start_cluster(cluster_config(model_dir, prefill={"num_workers": 2}, decode={"num_workers": 2}))
+    handle = build_cluster(cluster_config(model_dir, prefill={"num_workers": 2}, decode={"num_workers": 2}))
     yield handle
     handle.shutdown()
 
 
-def test_the_workers_of_a_cluster_it_starts_run_at_normal_priority(disagg: ClusterHandle) -> None:
+def test_the_workers_of_a_cluster_it_starts_run_at_normal_priority(disagg: Cluster) -> None:
     """Ray would run them 15 niceness steps below the process that started it (its default worker
     niceness): every thread of every worker runs at that process's own priority, 0 in CI."""
 
@@ -68,12 +68,12 @@ def test_the_workers_of_a_cluster_it_starts_run_at_normal_priority(disagg: Clust
     assert niceness == {"prefill-0": {own}, "prefill-1": {own}, "decode-0": {own}, "decode-1": {own}}
 
 
-def assert_no_leaks(handle: ClusterHandle) -> None:
+def assert_no_leaks(handle: Cluster) -> None:
     handle.wait_until_quiet(timeout_s=30)
     assert handle.check_leaks() == {wid: None for wid in handle.check_leaks()}
 
 
-def test_disaggregated_equals_hf_and_colocated(disagg: ClusterHandle, model_dir: str, workload: Any) -> None:
+def test_disaggregated_equals_hf_and_colocated(disagg: Cluster, model_dir: str, workload: Any) -> None:
     prompts, max_tokens, reference = workload
     colocated = LLM(model_dir, device="cpu", block_size=4).generate(prompts, [greedy(m) for m in max_tokens])
     assert [o.token_ids for o in colocated] == reference
@@ -95,7 +95,7 @@ def test_disaggregated_equals_hf_and_colocated(disagg: ClusterHandle, model_dir:
     assert_no_leaks(disagg)
 
 
-def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(disagg: ClusterHandle, workload: Any) -> None:
+def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(disagg: Cluster, workload: Any) -> None:
     prompts, _, _ = workload
     router = disagg.router
     assert router is not None
@@ -146,7 +146,7 @@ def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> 
     prompts, max_tokens, reference = workload
     transfer = {"lease_s": 0.001, "failure_policy": policy}
     cfg = cluster_config(model_dir, transfer=transfer, router={"early_decode_admission": False})
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         n = 8
         if policy == "recompute":
@@ -169,7 +169,7 @@ def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> 
 def test_conditional_mode_equals_hf(model_dir: str, workload: Any) -> None:
     prompts, max_tokens, reference = workload
     cfg = cluster_config(model_dir, router={"mode": "conditional", "conditional_max_prompt_tokens": 60})
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         assert run_concurrently(handle, prompts, [greedy(m) for m in max_tokens]) == reference
         num_long = sum(len(p) > 60 for p in prompts)
@@ -181,7 +181,7 @@ def test_conditional_mode_equals_hf(model_dir: str, workload: Any) -> None:
         handle.shutdown()
 
 
-def _decode_transfers(handle: ClusterHandle) -> int:
+def _decode_transfers(handle: Cluster) -> int:
     return sum(s.transfer.num_ok for s in handle.worker_stats() if s.pool == "decode")
 
 
@@ -193,7 +193,7 @@ def test_killed_decode_worker_migrates_or_fails_only_its_requests(
     the HF tokens; with max_migrations 0 exactly its requests fail. Either way the rest is untouched."""
     prompts, _, _ = workload
     cfg = cluster_config(model_dir, decode={"num_workers": 2}, router={"max_migrations": max_migrations})
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     router = handle.router
     try:
 
@@ -248,7 +248,7 @@ def test_a_dead_prefill_worker_while_the_decode_side_is_reserved_migrates_and_le
     reference = hf_greedy(model_dir, [prompt], [8])[0]
     # NOTE: 8-token prefill chunks: ~110 steps, far longer than it takes to stop the worker
     cfg = cluster_config(model_dir, prefill={"num_workers": 2}, engine={"max_num_batched_tokens": 8})
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     router = handle.router
     try:
         pids = {

@@ -20,7 +20,7 @@ from bench.fuzz_frames import make_plan
 from cluster.protocol import SamplingParams, WorkerFailedError
 from cluster.wire import ROUTER_ID
 from deploy.http_host import start_http
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import (
     cluster_config,
     greedy,
@@ -45,8 +45,8 @@ def config(**overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterHandle]:
-    handle = start_cluster(config(decode={"num_workers": 2}))
+def cluster() -> Iterator[Cluster]:
+    handle = build_cluster(config(decode={"num_workers": 2}))
     yield handle
     handle.shutdown()
 
@@ -74,17 +74,17 @@ def send_frames(frames: list[tuple[str, bytes]], dealers: frozenset[str] = froze
         ctx.term()
 
 
-def total_rejected(handle: ClusterHandle) -> int:
+def total_rejected(handle: Cluster) -> int:
     workers = sum(sum(s.rejected_frames.values()) for s in handle.worker_stats())
     return workers + sum(handle.router.rejected_frames().values())
 
 
-def threads_alive(handle: ClusterHandle) -> bool:
+def threads_alive(handle: Cluster) -> bool:
     healths = ray.get([a.health.remote() for a in handle.actors.values()], timeout=30)
     return all(healths) and handle.router.dead_tasks() == [] and handle.router.is_healthy()
 
 
-def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHandle, offline: LLM) -> None:
+def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: Cluster, offline: LLM) -> None:
     prompts = shared_prefix_prompts(NUM_STREAMS, seed=8, vocab=VOCAB)
     params = [greedy(24 + i % 5 * 8) for i in range(NUM_STREAMS)]
     reference = [o.token_ids for o in offline.generate(prompts, params)]
@@ -117,7 +117,7 @@ def test_fuzzed_frames_to_every_socket_while_requests_stream(cluster: ClusterHan
     assert set(cluster.check_leaks().values()) == {None}
 
 
-def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: ClusterHandle, offline: LLM) -> None:
+def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: Cluster, offline: LLM) -> None:
     decode = next(w for w in cluster.router.workers if w.pool == "decode")
     before = total_rejected(cluster)
     send_frames([(decode.info.request_endpoint, bytes.fromhex("81910102"))])
@@ -131,7 +131,7 @@ def test_the_four_byte_frame_no_longer_kills_a_worker(cluster: ClusterHandle, of
     assert threads_alive(cluster)
 
 
-def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle, offline: LLM) -> None:
+def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: Cluster, offline: LLM) -> None:
     router = cluster.router
     victim = [w for w in router.workers if w.pool == "decode"][-1]
     assert victim.healthy
@@ -170,7 +170,7 @@ def test_a_stopped_worker_is_routed_around_and_comes_back(cluster: ClusterHandle
 def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(offline: LLM) -> None:
     # NOTE: no migration and no colocated fallback, so losing the one decode worker leaves no path
     router_cfg = {**HEALTH, "max_migrations": 0, "colocated_fallback": False}
-    handle = start_cluster(
+    handle = build_cluster(
         cluster_config("", router=router_cfg, decode={"max_restarts": 1}), fault_injection=True
     )
     try:
@@ -224,7 +224,7 @@ def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(
         handle.shutdown()
 
 
-def worker_state(handle: ClusterHandle, worker_id: str) -> str | None:
+def worker_state(handle: Cluster, worker_id: str) -> str | None:
     return next((w.state.value for w in handle.router.workers if w.worker_id == worker_id), None)
 
 

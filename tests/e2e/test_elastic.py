@@ -16,7 +16,7 @@ import pytest
 from cluster.protocol import SamplingParams
 from deploy.cli import main as cli_main
 from deploy.http_host import start_http
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import (
     cluster_config,
     collect,
@@ -55,7 +55,7 @@ def workload(
     return prompts, params, [o.token_ids for o in offline.generate(prompts, params)]
 
 
-def incarnation(handle: ClusterHandle, worker_id: str) -> tuple[str, str] | None:
+def incarnation(handle: Cluster, worker_id: str) -> tuple[str, str] | None:
     w = next((w for w in handle.router.workers if w.worker_id == worker_id), None)
     return None if w is None else (w.state.value, w.info.incarnation)
 
@@ -64,7 +64,7 @@ def incarnation(handle: ClusterHandle, worker_id: str) -> tuple[str, str] | None
 def test_kill9_of_the_decode_worker_under_32_streams(offline: LLM) -> None:
     prompts, params, reference = workload(11, offline, max_tokens=64, processors=True)
     # NOTE: the pools' default max_restarts: a cluster heals by default
-    handle = start_cluster(cluster_config("", router=HEALTH))
+    handle = build_cluster(cluster_config("", router=HEALTH))
     try:
         victim = next(w for w in handle.router.workers if w.worker_id == "decode-0")
         old = victim.info.incarnation
@@ -110,7 +110,7 @@ def test_killed_prefill_worker_then_no_decode_worker_left_lose_no_request(offlin
     prompts, params, reference = workload(17, offline, max_tokens=24)
     no_restarts = {"max_restarts": 0}
     cfg = cluster_config("", router=HEALTH, prefill={"num_workers": 2, **no_restarts}, decode=no_restarts)
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
 
         async def kill_under_load(worker_id: str, assigned: int) -> list[list[int]]:
@@ -143,7 +143,7 @@ def test_killed_prefill_worker_then_no_decode_worker_left_lose_no_request(offlin
 
 def test_scale_pools_up_and_down_under_32_streams(offline: LLM) -> None:
     prompts, params, reference = workload(12, offline, processors=True)
-    handle = start_cluster(
+    handle = build_cluster(
         cluster_config("", router={**HEALTH, "drain_timeout_s": 60.0}, server={"admin_key": ADMIN_KEY})
     )
     http = start_http(handle, port=0)
@@ -217,7 +217,7 @@ def test_a_decode_worker_waiting_for_seats_keeps_the_prefill_lease_alive(offline
         transfer={"lease_s": 0.5, "failure_policy": "fail"},
         router=HEALTH,
     )
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         assert run_concurrently(handle, prompts, params) == reference
         stats = {s.worker_id: s for s in handle.worker_stats()}

@@ -14,7 +14,7 @@ from cluster.cost_model import CostProfile
 from deploy.cli import build_parser
 from deploy.cli_args import build_config
 from deploy.http_host import start_http
-from deploy.launch import start_cluster
+from deploy.launch import build_cluster
 from deploy.planner.profiles import HARDWARE, ModelShape, roofline_profile
 from tests.support.cluster_utils import wait_for
 from workers.mock_runner import MockTokens
@@ -47,7 +47,7 @@ def test_a_mock_cluster_from_the_cli_serves_the_rule_and_moves_the_models_kv_byt
     rule = MockTokens.for_model(ArchConfig.from_pretrained(MODEL), None)
     expected = [rule.continuation(prompt, MAX_TOKENS) for prompt in PROMPTS]
 
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         with start_http(handle) as http:
             for prompt, want in zip(PROMPTS, expected, strict=True):

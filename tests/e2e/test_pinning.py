@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from deploy.launch import start_cluster
+from deploy.launch import build_cluster
 from tests.support.cluster_utils import cluster_config, greedy, shared_prefix_prompts
 from workers.llm import LLM
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_workers_are_pinned_one_core_each_and_still_exact() -> None:
     cores = sorted(os.sched_getaffinity(0))
     cfg = cluster_config("", router={"mode": "colocated"}, colocated={"num_workers": 2}, pin_cpu_cores=True)
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         pinned = {w.worker_id: w.info.cpu_cores for w in handle.router.workers}
         assert pinned == {"colocated-0": [cores[0]], "colocated-1": [cores[1 % len(cores)]]}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import cluster_config, collect, greedy
 from workers.llm import LLM
 
@@ -25,7 +25,7 @@ MAX_TOKENS = 160  # long enough that every request is still decoding when the la
 
 
 async def _serve_and_watch(
-    handle: ClusterHandle, prompts: list[list[int]]
+    handle: Cluster, prompts: list[list[int]]
 ) -> tuple[list[list[int]], dict[str, int]]:
     """The requests at once; meanwhile each worker's running requests, sampled from its own stats."""
     tasks = [asyncio.create_task(collect(handle, p, greedy(MAX_TOKENS))) for p in prompts]
@@ -49,7 +49,7 @@ def test_a_decode_pool_with_4x_the_seats_decodes_them_all_at_once() -> None:
             "engine": {"max_num_seqs": DECODE_SEATS, "num_kv_blocks": 1024, "max_num_batched_tokens": 64}
         },
     )
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     try:
         engines = {pool: handle.config.engine_config(pool) for pool in ("prefill", "decode")}
         assert (engines["prefill"].max_num_seqs, engines["decode"].max_num_seqs) == (2, 8)

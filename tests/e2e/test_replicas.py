@@ -8,6 +8,7 @@ restarted and serves again. Then a worker killed without last words and not rest
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,10 +16,12 @@ import pytest
 
 from deploy.cli import build_parser
 from deploy.cli_args import build_config
-from deploy.replicas import ReplicatedCluster
+from deploy.launch import NoLocalRouterError, build_cluster
+from deploy.replica_set import ReplicatedFrontEnd
 from tests.support.cluster_utils import wait_for
 from tests.support.replica_streams import (
     MAX_TOKENS,
+    PROMPTS,
     check_streams,
     rule_outputs,
     serve_on_every_replica,
@@ -49,12 +52,16 @@ def test_kill_9_of_one_of_two_replicas_loses_only_its_own_streams_and_it_comes_b
     cfg = replace(cfg, router=replace(cfg.router, health_interval_s=0.2, router_lease_s=LEASE_S))
     expected = rule_outputs()
 
-    cluster = ReplicatedCluster.start(cfg)
+    cluster = build_cluster(cfg)
     try:
-        victim = cluster.replicas.slots[1]
+        front = cluster.front_end
+        assert isinstance(front, ReplicatedFrontEnd)
+        with pytest.raises(NoLocalRouterError, match=f"send requests over HTTP to {re.escape(front.url)}$"):
+            cluster.generate(PROMPTS[0])
+        victim = front.replicas.slots[1]
         victim_pid = victim.pid
-        assert victim_pid is not None and cluster.replicas.slots[0].pid != victim_pid
-        streams = streams_with_a_kill(cluster.url, victim_pid)
+        assert victim_pid is not None and front.replicas.slots[0].pid != victim_pid
+        streams = streams_with_a_kill(front.url, victim_pid)
         check_streams([s.as_dict() for s in streams], expected, killed=1)
 
         # its requests are freed on every worker once its lease runs out (or its successor renews it)
@@ -69,17 +76,20 @@ def test_kill_9_of_one_of_two_replicas_loses_only_its_own_streams_and_it_comes_b
         # the supervisor restarted it (a new process in slot 1, on the same event port) and it serves
         wait_for(lambda: victim.num_restarts == 1 and victim.serving.is_set(), 120, "replica 1 restarted")
         assert victim.pid != victim_pid
-        assert serve_on_every_replica(cluster.url, expected, {0, 1}) == {0, 1}
+        assert serve_on_every_replica(front.url, expected, {0, 1}) == {0, 1}
         assert all(report is None for report in cluster.check_leaks(10).values())
 
         # the decode worker killed (-9, no restart): each replica migrates its streams (to the prefill
         # worker, which runs them whole), and the mock's output is exact across the move
-        streams = streams_with_a_fault(cluster.url, lambda: cluster.kill_worker("decode-0"), num=16)
+        streams = streams_with_a_fault(front.url, lambda: cluster.kill_worker("decode-0"), num=16)
         assert {s.replica for s in streams} == {0, 1}
         for s, want in zip(streams, expected, strict=False):
             assert (s.finished, s.error, s.tokens) == (True, None, want[: len(s.tokens)])
             assert len(s.tokens) == MAX_TOKENS
-        assert cluster.relay.num_told >= 1
-        assert ray.get(cluster.actors["prefill-0"].check_leaks.remote(10), timeout=30) is None
+        assert front.relay.num_told >= 1
+        # the dead worker is out of the cluster's live view; the one left holds nothing
+        assert cluster.check_leaks(10) == {"prefill-0": None}
     finally:
         cluster.shutdown()
+    # no replica outlives the cluster
+    assert all(slot.proc is not None and slot.proc.poll() is not None for slot in front.replicas.slots)

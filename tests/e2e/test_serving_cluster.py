@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from cluster.client.sdk import AsyncClient
 from cluster.protocol import RequestOutput, SamplingParams
 from deploy.http_host import HttpServerHandle, start_http
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.cluster.test_metrics import (
     DASHBOARD,
     dashboard_metric_names,
@@ -56,15 +56,15 @@ def _ids(choice: Any) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterHandle]:
+def cluster() -> Iterator[Cluster]:
     cfg = cluster_config(BUNDLED_MODEL, engine=ENGINE_OPTIONS)
-    handle = start_cluster(cfg)
+    handle = build_cluster(cfg)
     yield handle
     handle.shutdown()
 
 
 @pytest.fixture(scope="module")
-def http(cluster: ClusterHandle) -> Iterator[HttpServerHandle]:
+def http(cluster: Cluster) -> Iterator[HttpServerHandle]:
     with start_http(cluster) as server:
         yield server
 
@@ -230,7 +230,7 @@ def _abort_count(http: HttpServerHandle) -> float:
 
 
 def test_64_concurrent_streams_equal_offline_tokens_disconnects_and_no_leaks(
-    cluster: ClusterHandle, http: HttpServerHandle, offline_llm: LLM
+    cluster: Cluster, http: HttpServerHandle, offline_llm: LLM
 ) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(10, 600) for _ in range(rng.randint(4, 80))] for _ in range(NUM_STREAMS)]
@@ -316,7 +316,7 @@ def test_every_dashboard_metric_is_exported_after_real_traffic(
 
 
 def test_prompt_over_max_model_len_is_400_and_the_cluster_keeps_serving(
-    cluster: ClusterHandle, oai: openai.OpenAI
+    cluster: Cluster, oai: openai.OpenAI
 ) -> None:
     limit = cluster.model_info.max_model_len
     with pytest.raises(openai.BadRequestError) as too_long:

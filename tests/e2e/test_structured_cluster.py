@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from deploy.http_host import HttpServerHandle, start_http
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import cluster_config
 from tests.support.schema_gen import random_schema
 from workers.engine import BUNDLED_MODEL
@@ -59,14 +59,14 @@ MODES = {
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
-def cluster(request: pytest.FixtureRequest) -> Iterator[ClusterHandle]:
-    handle = start_cluster(cluster_config(BUNDLED_MODEL, **MODES[request.param]))
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    handle = build_cluster(cluster_config(BUNDLED_MODEL, **MODES[request.param]))
     yield handle
     handle.shutdown()
 
 
 @pytest.fixture(scope="module")
-def http(cluster: ClusterHandle) -> Iterator[HttpServerHandle]:
+def http(cluster: Cluster) -> Iterator[HttpServerHandle]:
     with start_http(cluster) as server:
         yield server
 
@@ -75,7 +75,7 @@ def client(http: HttpServerHandle) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def assert_quiet(cluster: ClusterHandle) -> None:
+def assert_quiet(cluster: Cluster) -> None:
     cluster.wait_until_quiet(timeout_s=60)
     assert set(cluster.check_leaks().values()) == {None}
 
@@ -104,7 +104,7 @@ async def _schema_chat(oai: openai.AsyncOpenAI, index: int, stream: bool) -> tup
     return text, finish
 
 
-def test_random_schemas_validate_streamed_and_not(cluster: ClusterHandle, http: HttpServerHandle) -> None:
+def test_random_schemas_validate_streamed_and_not(cluster: Cluster, http: HttpServerHandle) -> None:
     async def main() -> list[tuple[str, str | None]]:
         async with client(http) as oai:
             jobs = [_schema_chat(oai, i, stream) for stream in (False, True) for i in range(len(SCHEMAS))]
@@ -120,7 +120,7 @@ def test_random_schemas_validate_streamed_and_not(cluster: ClusterHandle, http: 
     assert_quiet(cluster)
 
 
-def test_choice_regex_and_json_on_completions(cluster: ClusterHandle, http: HttpServerHandle) -> None:
+def test_choice_regex_and_json_on_completions(cluster: Cluster, http: HttpServerHandle) -> None:
     choices = ["positive", "negative", "neutral"]
     regex = r"[A-Z][a-z]{2,5}-[0-9]{3}"
 
@@ -154,7 +154,7 @@ def test_choice_regex_and_json_on_completions(cluster: ClusterHandle, http: Http
     assert_quiet(cluster)
 
 
-def test_tool_choice_named_and_required(cluster: ClusterHandle, http: HttpServerHandle) -> None:
+def test_tool_choice_named_and_required(cluster: Cluster, http: HttpServerHandle) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     ask: list[Any] = [{"role": "user", "content": "Weather in Oslo, and wake me at 7."}]
 
@@ -200,7 +200,7 @@ def test_tool_choice_named_and_required(cluster: ClusterHandle, http: HttpServer
     assert_quiet(cluster)
 
 
-def test_a_spec_the_worker_cannot_compile_is_a_400(cluster: ClusterHandle, http: HttpServerHandle) -> None:
+def test_a_spec_the_worker_cannot_compile_is_a_400(cluster: Cluster, http: HttpServerHandle) -> None:
     async def main() -> None:
         async with client(http) as oai:
             with pytest.raises(openai.BadRequestError, match="invalid regex for structured output"):

@@ -11,7 +11,7 @@ from typing import Any
 
 from cluster.config import POOLS
 from cluster.protocol import SamplingParams
-from deploy.launch import ClusterHandle
+from deploy.launch import Cluster
 
 
 def shared_prefix_prompts(num: int, seed: int, vocab: int = 512) -> list[list[int]]:
@@ -48,7 +48,7 @@ def with_processors(index: int, max_tokens: int, vocab: int) -> SamplingParams:
 
 
 async def collect(
-    handle: ClusterHandle, prompt: list[int], params: SamplingParams, rid: str | None = None
+    handle: Cluster, prompt: list[int], params: SamplingParams, rid: str | None = None
 ) -> list[int]:
     tokens: list[int] = []
     async for d in handle.agenerate(prompt, params, request_id=rid):
@@ -57,7 +57,7 @@ async def collect(
 
 
 def run_concurrently(
-    handle: ClusterHandle, prompts: list[list[int]], params: list[SamplingParams]
+    handle: Cluster, prompts: list[list[int]], params: list[SamplingParams]
 ) -> list[list[int]]:
     async def main() -> list[list[int]]:
         return list(

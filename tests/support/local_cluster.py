@@ -24,7 +24,8 @@ from cluster.frames import new_secret
 from cluster.protocol import GenerateRequest, SamplingParams, TokenDelta
 from cluster.router.router import Router
 from cluster.wire import WorkerControl
-from deploy.launch import KVStore, RouterLoop
+from deploy.front_end import RouterLoop
+from deploy.launch import KVStore
 from workers.engine import Engine
 from workers.step_output import StepOutput
 from workers.worker import EngineWorker

@@ -28,7 +28,7 @@ from typing import Any
 import ray
 
 from cluster.protocol import RouterError, SamplingParams
-from deploy.launch import ClusterHandle, start_cluster
+from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import cluster_config, collect, wait_for
 
 
@@ -46,7 +46,7 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-async def run_all(handle: ClusterHandle, prompts: list[list[int]], max_tokens: list[int]) -> list[Any]:
+async def run_all(handle: Cluster, prompts: list[list[int]], max_tokens: list[int]) -> list[Any]:
     async def one(i: int) -> Any:
         try:
             return await collect(handle, prompts[i], greedy(max_tokens[i]), f"r{i}-{time.monotonic_ns()}")
@@ -56,29 +56,29 @@ async def run_all(handle: ClusterHandle, prompts: list[list[int]], max_tokens: l
     return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
 
-def fresh_stats(handle: ClusterHandle) -> None:
+def fresh_stats(handle: Cluster) -> None:
     """Until every worker has sent a heartbeat (its stats) after this call."""
     since = time.monotonic()
     wait_for(lambda: all(w.last_beat > since for w in handle.router.workers), 10, "fresh heartbeats")
 
 
-def placement(handle: ClusterHandle) -> dict[str, str]:
+def placement(handle: Cluster) -> dict[str, str]:
     return {w.worker_id: w.info.node_ip for w in handle.router.workers}
 
 
-def transfers(handle: ClusterHandle) -> dict[str, Any]:
+def transfers(handle: Cluster) -> dict[str, Any]:
     return {
         s.worker_id: {"ok": s.transfer.num_ok, "bytes": s.transfer.bytes_total} for s in handle.worker_stats()
     }
 
 
-def scenario_disagg(handle: ClusterHandle, args: dict[str, Any]) -> dict[str, Any]:
+def scenario_disagg(handle: Cluster, args: dict[str, Any]) -> dict[str, Any]:
     outputs = asyncio.run(run_all(handle, args["prompts"], args["max_tokens"]))
     fresh_stats(handle)
     return {"outputs": outputs, "placement": placement(handle), "transfers": transfers(handle)}
 
 
-def scenario_link_flap(handle: ClusterHandle, args: dict[str, Any]) -> dict[str, Any]:
+def scenario_link_flap(handle: Cluster, args: dict[str, Any]) -> dict[str, Any]:
     async def main() -> list[Any]:
         task = asyncio.ensure_future(run_all(handle, args["prompts"], args["max_tokens"]))
         # NOTE: take the link down once the decode side is waiting for KV (a transfer under way)
@@ -103,7 +103,7 @@ SCENARIOS = {"disagg": scenario_disagg, "link_flap": scenario_link_flap}
 
 def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
     from cluster.config import ClusterConfig
-    from deploy.replicas import ReplicatedCluster
+    from deploy.replica_set import ReplicatedFrontEnd
     from tests.support.replica_streams import rule_outputs, serve_on_every_replica, streams_with_a_kill
 
     overrides = {
@@ -117,12 +117,14 @@ def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
     }
     cfg = lab_config(overrides)
     cfg["router"]["router_lease_s"] = 2.0
-    cluster = ReplicatedCluster.start(ClusterConfig.from_dict(cfg))
+    cluster = build_cluster(ClusterConfig.from_dict(cfg))
     try:
-        victim = cluster.replicas.slots[1]
+        front = cluster.front_end
+        assert isinstance(front, ReplicatedFrontEnd)
+        victim = front.replicas.slots[1]
         victim_pid = victim.pid
         assert victim_pid is not None
-        streams = streams_with_a_kill(cluster.url, victim_pid)
+        streams = streams_with_a_kill(front.url, victim_pid)
 
         def clean() -> bool:
             return all(r is None for r in cluster.check_leaks(10).values())
@@ -133,7 +135,7 @@ def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
             w: ray.get(a.stats.remote(), timeout=30).num_freed_for_router for w, a in cluster.actors.items()
         }
         wait_for(lambda: victim.num_restarts == 1 and victim.serving.is_set(), 120, "replica 1 restarted")
-        served = serve_on_every_replica(cluster.url, rule_outputs(), {0, 1})
+        served = serve_on_every_replica(front.url, rule_outputs(), {0, 1})
         workers = {w: ray.get(a.get_info.remote(), timeout=30).node_ip for w, a in cluster.actors.items()}
         return {
             "streams": [s.as_dict() for s in streams],
@@ -142,7 +144,7 @@ def scenario_replicas(args: dict[str, Any]) -> dict[str, Any]:
             "served": sorted(served),
             "restarted": victim.pid != victim_pid,
             "placement": workers,
-            "endpoints": [slot.endpoint for slot in cluster.replicas.slots],
+            "endpoints": [slot.endpoint for slot in front.replicas.slots],
         }
     finally:
         cluster.shutdown()
@@ -156,7 +158,7 @@ def main(argv: list[str]) -> int:
         if scenario == "replicas":
             print("RESULT " + json.dumps(scenario_replicas(args)), flush=True)
             return 0
-        handle = start_cluster(lab_config(args.get("config", {})))
+        handle = build_cluster(lab_config(args.get("config", {})))
         try:
             result = SCENARIOS[scenario](handle, args)
             result["leaks"] = _leaks(handle)
@@ -168,7 +170,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _leaks(handle: ClusterHandle) -> dict[str, str | None]:
+def _leaks(handle: Cluster) -> dict[str, str | None]:
     handle.wait_until_quiet(timeout_s=60)
     return handle.check_leaks()
 
