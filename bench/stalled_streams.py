@@ -121,7 +121,6 @@ def write_config(args: argparse.Namespace, port: int) -> str:
     server.update({"port": port, "stream_stall_timeout_s": args.stall_timeout})
     if args.unbounded:
         server.update({"stream_buffer_bytes": 1 << 40, "stream_stall_timeout_s": 3600.0})
-        cfg.setdefault("router", {})["request_buffer_bytes"] = 1 << 40
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="stalled-streams-")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(cfg, f)

@@ -75,9 +75,6 @@ class RouterConfig:
     # early decode admission: the decode worker is chosen with the prefill worker and reserves blocks and
     # posts its KV fetch while the prefill runs, so the transfer starts the moment the KV is offered
     early_decode_admission: bool = True
-    # a request's events the router holds for a caller that has not taken them (estimated bytes, see
-    # protocol.delta_nbytes); past it the request is aborted on its workers (generation cannot pause)
-    request_buffer_bytes: int = 256 << 10
     # a worker frees the requests of a router (a front-end replica) it has not heard from this long:
     # the router renews it every health_interval_s, so it must be well above that
     router_lease_s: float = 10.0
@@ -97,10 +94,6 @@ class RouterConfig:
         require(self.health_interval_s > 0, "health_interval_s must be > 0")
         require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        require(
-            self.request_buffer_bytes >= 4096,
-            f"request_buffer_bytes must be >= 4096, got {self.request_buffer_bytes}",
-        )
         require(
             self.router_lease_s >= 4 * self.health_interval_s,
             f"router_lease_s must be >= 4 x health_interval_s ({4 * self.health_interval_s:g}), "
@@ -136,11 +129,12 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
-    # a stream's events not yet written to its client (estimated bytes): at the bound the edge stops
-    # taking the stream's tokens from the router (whose own buffer, router.request_buffer_bytes, is next)
+    # the one byte bound of a stream: what its client has not read, counted once (the output its router
+    # stream holds while the connection's buffer is full, protocol.delta_nbytes each, plus the bytes in
+    # that buffer); past it the request is aborted on its workers (generation cannot pause), KV freed
     stream_buffer_bytes: int = 1 << 20
-    # a stream whose client has read nothing (an ASGI send that does not return), or whose buffer has
-    # stayed at its bound, this long is aborted everywhere (its KV freed) and its connection closed
+    # a stream whose connection's buffer has stayed full this long (its client reads nothing) ends: its
+    # requests are aborted everywhere and its connection closed
     stream_stall_timeout_s: float = 30.0
     # tool_choice "auto" (vLLM's --enable-auto-tool-choice): the output's tool calls are found by
     # tool_call_parser (--tool-call-parser), which must match the model's chat template

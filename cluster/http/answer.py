@@ -9,10 +9,10 @@ and ITL observed here and nowhere else); the answer is noted due once per turn o
 takes its streams' output (merged when the producer ran ahead), renders it (``responses.SseChunks``) and
 writes it to the connection in one write (``connections.BodyWriter``). No task wakes per token.
 
-The one byte bound: a stream's client may leave ``stream_buffer_bytes`` unread, counted once: the output
-its router stream holds (left there while the connection's buffer is full) plus the bytes in the
-connection's write buffer. Past it the router aborts the request (its KV freed) and the stream ends with
-``stream_stalled``. The one time bound: a connection whose buffer stays full for
+The one byte bound: an answer's client may leave ``stream_buffer_bytes`` unread, counted once: the output
+its choices' router streams hold (left there while the connection's buffer is full) plus the bytes in the
+connection's write buffer. A choice whose output takes it past the bound is aborted by the router (its KV
+freed) and its stream ends with ``stream_stalled``. The one time bound: a connection whose buffer stays full for
 ``stream_stall_timeout_s`` ends the answer (``ClientStalled``).
 
 Lifecycle: ``close()`` must run once the answer is done or abandoned (idempotent): it closes every router
@@ -23,6 +23,7 @@ frees KV blocks everywhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -149,7 +150,10 @@ class Answer:
                 choice = _Choice(self, index, len(req.prompt_token_ids))
                 self.choices.append(choice)
                 choice.stream = router.open(
-                    req, choice, max_unread_bytes=self.limits.buffer_bytes, unread_elsewhere=self._unwritten
+                    req,
+                    choice,
+                    max_unread_bytes=self.limits.buffer_bytes,
+                    unread_elsewhere=functools.partial(self._unread_besides, choice),
                 )
         except BaseException:
             self.close()
@@ -176,10 +180,15 @@ class Answer:
             num_cached_tokens=delta.num_cached_tokens,
         )
 
-    def _unwritten(self) -> int:
-        """What the connection holds of this answer unread (its write buffer's bytes)."""
+    def _unread_besides(self, choice: _Choice) -> int:
+        """What the client has not read of this answer but ``choice``'s stream's output: the other choices'
+        untaken output and the connection's write buffer (the bound is the answer's, counted once)."""
         writer = self.writer
-        return writer.num_buffered_bytes if writer is not None else 0
+        unread = writer.num_buffered_bytes if writer is not None else 0
+        for other in self.choices:
+            if other is not choice and other.stream is not None:
+                unread += other.stream.num_unread_bytes
+        return unread
 
     # ---- handing the output on --------------------------------------------------------------------------
     def flush(self) -> None:
