@@ -183,29 +183,31 @@ def test_issue41_a_request_that_ends_in_an_error_gives_its_lease_back(stream: bo
     app = create_app(router, make_tokenizer(), api_keys=KEYS, tenant_limits=TenantLimits(1, 0))
     quotas: TenantQuotas = app.state.pdserve.quotas
     expected = expected_tokens([9, 10], SamplingParams(max_tokens=4))
-    with ServerThread(app) as server:
-        with httpx.Client(base_url=server.url, timeout=30, headers=auth("alpha")) as http:
-            for behavior, status in [
-                ("unavailable", 503),
-                ("queue_full", 429),
-                ("deadline", 504),
-                ("fail_mid", 200 if stream else 500),
-            ]:
-                router.behavior = behavior
-                extra = {"timeout": 0.2} if behavior == "deadline" else {}
-                r = http.post("/v1/completions", json=body([9, 10], stream=stream, **extra))
-                assert r.status_code == status, (behavior, r.text)
-                code = "queue_full" if behavior == "queue_full" else None
-                if status != 200:
-                    assert r.json()["error"]["code"] != "key_requests_limit"
-                    assert code is None or r.json()["error"]["code"] == code
-                else:  # the stream had begun: the error is its last event
-                    assert '"code":"worker_failed"' in r.text and r.text.endswith("data: [DONE]\n\n")
-                router.behavior = None
-                # NOTE: at once, as a client does that retries on seeing the error
-                ok = http.post("/v1/completions", json=body([9, 10], stream=stream))
-                assert ok.status_code == 200, (behavior, ok.text)
-                if not stream:
-                    assert ok.json()["choices"][0]["token_ids"] == expected
+    with (
+        ServerThread(app) as server,
+        httpx.Client(base_url=server.url, timeout=30, headers=auth("alpha")) as http,
+    ):
+        for behavior, status in [
+            ("unavailable", 503),
+            ("queue_full", 429),
+            ("deadline", 504),
+            ("fail_mid", 200 if stream else 500),
+        ]:
+            router.behavior = behavior
+            extra = {"timeout": 0.2} if behavior == "deadline" else {}
+            r = http.post("/v1/completions", json=body([9, 10], stream=stream, **extra))
+            assert r.status_code == status, (behavior, r.text)
+            code = "queue_full" if behavior == "queue_full" else None
+            if status != 200:
+                assert r.json()["error"]["code"] != "key_requests_limit"
+                assert code is None or r.json()["error"]["code"] == code
+            else:  # the stream had begun: the error is its last event
+                assert '"code":"worker_failed"' in r.text and r.text.endswith("data: [DONE]\n\n")
+            router.behavior = None
+            # NOTE: at once, as a client does that retries on seeing the error
+            ok = http.post("/v1/completions", json=body([9, 10], stream=stream))
+            assert ok.status_code == 200, (behavior, ok.text)
+            if not stream:
+                assert ok.json()["choices"][0]["token_ids"] == expected
 
     assert not quotas.num_requests and not quotas.num_tokens
