@@ -1,14 +1,14 @@
 """The front end's CPU per streamed token at GPU rates (``pdserve bench frontend``).
 
     pdserve bench frontend [--streams 32 256] [--rounds 3] [--output 96] [--prompt 256] [--clients 2]
-                           [--gpu h100] [--model DIR] [--num-decode-workers 1] [--profile-dir DIR]
-                           [--api-server-count N]
+                           [--text-prompts] [--split-output 384] [--gpu h100] [--model DIR]
+                           [--num-decode-workers 1] [--profile-dir DIR] [--api-server-count N]
 
 Starts ``pdserve serve MODEL --config deploy/mock-cluster.yaml --load-format mock --gpu GPU`` (mock
 workers: Ray actors, so separate processes; each step waits the GPU's roofline estimate for MODEL, the
 bundled tiny model by default), then for each ``--streams`` count runs ``--rounds`` rounds of that many
-concurrent greedy streaming completions (``--prompt`` token ids in, ``--output`` tokens out, one SSE
-chunk per token; each stream sends its requests one after another until the round has
+concurrent greedy streaming completions (``--prompt`` token ids in, or as many words of text with
+``--text-prompts``, as users send them: the server tokenizes them; ``--output`` tokens out; each stream sends its requests one after another until the round has
 ``--min-round-tokens``), sent by ``--clients`` separate client processes (multiprocessing, spawn) over
 kept-alive connections (opened by a short round first). For each round it reads the serving process's
 CPU time (``/proc/PID/stat`` utime + stime) before and after, and prints:
@@ -26,7 +26,10 @@ N replicas (the launching process only supervises): the figures are theirs toget
 prints each replica's CPU per token it streamed (the ``x-pdserve-replica`` header says whose a stream
 is); the ceiling is then per replica, each on a core of its own.
 
-Then the medians over the rounds and the command. ``--profile-dir DIR``: py-spy records the serving
+Then the medians over the rounds and the command. ``--split-output N`` runs the rounds again at N output
+tokens a request and splits the serving process's CPU into a cost per request (HTTP parsing, tokenizing,
+routing, signed ops, the finished request's metrics) and one per token (CPU per token at L tokens a
+request = per request / L + per token). ``--profile-dir DIR``: py-spy records the serving
 process during the last round of each count (``DIR/frontend-STREAMS.txt``, collapsed stacks; root or
 ptrace rights) and its top frames are printed. A benchmark: figures, never pass/fail. The client is a raw
 asyncio HTTP/1.1 client (a connection per stream, SSE parsed by hand) so that the load generator costs
@@ -59,6 +62,78 @@ START_LIMIT_S = 300.0
 ROUND_LIMIT_S = 600.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 IDLE_S = 3.0
+# --text-prompts: a prompt is --prompt of these words (256 words are ~400 tokens of the bundled model's)
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "been",
+    "one",
+    "all",
+    "we",
+    "their",
+    "has",
+    "would",
+    "when",
+    "if",
+    "so",
+    "no",
+    "what",
+    "up",
+    "out",
+    "who",
+    "time",
+    "said",
+    "may",
+    "some",
+    "them",
+    "into",
+    "only",
+    "other",
+    "then",
+    "its",
+    "could",
+    "new",
+    "more",
+    "these",
+    "two",
+    "first",
+    "any",
+    "like",
+    "now",
+    "my",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +146,7 @@ class Load:
     max_tokens: int
     seed: int
     num_requests: int = 1
+    is_text: bool = False  # the prompt as text (tokenized by the server), else token ids
 
 
 @dataclass
@@ -170,7 +246,9 @@ async def _client_round(conns: list[_Connection], load: Load) -> ClientRound:
 
     def body(stream: int, request: int) -> bytes:
         base = load.seed * 7919 + stream * 104729 + request * 15485863
-        prompt = [10 + (base + i * 31) % 200 for i in range(load.prompt_len)]
+        prompt: list[int] | str = [10 + (base + i * 31) % 200 for i in range(load.prompt_len)]
+        if load.is_text:
+            prompt = " ".join(WORDS[(base + i * 31) % len(WORDS)] for i in range(load.prompt_len))
         return json.dumps(
             {
                 "prompt": prompt,
@@ -285,12 +363,18 @@ class Clients:
             self.procs.append(proc)
 
     def run(
-        self, num_streams: int, prompt_len: int, max_tokens: int, seed: int, num_requests: int = 1
+        self,
+        num_streams: int,
+        prompt_len: int,
+        max_tokens: int,
+        seed: int,
+        num_requests: int = 1,
+        is_text: bool = False,
     ) -> list[ClientRound]:
         num = len(self.conns)
         for k, conn in enumerate(self.conns):
             share = num_streams // num + (k < num_streams % num)
-            conn.send(Load(share, prompt_len, max_tokens, seed * 1000 + k, num_requests))
+            conn.send(Load(share, prompt_len, max_tokens, seed * 1000 + k, num_requests, is_text))
         results = []
         for conn in self.conns:
             if not conn.poll(ROUND_LIMIT_S):
@@ -307,12 +391,18 @@ class Clients:
 
 
 def measure_round(
-    clients: Clients, server_pid: int, num_streams: int, args: argparse.Namespace, seed: int, step_s: float
+    clients: Clients,
+    server_pid: int,
+    num_streams: int,
+    args: argparse.Namespace,
+    seed: int,
+    step_s: float,
+    output: int,
 ) -> RoundFigures:
     pids = front_end_pids(server_pid)
     before, t0 = _cpu_of(pids), time.perf_counter()
-    num_requests = max(1, -(-args.min_round_tokens // (num_streams * args.output)))
-    results = clients.run(num_streams, args.prompt, args.output, seed, num_requests)
+    num_requests = max(1, -(-args.min_round_tokens // (num_streams * output)))
+    results = clients.run(num_streams, args.prompt, output, seed, num_requests, args.text_prompts)
     wall, after = time.perf_counter() - t0, _cpu_of(pids)
     spent = {pid: sum(after[pid]) - sum(before[pid]) for pid in pids}
     cpu = sum(spent.values())
@@ -352,6 +442,19 @@ def measure_round(
         client_cpu,
         len(errors),
     )
+
+
+def _median(rounds: Sequence[RoundFigures]) -> RoundFigures:
+    return RoundFigures(
+        *(statistics.median(getattr(r, name) for r in rounds) for name in RoundFigures.__annotations__)
+    )
+
+
+def _split(a: RoundFigures, a_tokens: int, b: RoundFigures, b_tokens: int) -> tuple[float, float]:
+    """(CPU per request, CPU per token), in us, from the CPU per token at two output lengths:
+    c = per_request / tokens + per_token."""
+    per_request = (a.server_us_per_token - b.server_us_per_token) / (1 / a_tokens - 1 / b_tokens)
+    return per_request, a.server_us_per_token - per_request / a_tokens
 
 
 def _print_round(label: str, f: RoundFigures) -> None:
@@ -440,6 +543,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per stream")
     ap.add_argument("--output", type=int, default=96, help="output tokens per stream")
+    ap.add_argument(
+        "--text-prompts", action="store_true", help="prompts as text (tokenized by the server), not token ids"
+    )
+    ap.add_argument(
+        "--split-output",
+        type=int,
+        default=0,
+        help="also run the rounds at this many output tokens and split the serving process's CPU into a "
+        "cost per request and one per token (CPU per token = per request / output + per token)",
+    )
     ap.add_argument("--clients", type=int, default=2, help="client processes")
     ap.add_argument(
         "--min-round-tokens",
@@ -491,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         summary = []
+        splits: list[tuple[int, tuple[float, float]]] = []
         for num_streams in args.streams:
             batch = -(-num_streams // args.num_decode_workers)
             step_s = _decode_step_s(args.model, args.gpu, batch, args.prompt + args.output // 2)
@@ -501,7 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the mock's decode step at batch {batch}: {step_s * 1e3:.2f} ms",
                 flush=True,
             )
-            clients.run(num_streams, args.prompt, 4, seed=0)  # NOTE: opens the streams' connections
+            # NOTE: opens the streams' connections
+            clients.run(num_streams, args.prompt, 4, seed=0, is_text=args.text_prompts)
             rounds = []
             for k in range(args.rounds):
                 spy = None
@@ -510,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     num_tokens = max(args.min_round_tokens, num_streams * args.output)
                     expected_s = num_tokens / max(1.0, rounds[-1].tokens_per_s) if rounds else 10
                     spy = _py_spy(server.pid, args.profile_dir / f"frontend-{num_streams}.txt", expected_s)
-                f = measure_round(clients, server.pid, num_streams, args, seed=k + 1, step_s=step_s)
+                f = measure_round(clients, server.pid, num_streams, args, k + 1, step_s, args.output)
                 _print_round(f"round {k + 1}", f)
                 if spy is not None:
                     spy.wait(timeout=120)
@@ -520,16 +635,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ):
                         print(f"  {own_pct:5.1f} {below_pct:5.1f}  {frame}")
                 rounds.append(f)
-            med = RoundFigures(
-                *(
-                    statistics.median(getattr(r, name) for r in rounds)
-                    for name in RoundFigures.__annotations__
-                )
-            )
+            med = _median(rounds)
             summary.append((num_streams, med))
+            if args.split_output:
+                longer = [
+                    measure_round(clients, server.pid, num_streams, args, 100 + k, step_s, args.split_output)
+                    for k in range(args.rounds)
+                ]
+                for k, f in enumerate(longer):
+                    _print_round(f"round {k + 1} at {args.split_output} tokens", f)
+                splits.append((num_streams, _split(med, args.output, _median(longer), args.split_output)))
         print("medians of the rounds:")
         for num_streams, med in summary:
             _print_round(f"{num_streams:4d} streams", med)
+        for num_streams, (per_request_us, per_token_us) in splits:
+            print(
+                f"{num_streams:4d} streams: the serving process's CPU = {per_request_us:7.1f} us a request "
+                f"+ {per_token_us:5.1f} us a token (from {args.output} and {args.split_output} tokens a request)"
+            )
     finally:
         if clients is not None:
             clients.close()
