@@ -238,7 +238,8 @@ def _unpack_head(envelope: bytes, max_bytes: int) -> tuple[int, int, float, str,
     try:
         if unpacker.read_array_header() != 6:
             raise FrameRejected(REASON_MALFORMED, "envelope is not a 6-item array")
-        session, counter, sent_at, recipient, tag = (unpacker.unpack() for _ in range(5))
+        unpack = unpacker.unpack
+        session, counter, sent_at, recipient, tag = unpack(), unpack(), unpack(), unpack(), unpack()
     except (ValueError, msgpack.UnpackException) as e:  # OutOfData, ExtraData, FormatError, StackError, ...
         raise FrameRejected(REASON_MALFORMED, f"envelope is not valid msgpack: {type(e).__name__}") from None
     body_at = unpacker.tell()
