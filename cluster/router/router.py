@@ -376,26 +376,35 @@ class Router:
         flight.deadline_timer = loop.call_later(max(0.0, flight.deadline - time.time()), check)
 
     def _deliver(self, flight: Flight, delta: TokenDelta) -> None:
-        """A delta of the flight's current attempt arrived: into its stream (the final one with the
-        flight's timings, and the flight then ends)."""
+        """A delta of the flight's current attempt arrived: into its stream, as it came (a decode step's) or
+        rewritten (``_deliver_rewritten``)."""
         flight.token_ids += delta.token_ids
-        if delta.request_id != flight.req.request_id:  # a migrated attempt's wire id
-            # NOTE: a copy: the delta is a (frozen) wire message's payload, never changed in place
-            delta = replace(delta, request_id=flight.req.request_id)
         if flight.first_token_time is None:
-            flight.first_token_time = time.time()
-            flight.scheduled_time = delta.scheduled_time
-            if self.admission is not None and flight.attempt == 0 and flight.route is not None:
-                measured = flight.first_token_time - flight.arrival
-                self.admission.observe(flight.route.predicted_ttft_s, measured)
-        if delta.finish_reason is not None:
-            delta = replace(delta, timings=flight.timings())
-            flight.is_ended = True
-            self._settle(flight, finished=True)
-            flight.stream.put(delta)
-            return
-        if flight.stream.put(delta):
+            self._first_token(flight, delta.scheduled_time)
+        if delta.finish_reason is not None or delta.request_id != flight.req.request_id:
+            self._deliver_rewritten(flight, delta)
+        elif flight.stream.put(delta):
             self._abort_overflowed(flight)
+
+    def _deliver_rewritten(self, flight: Flight, delta: TokenDelta) -> None:
+        """A migrated attempt's delta under the request's own id; the final one with the flight's timings
+        (and the flight then ends). NOTE: copies: a delta is a wire message's payload, never changed."""
+        if delta.request_id != flight.req.request_id:
+            delta = replace(delta, request_id=flight.req.request_id)
+        if delta.finish_reason is None:
+            if flight.stream.put(delta):
+                self._abort_overflowed(flight)
+            return
+        flight.is_ended = True
+        self._settle(flight, finished=True)
+        flight.stream.put(replace(delta, timings=flight.timings()))
+
+    def _first_token(self, flight: Flight, scheduled_time: float | None) -> None:
+        flight.first_token_time = time.time()
+        flight.scheduled_time = scheduled_time
+        if self.admission is not None and flight.attempt == 0 and flight.route is not None:
+            measured = flight.first_token_time - flight.arrival
+            self.admission.observe(flight.route.predicted_ttft_s, measured)
 
     def _fail(self, flight: Flight, error: RouterError) -> None:
         """End the flight with ``error`` (after the output its stream holds), aborting it everywhere."""
