@@ -48,6 +48,7 @@ SECRET_BYTES = 32
 DEFAULT_MAX_FRAME_BYTES = 32 << 20  # a 128k-token prompt with its sampling params is ~1 MiB
 DEFAULT_REPLAY_WINDOW_S = 60.0
 MAX_SESSIONS = 4096  # sessions remembered per receiver (only signed frames create one)
+MAX_MAP_ENTRIES = 4096  # entries of any one map in a frame (msgpack's max_map_len; a wire form's dict too)
 
 # Reasons a frame is rejected; each is a label of pdserve_control_messages_rejected_total.
 REASON_TOO_LARGE = "too_large"
@@ -231,7 +232,7 @@ def _unpack_head(envelope: bytes, max_bytes: int) -> tuple[int, int, float, str,
         max_str_len=max_bytes,
         max_bin_len=max_bytes,
         max_array_len=max_bytes // 2,
-        max_map_len=4096,
+        max_map_len=MAX_MAP_ENTRIES,
         max_ext_len=0,
     )
     unpacker.feed(envelope)
@@ -266,7 +267,7 @@ def _unpack_envelope(envelope: bytes, max_bytes: int) -> tuple[int, int, float, 
             max_str_len=max_bytes,
             max_bin_len=max_bytes,
             max_array_len=max_bytes // 2,
-            max_map_len=4096,
+            max_map_len=MAX_MAP_ENTRIES,
             max_ext_len=0,
         )
     except (ValueError, msgpack.UnpackException) as e:  # ExtraData, FormatError, StackError, ...

@@ -8,7 +8,8 @@ msgspec checks a dataclass's field types, but it skips a map's unknown keys for 
 forbid them), and it fills a slots dataclass's left-out defaults through a failed attribute lookup each
 (a plain delta, three fields of ten on the wire, decoded ~4x slower than a Struct). So each dataclass a
 message carries has a *form*: a Struct made from its fields (same names, order and defaults), strict,
-frozen, defaults left out when encoded; a message holding one is decoded into its own form and converted.
+frozen, defaults left out when encoded, untracked by the collector (``gc=False``: a form lives for one
+conversion and is in no reference cycle); a message holding one is decoded into its form and converted.
 
 What a form changes of a field's type, so that the wire refuses what it always refused:
   - ``float`` must be finite (an int is taken as a float; a bool is neither);
@@ -17,7 +18,7 @@ What a form changes of a field's type, so that the wire refuses what it always r
   - ``dict[str, V]`` holds at most ``MAX_MAP_ENTRIES`` entries (cluster/frames.py's cap on any map);
   - a dataclass becomes its form, inside lists and optionals too.
 Types no form changes (a message of plain fields, ``WorkerInfo``) are their own form: no conversion.
-This module imports nothing of the project.
+This module imports only cluster/frames.py (its cap on a map).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from typing import Annotated, Any, Union
 
 import msgspec
 
+from cluster.frames import MAX_MAP_ENTRIES
+
 # NOTE: msgspec's bounds refuse nan (every comparison with it is false) as well as the infinities
 FiniteFloat = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
-MAX_MAP_ENTRIES = 4096  # cluster/frames.py's max_map_len: the same cap on a map the forms decode
 
 Convert = Callable[[Any], Any]
 _PLAIN = (int, str, bool, bytes, type(None))
