@@ -6,6 +6,11 @@ a taking giving the same message, field by field (types of the leaves included).
 random bytes behind a valid MAC; a valid head with a random body; and valid messages (both encoders')
 with one thing wrong: a field's value of another type, an extra field, a missing field, a non-finite
 float, a bool where an int belongs, an int where a float belongs (taken), an unknown tag, at any depth.
+
+Known differences, both in maps whose keys repeat (no encoder here writes one; only a sender holding the
+secret and writing msgpack by hand could): the new decoder reads every copy of a repeated field, so it
+refuses one whose earlier copy has the wrong type (the old one kept the last copy only), and it takes a
+map whose copies put it past 4096 entries (the old unpack called it malformed).
 """
 
 from __future__ import annotations
@@ -357,3 +362,11 @@ def test_the_oracle_sees_what_the_new_decoder_counts(events: bool) -> None:
         ("refused", "replayed"),
     ]
     assert [both.agree(malformed), both.agree(malformed)] == [("refused", "malformed")] * 2
+
+
+def test_the_known_difference_a_repeated_field_with_a_wrong_copy() -> None:
+    both = OPS_BOTH
+    body = b"\x82\xaarequest_id\x01\xaarequest_id\xa1r"  # {"request_id": 1, "request_id": "r"}
+    envelope = _head(both, "abort") + body
+    new, old = both.verdicts(MAGIC + _mac(SECRET, envelope) + envelope)
+    assert (new, old) == (("refused", "bad_field"), ("Abort", repr({"request_id": "r"})))
