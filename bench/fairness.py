@@ -97,11 +97,18 @@ def line(name: str, latencies: list[float], statuses: Counter[str]) -> str:
     return f"{name:<42} {ms}   statuses {dict(sorted(statuses.items()))}"
 
 
+def _keys_file(directory: Path) -> Path:
+    """The tenants KEYS as a keys file in ``directory``."""
+    keys_file = directory / "keys"
+    keys_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
+    return keys_file
+
+
 @contextlib.contextmanager
 def edge_only(args: argparse.Namespace) -> Iterator[str]:
     """The HTTP edge over the tests' stub router, with the router's global cap emulated."""
+    from cluster.config import ServerConfig
     from cluster.http.app import create_app
-    from cluster.http.quotas import TenantLimits
     from cluster.protocol import GenerateRequest, QueueFullError, TokenDelta
     from tests.support.stub_router import ServerThread, StubRouter, make_tokenizer
 
@@ -122,10 +129,14 @@ def edge_only(args: argparse.Namespace) -> Iterator[str]:
 
     router = CappedStubRouter()
     router.calls = _Discard()  # NOTE: the stub records every request; a benchmark would grow it forever
-    limits = TenantLimits(args.max_requests_per_key, args.max_tokens_per_key)
-    app = create_app(router, make_tokenizer(), api_keys=KEYS, tenant_limits=limits)
-    with ServerThread(app) as server:
-        yield server.url
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerConfig(
+            api_keys_file=str(_keys_file(Path(tmp))),
+            max_requests_per_key=args.max_requests_per_key,
+            max_tokens_per_key=args.max_tokens_per_key,
+        )
+        with ServerThread(create_app(router, make_tokenizer(), server)) as thread:
+            yield thread.url
 
 
 class _Discard(list[Any]):
@@ -141,12 +152,10 @@ def live_cluster(args: argparse.Namespace) -> Iterator[str]:
     from deploy.launch import build_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
-        keys_file = Path(tmp) / "keys"
-        keys_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
         data = load_config_data(config_path(args.config))
         data["server"] = {
             **(data.get("server") or {}),
-            "api_keys_file": str(keys_file),
+            "api_keys_file": str(_keys_file(Path(tmp))),
             "max_requests_per_key": args.max_requests_per_key,
             "max_tokens_per_key": args.max_tokens_per_key,
         }

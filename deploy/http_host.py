@@ -27,10 +27,8 @@ from fastapi import FastAPI
 from cluster.config import ClusterConfig, ServerConfig
 from cluster.heap import freeze_startup_heap
 from cluster.http.app import create_app, create_server
-from cluster.http.auth import load_keys_file, read_key_file
 from cluster.http.connections import ConnectionLimits
-from cluster.http.quotas import TenantLimits
-from cluster.http.server_state import Scaler, StreamLimits
+from cluster.http.server_state import Scaler
 from cluster.router.router import Router
 from cluster.tokenizer import Tokenizer
 from deploy.front_end import check_exposure
@@ -75,28 +73,14 @@ def create_router_app(
     return create_app(
         router,
         Tokenizer.from_pretrained(info.model_dir),
-        api_key=cfg.api_key,
-        api_keys=load_keys_file(cfg.api_keys_file) if cfg.api_keys_file else None,
-        admin_key=admin_key(cfg),
-        tenant_limits=TenantLimits(cfg.max_requests_per_key, cfg.max_tokens_per_key),
-        max_body_bytes=cfg.max_body_bytes,
-        served_model_name=cfg.served_model_name,
+        cfg,
         max_timeout_s=config.router.request_timeout_s,
-        metrics_compat=cfg.metrics_compat,
         structured_outputs=True,
-        tool_call_parser=cfg.tool_call_parser if cfg.enable_auto_tool_choice else None,
         scaler=scaler,
         advisor=advisor,
-        stream_limits=StreamLimits(cfg.stream_buffer_bytes, cfg.stream_stall_timeout_s),
         replica=replica,
     )
 
-
-def admin_key(cfg: ServerConfig) -> str | None:
-    """The admin key: ``server.admin_key`` ($PDSERVE_ADMIN_KEY), else ``server.admin_key_file``'s."""
-    if cfg.admin_key:
-        return cfg.admin_key
-    return read_key_file(cfg.admin_key_file, "server.admin_key_file") if cfg.admin_key_file else None
 
 
 def connection_limits(cfg: ServerConfig) -> ConnectionLimits:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Mapping
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -39,8 +38,9 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from cluster.config import ServerConfig
 from cluster.http import admin_routes, completion_routes, model_routes
-from cluster.http.auth import DEFAULT_TENANT, KeyRing
+from cluster.http.auth import KeyRing
 from cluster.http.connections import ConnectionLimits, bounded_protocol
 from cluster.http.errors import RETRY_AFTER_S, ApiError, as_api_error, error_body
 from cluster.http.metrics import Metrics
@@ -117,74 +117,55 @@ _FAST_ROUTES = {
 def create_app(
     router: RouterLike,
     tokenizer: Tokenizer | None,
+    server: ServerConfig | None = None,
     *,
-    api_key: str | None = None,
-    api_keys: Mapping[str, str] | None = None,
-    admin_key: str | None = None,
-    tenant_limits: TenantLimits | None = None,
-    max_body_bytes: int = 1 << 20,
-    served_model_name: str | None = None,
-    default_timeout_s: float | None = None,
     max_timeout_s: float | None = None,
-    num_tokenizer_threads: int = 2,
+    default_timeout_s: float | None = None,
     structured_outputs: bool = False,
-    tool_call_parser: str | None = None,
-    metrics_compat: str = "none",
+    num_tokenizer_threads: int = 2,
     scaler: Scaler | None = None,
     advisor: AdvisorLike | None = None,
-    stream_limits: StreamLimits | None = None,
     replica: int | None = None,
 ) -> EdgeApp:
-    """The OpenAI-compatible app over ``router``; ``app.state.pdserve`` is its :class:`ServerState`.
+    """The OpenAI-compatible app over ``router``, as ``server`` (the ``server:`` config; default
+    ``ServerConfig()``) sets it up: its keys (``KeyRing.from_config``: ``api_key``, ``api_keys_file``, the
+    admin key), tenant limits, body limit, served model name, metrics names, tool-call parser and stream
+    bounds. ``app.state.pdserve`` is its :class:`ServerState`.
 
     tokenizer None serves token-id prompts only (text prompts and chat answer 400). default_timeout_s
-    bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any.
-    structured_outputs: the workers apply structured-output masks (else such requests are a 400).
-    tool_call_parser: serves tool_choice "auto" with that parser (``cluster/http/tool_parsers.py``; vLLM's
-    ``--enable-auto-tool-choice --tool-call-parser``); None: "auto" is a 400 naming the flags.
-    metrics_compat "vllm" also exports the ``vllm:*`` metric names. scaler: enables the admin route
-    ``POST /v1/pdserve/scale`` (a cluster's handle). advisor: serves /v1/pdserve/advice and the advice
-    gauges (None: that route answers 404).
-
-    Keys: ``api_key`` (one tenant, named ``default``) and/or ``api_keys`` (tenant name -> key); none:
-    inference is open and each client address is its own tenant. ``admin_key`` guards the admin routes
-    (/v1/pdserve/*; without it they answer 404). ``tenant_limits``: what one tenant may hold in flight
-    (``cluster/http/quotas.py``; default :class:`TenantLimits`). ``stream_limits``: a stream's buffer
-    and stall bounds (ServerConfig's stream_buffer_bytes and stream_stall_timeout_s). ``replica``: this
-    front-end replica's index, sent back on completions as the ``x-pdserve-replica`` header.
+    bounds requests without a ``timeout`` field (None leaves it to the router); max_timeout_s caps any (the
+    router's ``request_timeout_s``). structured_outputs: the workers apply structured-output masks (else
+    such requests are a 400). scaler: enables the admin route ``POST /v1/pdserve/scale`` (a cluster).
+    advisor: serves /v1/pdserve/advice and the advice gauges (None: that route answers 404). ``replica``:
+    this front-end replica's index, sent back on completions as the ``x-pdserve-replica`` header.
     """
-    tenants = dict(api_keys or {})
-    if api_key is not None:
-        if DEFAULT_TENANT in tenants:
-            raise ValueError(f"tenant name {DEFAULT_TENANT!r} is taken by the single API key; rename it")
-        tenants[DEFAULT_TENANT] = api_key
-    if tool_call_parser is not None:
-        create_tool_parser(tool_call_parser)  # NOTE: an unknown name fails here, not in every request
+    server = server or ServerConfig()
+    parser = server.tool_call_parser if server.enable_auto_tool_choice else None
+    if parser is not None:
+        create_tool_parser(parser)  # NOTE: an unknown name fails here, not in every request
     info = router.model_info
-    names = list(dict.fromkeys([served_model_name or info.name, info.name]))
+    names = list(dict.fromkeys([server.served_model_name or info.name, info.name]))
     app = EdgeApp(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(
         router.worker_stats,
         router.rejected_frames,
         model_name=names[0],
         mode=router.mode,
-        compat=metrics_compat,
+        compat=server.metrics_compat,
         route_decisions=router.route_decisions,
         advice=advisor.latest if advisor is not None else None,
     )
     app.state.pdserve = ServerState(
         router=router,
-        edge=Edge(
-            info, tokenizer, names, default_timeout_s, max_timeout_s, structured_outputs, tool_call_parser
-        ),
+        edge=Edge(info, tokenizer, names, default_timeout_s, max_timeout_s, structured_outputs, parser),
         metrics=metrics,
-        keys=KeyRing.create(tenants, admin_key),
-        quotas=TenantQuotas(tenant_limits or TenantLimits()),
-        max_body_bytes=max_body_bytes,
+        keys=KeyRing.from_config(server),
+        quotas=TenantQuotas(TenantLimits(server.max_requests_per_key, server.max_tokens_per_key)),
+        max_body_bytes=server.max_body_bytes,
         pool=concurrent.futures.ThreadPoolExecutor(num_tokenizer_threads, thread_name_prefix="pdserve-edge"),
         scaler=scaler,
         advisor=advisor,
-        stream_limits=stream_limits or StreamLimits(),
+        stream_limits=StreamLimits(server.stream_buffer_bytes, server.stream_stall_timeout_s),
         replica=replica,
     )
     app.include_router(completion_routes.routes)

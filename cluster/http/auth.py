@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.config import ServerConfig
 from cluster.http.errors import ApiError
 
 DEFAULT_TENANT = "default"  # the name of the single ``api_key``
@@ -70,6 +71,13 @@ def read_key_file(path: str, what: str) -> str:
     return key
 
 
+def admin_key(server: ServerConfig) -> str | None:
+    """The admin key: ``server.admin_key`` ($PDSERVE_ADMIN_KEY), else ``server.admin_key_file``'s."""
+    if server.admin_key:
+        return server.admin_key
+    return read_key_file(server.admin_key_file, "server.admin_key_file") if server.admin_key_file else None
+
+
 @dataclass(frozen=True)
 class KeyRing:
     """The edge's keys, as digests. ``tenants``: digest -> tenant name (empty: inference is open);
@@ -89,6 +97,18 @@ class KeyRing:
         if admin is not None and admin in tenants:
             raise ValueError("the admin key must differ from every API key")
         return cls(tenants, admin)
+
+    @classmethod
+    def from_config(cls, server: ServerConfig) -> KeyRing:
+        """The keys of a ``server:`` config: ``api_key`` (one tenant, named ``default``) and the tenants of
+        ``api_keys_file``; the admin key ``admin_key`` ($PDSERVE_ADMIN_KEY), else ``admin_key_file``'s.
+        ValueError (never naming a key) for a bad file, a clash or a shared key."""
+        tenants = load_keys_file(server.api_keys_file) if server.api_keys_file else {}
+        if server.api_key is not None:
+            if DEFAULT_TENANT in tenants:
+                raise ValueError(f"tenant name {DEFAULT_TENANT!r} is taken by the single API key; rename it")
+            tenants[DEFAULT_TENANT] = server.api_key
+        return cls.create(tenants, admin_key(server))
 
     @property
     def is_open(self) -> bool:

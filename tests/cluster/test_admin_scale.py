@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cluster.config import ServerConfig
 from cluster.http.admin_routes import MAX_POOL_WORKERS
 from cluster.http.app import create_app
 from deploy.cli import main as cli_main
@@ -29,7 +30,10 @@ def scaler() -> FakeScaler:
 def server(scaler: FakeScaler) -> Iterator[ServerThread]:
     with ServerThread(
         create_app(
-            StubRouter(max_model_len=64), make_tokenizer(), api_key="inference", admin_key=KEY, scaler=scaler
+            StubRouter(max_model_len=64),
+            make_tokenizer(),
+            ServerConfig(api_key="inference", admin_key=KEY),
+            scaler=scaler,
         )
     ) as s:
         yield s
@@ -100,7 +104,9 @@ def test_a_second_scale_while_one_runs_is_a_409(server: ServerThread, scaler: Fa
 
 
 def test_a_server_without_a_cluster_cannot_scale() -> None:
-    with ServerThread(create_app(StubRouter(max_model_len=64), make_tokenizer(), admin_key=KEY)) as s:
+    with ServerThread(
+        create_app(StubRouter(max_model_len=64), make_tokenizer(), ServerConfig(admin_key=KEY))
+    ) as s:
         reply = post(s, {"pool": "decode", "num_workers": 1})
     assert reply.status_code == 404 and "cannot scale" in reply.json()["error"]["message"]
 

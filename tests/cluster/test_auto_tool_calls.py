@@ -22,7 +22,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from cluster.config import TOOL_CALL_PARSERS
+from cluster.config import TOOL_CALL_PARSERS, ServerConfig
 from cluster.http.app import create_app
 from cluster.http.tool_parsers import PARSERS, IdFactory, create_tool_parser
 from cluster.protocol import FinishReason, GenerateRequest, TokenDelta
@@ -172,7 +172,12 @@ def servers(router: ScriptedRouter) -> Iterator[dict[str | None, ServerThread]]:
         yield {
             name: stack.enter_context(
                 ServerThread(
-                    create_app(router, make_tokenizer(), structured_outputs=True, tool_call_parser=name)
+                    create_app(
+                        router,
+                        make_tokenizer(),
+                        ServerConfig(enable_auto_tool_choice=name is not None, tool_call_parser=name),
+                        structured_outputs=True,
+                    )
                 )
             )
             for name in (*TOOL_CALL_PARSERS, None)
@@ -418,7 +423,11 @@ def test_parser_answers_with_injected_ids() -> None:
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         create_tool_parser("pythonic")
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        create_app(StubRouter(), make_tokenizer(), tool_call_parser="pythonic")
+        create_app(
+            StubRouter(),
+            make_tokenizer(),
+            ServerConfig(enable_auto_tool_choice=True, tool_call_parser="pythonic"),
+        )
 
 
 def test_flags_and_their_checks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from bench.serve import main as bench_main
 from cluster.client.sdk import APIConnectionError, APIError, AsyncClient, Client, ServerTimings
+from cluster.config import ServerConfig
 from cluster.http.app import create_app
 from cluster.protocol import ClusterUnavailableError, QueueFullError, SamplingParams
 from tests.support.stub_router import ServerThread, StubRouter, expected_tokens, make_tokenizer, token_text
@@ -34,7 +35,7 @@ def router() -> StubRouter:
 
 @pytest.fixture(scope="module")
 def server(router: StubRouter) -> Iterator[ServerThread]:
-    with ServerThread(create_app(router, make_tokenizer(), api_key="k")) as s:
+    with ServerThread(create_app(router, make_tokenizer(), ServerConfig(api_key="k"))) as s:
         yield s
 
 

@@ -16,11 +16,11 @@ import pytest
 
 from cluster.config import ServerConfig
 from cluster.http.app import create_app
-from cluster.http.auth import load_keys_file
+from cluster.http.auth import admin_key, load_keys_file
 from deploy.cli import build_parser
 from deploy.cli import main as cli_main
 from deploy.cli_args import build_config
-from deploy.http_host import admin_key, check_exposure
+from deploy.http_host import check_exposure
 from tests.support.stub_router import FakeScaler, ServerThread, StubRouter, make_tokenizer
 
 API_KEY, ADMIN_KEY = "sk-inference-123", "sk-admin-456"
@@ -34,7 +34,10 @@ def scaler() -> FakeScaler:
 @pytest.fixture
 def server(scaler: FakeScaler) -> Iterator[ServerThread]:
     app = create_app(
-        StubRouter(max_model_len=64), make_tokenizer(), api_key=API_KEY, admin_key=ADMIN_KEY, scaler=scaler
+        StubRouter(max_model_len=64),
+        make_tokenizer(),
+        ServerConfig(api_key=API_KEY, admin_key=ADMIN_KEY),
+        scaler=scaler,
     )
     with ServerThread(app) as s:
         yield s
@@ -67,7 +70,9 @@ def test_issue31_row10_admin_routes_take_the_admin_key_only(server: ServerThread
 @pytest.mark.parametrize("inference_key", [None, API_KEY])
 def test_issue31_row10_admin_routes_are_off_without_an_admin_key(inference_key: str | None) -> None:
     scaler = FakeScaler()
-    app = create_app(StubRouter(max_model_len=64), make_tokenizer(), api_key=inference_key, scaler=scaler)
+    app = create_app(
+        StubRouter(max_model_len=64), make_tokenizer(), ServerConfig(api_key=inference_key), scaler=scaler
+    )
     with ServerThread(app) as s:
         replies = [
             scale(s, inference_key),
@@ -80,7 +85,7 @@ def test_issue31_row10_admin_routes_are_off_without_an_admin_key(inference_key: 
 
 def test_issue31_row10_models_shows_the_served_name_not_a_path() -> None:
     router = StubRouter(max_model_len=64)  # its checkpoint directory: /models/stub
-    app = create_app(router, make_tokenizer(), served_model_name="tenant-facing")
+    app = create_app(router, make_tokenizer(), ServerConfig(served_model_name="tenant-facing"))
     with ServerThread(app) as s:
         listing = httpx.get(f"{s.url}/v1/models", timeout=30)
         card = httpx.get(f"{s.url}/v1/models/tenant-facing", timeout=30)
@@ -97,7 +102,7 @@ def test_issue31_row10_keys_are_never_echoed(tmp_path: Path) -> None:
         load_keys_file(str(bad))
     assert "sk-secret-1" not in str(duplicate.value) and ":2:" in str(duplicate.value)
     with pytest.raises(ValueError, match="the admin key must differ from every API key") as same:
-        create_app(StubRouter(), None, api_key=API_KEY, admin_key=API_KEY)
+        create_app(StubRouter(), None, ServerConfig(api_key=API_KEY, admin_key=API_KEY))
     assert API_KEY not in str(same.value)
 
 

@@ -7,6 +7,7 @@ The router's global cap (``max_pending_requests``) stays. Timing is measured by 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cluster.config import ServerConfig
 from cluster.http.app import create_app
 from cluster.http.auth import KeyRing, load_keys_file
 from cluster.http.errors import ApiError
@@ -51,9 +53,21 @@ async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float 
             await asyncio.sleep(0.01)
 
 
+def server_config(limits: TenantLimits, keys_dir: Path) -> ServerConfig:
+    """A server of the tenants KEYS (their keys file in ``keys_dir``) with ``limits`` per tenant."""
+    keys_file = keys_dir / "keys"
+    keys_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
+    return ServerConfig(
+        api_keys_file=str(keys_file),
+        max_requests_per_key=limits.max_requests,
+        max_tokens_per_key=limits.max_tokens,
+    )
+
+
 def run_with_server(limits: TenantLimits, scenario: Callable[[str, HoldingRouter], Any]) -> Any:
     router = HoldingRouter(max_model_len=128)
-    app = create_app(router, make_tokenizer(), api_keys=KEYS, tenant_limits=limits)
+    with tempfile.TemporaryDirectory() as keys_dir:
+        app = create_app(router, make_tokenizer(), server_config(limits, Path(keys_dir)))
     with ServerThread(app) as server:
         result = asyncio.run(scenario(server.url, router))
         quotas: TenantQuotas = app.state.pdserve.quotas
@@ -175,12 +189,12 @@ def test_issue31_row5_keys_file_names_tenants_and_each_key_is_its_own_tenant(tmp
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_issue41_a_request_that_ends_in_an_error_gives_its_lease_back(stream: bool) -> None:
+def test_issue41_a_request_that_ends_in_an_error_gives_its_lease_back(stream: bool, tmp_path: Path) -> None:
     """A tenant at its limit of one request: after a request of its ends in an error that is not a
     disconnect (the router's 503, its full queue's 429, a deadline's 504, a worker failing mid-stream),
     its next request is served, never a 429 for the one that is over."""
     router = HoldingRouter(max_model_len=128)
-    app = create_app(router, make_tokenizer(), api_keys=KEYS, tenant_limits=TenantLimits(1, 0))
+    app = create_app(router, make_tokenizer(), server_config(TenantLimits(1, 0), tmp_path))
     quotas: TenantQuotas = app.state.pdserve.quotas
     expected = expected_tokens([9, 10], SamplingParams(max_tokens=4))
     with (

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.config import ServerConfig
 from cluster.http.app import create_app
 from cluster.http.metrics import Metrics
 from cluster.protocol import QueueFullError, RequestTimings, WorkerStats
@@ -221,7 +222,7 @@ VLLM_DASHBOARD_SERIES = (
 
 def test_vllm_compat_exports_what_vllms_dashboard_queries() -> None:
     router = StubRouter(mode="disaggregated")
-    with ServerThread(create_app(router, make_tokenizer(), metrics_compat="vllm")) as s:
+    with ServerThread(create_app(router, make_tokenizer(), ServerConfig(metrics_compat="vllm"))) as s:
         body = {"prompt": [6, 7, 8], "max_tokens": 4, "n": 2}
         assert httpx.post(f"{s.url}/v1/completions", json=body).status_code == 200
         text = httpx.get(f"{s.url}/metrics").text
@@ -242,7 +243,7 @@ def test_vllm_compat_exports_what_vllms_dashboard_queries() -> None:
 
 def test_error_and_request_counters_read_zero_before_any_traffic() -> None:
     router = StubRouter(mode="colocated")
-    with ServerThread(create_app(router, make_tokenizer(), served_model_name="m")) as s:
+    with ServerThread(create_app(router, make_tokenizer(), ServerConfig(served_model_name="m"))) as s:
         text = httpx.get(f"{s.url}/metrics").text
     got = samples(text, model="m")
     errors = {labels: v for (name, labels), v in got.items() if name == "pdserve_request_errors_total"}

@@ -13,6 +13,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from cluster.config import ServerConfig
 from cluster.http.app import create_app
 from cluster.protocol import QueueFullError, SamplingParams
 from tests.support.stub_router import ServerThread, StubRouter, expected_tokens, make_tokenizer, token_text
@@ -416,7 +417,7 @@ def test_invalid_input_is_rejected_before_the_router(
 
 
 def test_bad_json_and_oversized_body(stub: StubRouter, router: StubRouter) -> None:
-    with ServerThread(create_app(router, TOK, max_body_bytes=256)) as s:
+    with ServerThread(create_app(router, TOK, ServerConfig(max_body_bytes=256))) as s:
         r = httpx.post(
             f"{s.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
         )
@@ -437,7 +438,7 @@ def test_bad_json_and_oversized_body(stub: StubRouter, router: StubRouter) -> No
 
 
 def test_api_key(stub: StubRouter, router: StubRouter) -> None:
-    with ServerThread(create_app(router, TOK, api_key="s3cret")) as s:
+    with ServerThread(create_app(router, TOK, ServerConfig(api_key="s3cret"))) as s:
         for path in ("/v1/models", "/metrics"):
             assert httpx.get(s.url + path).status_code == 401
             assert httpx.get(s.url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
@@ -553,7 +554,9 @@ def test_a_failing_choice_aborts_its_siblings(stub: StubRouter, server: ServerTh
 
 
 def test_without_tokenizer_only_token_ids_are_served(stub: StubRouter, router: StubRouter) -> None:
-    with ServerThread(create_app(router, None, served_model_name="alias", default_timeout_s=30)) as s:
+    with ServerThread(
+        create_app(router, None, ServerConfig(served_model_name="alias"), default_timeout_s=30)
+    ) as s:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "w5"})
         assert r.status_code == 400 and "text prompts need a tokenizer" in r.json()["error"]["message"]
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": CHAT})

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from cluster import __version__
+from cluster.config import ServerConfig
 from cluster.http.app import create_app
 from cluster.http.output_constraints import UNSUPPORTED
 from cluster.protocol import StructuredOutput
@@ -76,7 +77,7 @@ def tok() -> RecordingTokenizer:
 
 @pytest.fixture(scope="module")
 def server(router: StubRouter, tok: RecordingTokenizer) -> Iterator[ServerThread]:
-    with ServerThread(create_app(router, tok, structured_outputs=True, api_key="k")) as s:
+    with ServerThread(create_app(router, tok, ServerConfig(api_key="k"), structured_outputs=True)) as s:
         yield s
 
 

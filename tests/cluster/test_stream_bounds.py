@@ -15,6 +15,7 @@ from typing import cast
 
 import pytest
 
+from cluster.config import ServerConfig
 from cluster.http.answer import Answer
 from cluster.http.app import create_app
 from cluster.http.metrics import Metrics
@@ -219,7 +220,8 @@ def test_issue31_row6_a_stream_whose_client_reads_nothing_is_aborted_after_the_s
     chunk = 256 << 10
     router = _CountingRouter(chunk_bytes=chunk, num_chunks=200)  # 50 MiB per choice, far past any buffer
     limits = StreamLimits(buffer_bytes=1 << 20, stall_timeout_s=0.5)
-    app = create_app(router, make_tokenizer(), stream_limits=limits)
+    server_config = ServerConfig(stream_buffer_bytes=limits.buffer_bytes, stream_stall_timeout_s=0.5)
+    app = create_app(router, make_tokenizer(), server_config)
     with ServerThread(app, send_buffer_bytes=4096) as server:
         body = {"prompt": [10, 11, 12], "max_tokens": 1000, "n": 2, "stream": True}
         sock = _stalled_request(server.port, body)

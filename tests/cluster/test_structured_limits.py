@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cluster.config import ServerConfig
 from cluster.http.app import create_app
 from cluster.http.errors import ApiError
 from cluster.http.output_constraints import MAX_GRAMMAR_RULES
@@ -29,7 +30,9 @@ def router() -> StubRouter:
 
 @pytest.fixture(scope="module")
 def server(router: StubRouter) -> Iterator[ServerThread]:
-    with ServerThread(create_app(router, make_tokenizer(), structured_outputs=True, api_key="k")) as s:
+    with ServerThread(
+        create_app(router, make_tokenizer(), ServerConfig(api_key="k"), structured_outputs=True)
+    ) as s:
         yield s
 
 

@@ -87,7 +87,7 @@ def test_issue31_row4_every_receiving_socket_has_its_cap() -> None:
     assert DEFAULT_MAX_FRAME_BYTES == 32 << 20 and MAX_HANDSHAKE_FRAME_BYTES == 64 << 10
     ctx: zmq.Context[Any] = zmq.Context()
     kv = torch.zeros(2, 8, 2, 4, 2, 8)
-    channel = PairChannel(("127.0.0.1", 1), "127.0.0.1")
+    channel = PairChannel("127.0.0.1")
     sender = KVSender(kv, me=PeerId("p", "0"), channel=channel, secret=new_secret(),
                       on_sent=lambda rid, ok: None, zmq_context=ctx)  # fmt: skip
     receiver = KVReceiver(kv, me=PeerId("d", "0"), channel=channel, secret=new_secret(), zmq_context=ctx)
@@ -113,7 +113,7 @@ def test_issue31_row4_kv_sender_drops_an_oversized_handshake_frame_unread() -> N
     """A 1 MiB frame to a KV sender's handshake socket: its connection is dropped, the frame never reaches
     the verifier (no `too_large`), and the next frame from another connection is read."""
     kv = torch.zeros(2, 8, 2, 4, 2, 8)
-    channel = PairChannel(("127.0.0.1", 1), "127.0.0.1")
+    channel = PairChannel("127.0.0.1")
     sender = KVSender(
         kv, me=PeerId("p", "0"), channel=channel, secret=new_secret(), on_sent=lambda r, ok: None
     )

@@ -30,7 +30,6 @@ from cluster.wire import (
     Transferred,
     WorkerControl,
 )
-from deploy.launch import KVStore
 from tests.support.cluster_utils import wait_for
 from tests.workers.test_worker import Delta, FakeRouter
 from transfer.connector import KVSender
@@ -60,7 +59,6 @@ class Harness:
     prefill: Engine
     sender: KVSender
     channel: PairChannel
-    store: KVStore
     fatal: list[str]  # why the worker would have exited (a dead thread)
     sent: dict[str, bool] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -109,14 +107,13 @@ class Harness:
 def start(transfer: TransferConfig, engine: EngineConfig) -> Harness:
     fatal: list[str] = []
     secret = new_secret()
-    store = KVStore("127.0.0.1")
     router = FakeRouter(secret)
-    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05, store=store.address)
+    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05, moves_kv=True)
     # NOTE: a dead thread must fail the test, not end the test process (the default on_fatal exits)
     worker = EngineWorker("decode-0", "decode", engine, transfer, secret, control, on_fatal=fatal.append)
     router.connect(worker)
     prefill = Engine(engine_config())
-    channel = PairChannel(store.address, "127.0.0.1", "gloo", group_timeout_s=60.0)
+    channel = PairChannel("127.0.0.1", "gloo", group_timeout_s=60.0)
     sent: dict[str, bool] = {}
     lock = threading.Lock()
 
@@ -129,7 +126,7 @@ def start(transfer: TransferConfig, engine: EngineConfig) -> Harness:
     sender = KVSender(kv, me=PREFILL, channel=channel, secret=secret, on_sent=on_sent, timeout_s=10.0,
                       integrity=TransferConfig().integrity)  # fmt: skip
     sender.start()
-    return Harness(worker, router, prefill, sender, channel, store, fatal, sent, lock)
+    return Harness(worker, router, prefill, sender, channel, fatal, sent, lock)
 
 
 def stop(h: Harness) -> None:
@@ -138,7 +135,6 @@ def stop(h: Harness) -> None:
     h.sender.close()
     h.channel.close()
     h.router.close()
-    h.store.close()
 
 
 @pytest.fixture(scope="module")

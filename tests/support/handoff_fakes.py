@@ -123,7 +123,7 @@ def context(
     engine: Engine, transfer: TransferConfig, events: list[Any], commands: list[object]
 ) -> WorkerContext:
     return WorkerContext(
-        "worker-0", "inc0", "127.0.0.1", engine, transfer, new_secret(), None, events.append, commands.append
+        "worker-0", "inc0", "127.0.0.1", engine, transfer, new_secret(), False, events.append, commands.append
     )
 
 

@@ -1,6 +1,6 @@
 """Test utilities (not a test module): a whole cluster in this process, without Ray.
 
-``LocalCluster`` runs the real Router on its own event loop thread, the real KV store, and real
+``LocalCluster`` runs the real Router on its own event loop thread and real
 ``EngineWorker``s (each one its step, inbound and transfer threads) in the test process: the same
 frames, handshakes and gloo pairs as a Ray cluster, minus Ray's start-up (seconds) and its actors, so
 tests read a worker's engine and role directly. Workers share the process's CPU; fine for tiny models.
@@ -25,7 +25,6 @@ from cluster.protocol import GenerateRequest, SamplingParams, TokenDelta
 from cluster.router.router import Router
 from cluster.wire import WorkerControl
 from deploy.front_end import RouterLoop
-from deploy.launch import KVStore
 from workers.engine import Engine
 from workers.step_output import StepOutput
 from workers.worker import EngineWorker
@@ -49,7 +48,7 @@ def _serial_engine(config: EngineConfig) -> Engine:
 
 
 class LocalCluster:
-    """Router + KV store + ``EngineWorker``s in one process. ``pools``: pool name -> number of workers
+    """Router + ``EngineWorker``s in one process. ``pools``: pool name -> number of workers
     (``prefill``/``decode`` or ``colocated``); workers are named ``<pool>-<i>``. A thread that dies is
     recorded in ``fatal`` (the worker stays, unhealthy) instead of ending the process. ``close()``
     stops everything it started."""
@@ -68,7 +67,6 @@ class LocalCluster:
         self.fatal: list[str] = []
         self.workers: dict[str, EngineWorker] = {}
         self._loop = RouterLoop()
-        self._store: KVStore | None = None
         secret = new_secret()
 
         async def make_router() -> Router:
@@ -78,10 +76,8 @@ class LocalCluster:
 
         self.router = self._loop.run(make_router(), timeout=30)
         try:
-            if self.router_config.mode != "colocated":
-                self._store = KVStore("127.0.0.1")
-            store = self._store.address if self._store is not None else None
-            control = WorkerControl((self.router.endpoint,), heartbeat_interval_s, "loopback", store)
+            moves_kv = self.router_config.mode != "colocated"
+            control = WorkerControl((self.router.endpoint,), heartbeat_interval_s, "loopback", moves_kv)
             for pool, num in pools.items():
                 for i in range(num):
                     wid = f"{pool}-{i}"
@@ -147,8 +143,6 @@ class LocalCluster:
             self._loop.run(self.router.close(), timeout=10)
         finally:
             self._loop.stop()
-            if self._store is not None:
-                self._store.close()
 
 
 def engine_config(model_dir: str, **options: Any) -> EngineConfig:

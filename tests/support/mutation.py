@@ -48,8 +48,17 @@ UNIT_STAGE = (
     "tests/workers/test_scheduler_steps.py",
     "tests/workers/test_prefix_cache.py",
 )
-ENGINE_STAGE = ("tests/workers/test_engine_scheduling.py", "tests/workers/test_engine_hf.py", "-k", "scheduling or qwen3")
-HANDOFF_STAGE = ("tests/workers/test_decode_handoff.py", "tests/workers/test_prefill_role.py", "tests/workers/test_worker_roles.py")
+ENGINE_STAGE = (
+    "tests/workers/test_engine_scheduling.py",
+    "tests/workers/test_engine_hf.py",
+    "-k",
+    "scheduling or qwen3",
+)
+HANDOFF_STAGE = (
+    "tests/workers/test_decode_handoff.py",
+    "tests/workers/test_prefill_role.py",
+    "tests/workers/test_worker_roles.py",
+)
 EARLY_STAGE = ("tests/e2e/test_early_admission.py",)  # the decode role's early admission, with a real sender
 CLUSTER_STAGE = ("tests/e2e/test_local_cluster.py",)
 RECEIVER_STAGE = ("tests/transfer/test_receiver_unit.py", "tests/e2e/test_local_cluster.py")

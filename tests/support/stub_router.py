@@ -174,8 +174,8 @@ class StubRouter:
         max_unread_bytes: int | None = None,
         unread_elsewhere: Callable[[], int] | None = None,
     ) -> RequestStream:
-        """``Router.open`` over ``generate``: a task puts its deltas into the stream (a stream past its
-        bound is aborted as the router aborts it); closing an unfinished stream records an abort."""
+        """``Router.open`` over ``generate``: a task puts its deltas into the stream. An abort is recorded
+        as the router sends one: for a stream past its bound, one that failed, one closed unfinished."""
         stream = RequestStream(
             req.request_id, listener, max_unread_bytes=max_unread_bytes, unread_elsewhere=unread_elsewhere
         )
@@ -206,7 +206,9 @@ class StubRouter:
                     self._record_abort(req.request_id)
                     return
         except RouterError as e:
+            # NOTE: as the router settles a failed request: aborted on whatever holds it
             stream.fail(e)
+            self._record_abort(req.request_id)
         finally:
             await gen.aclose()
 

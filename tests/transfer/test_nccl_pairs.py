@@ -85,7 +85,7 @@ def test_the_pair_channel_resolves_its_device_on_the_owners_thread(monkeypatch: 
         raise RuntimeError("no NCCL here")
 
     monkeypatch.setattr(pairs, "build_group", fake_build_group)
-    channel = linked(PairChannel(None, "127.0.0.1", "nccl", device=torch.device("cuda")), PREFILL_RANK)
+    channel = linked(PairChannel("127.0.0.1", "nccl", device=torch.device("cuda")), PREFILL_RANK)
     with pytest.raises(TransferPairError, match="no NCCL here"):
         channel.connect(KEY, PREFILL_RANK).wait(10.0)
     assert built_on == [torch.device("cuda", 2)]
@@ -175,7 +175,7 @@ def test_the_nccl_warm_up_polls_and_never_blocks_a_stream_or_the_device(
     group = FakeGroup(num_polls=3, carried=KEY.generation)
     synced = _nccl_channel(monkeypatch, group, 5.0)
     channel = linked(
-        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), rank
+        PairChannel("127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), rank
     )
     channel.connect(KEY, rank).wait(10.0)
     [work] = group.works
@@ -188,7 +188,7 @@ def test_a_stuck_nccl_warm_up_breaks_the_pair_at_the_group_timeout(monkeypatch: 
     group = FakeGroup(num_polls=None, carried=None)
     synced = _nccl_channel(monkeypatch, group, 0.2)
     channel = linked(
-        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=0.2, device=torch.device("cpu")), DECODE_RANK
+        PairChannel("127.0.0.1", "nccl", group_timeout_s=0.2, device=torch.device("cpu")), DECODE_RANK
     )
     with pytest.raises(TransferPairError, match=r"warm-up with prefill-0/p0 did not complete within 0\.200s"):
         channel.connect(KEY, DECODE_RANK).wait(10.0)
@@ -203,7 +203,7 @@ def test_a_wrong_warm_up_value_breaks_the_pair(monkeypatch: pytest.MonkeyPatch) 
     group = FakeGroup(num_polls=1, carried=KEY.generation + 5)
     _nccl_channel(monkeypatch, group, 5.0)
     channel = linked(
-        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), DECODE_RANK
+        PairChannel("127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), DECODE_RANK
     )
     with pytest.raises(TransferPairError, match="warm-up carried 8, not 3"):
         channel.connect(KEY, DECODE_RANK).wait(10.0)
@@ -232,7 +232,7 @@ def test_the_nccl_warm_up_does_not_wait_for_the_engines_stream(monkeypatch: pyte
     group = FakeGroup(num_polls=2, carried=KEY.generation)
     synced = _nccl_channel(monkeypatch, group, 30.0)
     channel = linked(
-        PairChannel(None, "127.0.0.1", "nccl", group_timeout_s=30.0, device=torch.device("cuda")), DECODE_RANK
+        PairChannel("127.0.0.1", "nccl", group_timeout_s=30.0, device=torch.device("cuda")), DECODE_RANK
     )
     torch.cuda.current_stream().synchronize()
     torch.cuda._sleep(4_000_000_000)  # NOTE: ~2 s of GPU clock cycles, queued on the default stream

@@ -4,8 +4,8 @@ Each end's `LinkStore` ships what the group sets as a signed ``rendezvous`` hand
 only what came from the other end in one; a frame that does not verify never reaches a store and is
 counted (``rendezvous_bad_tag`` when it claims to carry a rendezvous value), a verified value misbound to
 another pair or generation is refused and counted, and every wait is bounded. (issue 31 row 2, the
-signed values on the router's TCPStore, is gone with that store's part in it: the store is no longer read,
-so a stranger's writes there, before or after pdserve's own, change nothing.)
+signed values on the router's TCPStore, is gone with that store: the cluster hosts none any more, so
+there is nowhere shared for a stranger to write.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-import torch.distributed as dist
 import zmq
 
 from cluster.frames import MAC_BYTES, MAGIC, FrameSigner, new_secret
@@ -186,7 +185,7 @@ def test_issue41_every_wait_is_bounded_and_a_dropped_peer_ends_it_at_once() -> N
 
 
 def test_issue41_a_side_without_a_link_cannot_build_a_pair() -> None:
-    channel = PairChannel(None, "127.0.0.1")
+    channel = PairChannel("127.0.0.1")
     with pytest.raises(TransferPairError, match=r"prefill-0/p0 has no rendezvous link as rank 0"):
         channel.connect(KEY, PREFILL_RANK).wait(5)
     assert channel.broken_pairs() == [KEY]
@@ -194,7 +193,7 @@ def test_issue41_a_side_without_a_link_cannot_build_a_pair() -> None:
 
 def test_issue41_a_peer_that_never_answers_breaks_the_pair_at_the_group_timeout() -> None:
     """No value from the other end: the build fails at the group's timeout, the next one is generation +1."""
-    channel = PairChannel(None, "127.0.0.1", group_timeout_s=0.5)
+    channel = PairChannel("127.0.0.1", group_timeout_s=0.5)
     link = RendezvousLink(D, DECODE_RANK, lambda: None)
     channel.use_link(link)
     with pytest.raises(TransferPairError, match="no rendezvous value for"):
@@ -205,19 +204,16 @@ def test_issue41_a_peer_that_never_answers_breaks_the_pair_at_the_group_timeout(
 
 class Stranger:
     """A process without the secret: forges rendezvous values into the sender's handshake socket (signed
-    with a secret of its own) and into the TCPStore a cluster may still host, before and during a pair's
-    build, until `stop`."""
+    with a secret of its own), before and during a pair's build, until `stop`."""
 
-    def __init__(self, endpoint: str, store_port: int, key: PairKey) -> None:
+    def __init__(self, endpoint: str, key: PairKey) -> None:
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 5000)
         self._sock.connect(endpoint)
-        self._store = dist.TCPStore("127.0.0.1", store_port, None, False, datetime.timedelta(seconds=10))
         self._signer = FrameSigner(new_secret())
         self._key = key
         self.num_frames = 0
-        self.store_keys: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
 
@@ -228,9 +224,6 @@ class Stranger:
                 body = {"nonce": 0, **fields(key, name, FORGED)}
                 self._sock.send(self._signer.sign(key.prefill.name, "rendezvous", body))
                 self.num_frames += 1
-                store_key = f"pdserve/pair/{key.prefill.name}/{key.decode.name}/{generation}/{name}"
-                self._store.set(store_key, FORGED)
-                self.store_keys.add(store_key)
 
     def start(self) -> None:
         self._thread.start()
@@ -248,19 +241,16 @@ class Stranger:
 
 def test_issue41_a_pair_forms_and_moves_bytes_intact_while_a_stranger_forges_its_rendezvous() -> None:
     """The stranger forges every value of the pair's first generations, before the pair exists and all
-    through its build, on the sender's handshake socket and in the cluster's TCPStore. The pair forms at
-    generation 0, the bytes land intact, every forged frame is counted as a bad tag, and pdserve wrote
-    nothing to the store (nothing reads it)."""
-    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
-    address = ("127.0.0.1", server.port)
+    through its build, on the sender's handshake socket. The pair forms at generation 0, the bytes land
+    intact, and every forged frame is counted as a bad tag."""
     secret = new_secret()
     src, dst = torch.randn(*SHAPE), torch.zeros(*SHAPE)
     sent: list[bool] = []
-    sender = KVSender(src, me=P, channel=PairChannel(address, "127.0.0.1"), secret=secret,
+    sender = KVSender(src, me=P, channel=PairChannel("127.0.0.1"), secret=secret,
                       on_sent=lambda r, ok: sent.append(ok), integrity="mac", timeout_s=TIMEOUT_S)  # fmt: skip
-    receiver = KVReceiver(dst, me=D, channel=PairChannel(address, "127.0.0.1"), secret=secret,
+    receiver = KVReceiver(dst, me=D, channel=PairChannel("127.0.0.1"), secret=secret,
                           integrity="mac", timeout_s=TIMEOUT_S)  # fmt: skip
-    stranger = Stranger(sender.endpoint, server.port, PairKey(P, D, 0))
+    stranger = Stranger(sender.endpoint, PairKey(P, D, 0))
     sender.start()
     receiver.start()
     try:
@@ -277,7 +267,6 @@ def test_issue41_a_pair_forms_and_moves_bytes_intact_while_a_stranger_forges_its
         assert sender.rejected_frames() == {REASON_BAD_TAG: stranger.num_frames}
         assert receiver.rejected_frames() == {}
         assert sender.broken_peers() == receiver.broken_peers() == []
-        assert set(server.list_keys()) == stranger.store_keys
     finally:
         stranger.stop() if stranger._thread.is_alive() else None
         sender.close()
@@ -305,7 +294,7 @@ def test_issue41_the_prefill_side_takes_a_value_only_from_the_named_peers_connec
     verified transfer request came on."""
     secret = new_secret()
     ctx: zmq.Context[Any] = zmq.Context()
-    sender = KVSender(torch.zeros(*SHAPE), me=P, channel=PairChannel(None, "127.0.0.1"), secret=secret,
+    sender = KVSender(torch.zeros(*SHAPE), me=P, channel=PairChannel("127.0.0.1"), secret=secret,
                       on_sent=lambda r, ok: None, timeout_s=TIMEOUT_S)  # fmt: skip
     sender.start()
     d, other = Played(ctx, zmq.DEALER, secret, D), Played(ctx, zmq.DEALER, secret, D)
@@ -342,7 +331,7 @@ def test_issue41_the_decode_side_ships_its_value_to_the_sender_and_takes_one_onl
     p.sock.bind("tcp://127.0.0.1:*")
     endpoint = p.sock.getsockopt_string(zmq.LAST_ENDPOINT)
     layout = KVLayout(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[5], "float32")
-    receiver = KVReceiver(torch.zeros(*SHAPE), me=D, channel=PairChannel(None, "127.0.0.1", group_timeout_s=2.0),
+    receiver = KVReceiver(torch.zeros(*SHAPE), me=D, channel=PairChannel("127.0.0.1", group_timeout_s=2.0),
                           secret=secret, timeout_s=TIMEOUT_S)  # fmt: skip
     receiver.start()
     try:

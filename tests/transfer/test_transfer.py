@@ -187,7 +187,7 @@ def _worker(index: int, secret: bytes, commands: Any, replies: Any) -> None:
     faults = Faults()
 
     def channel(group_timeout_s: float) -> FaultyChannel:
-        return FaultyChannel(PairChannel(None, "127.0.0.1", group_timeout_s=group_timeout_s), faults)
+        return FaultyChannel(PairChannel("127.0.0.1", group_timeout_s=group_timeout_s), faults)
 
     # NOTE: far beyond the tests: abandoned ops must not expire (and break the pair) unless a test says
     shared = channel(600.0)

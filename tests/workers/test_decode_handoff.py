@@ -422,7 +422,7 @@ def test_a_repeated_prepare_or_one_without_a_receiver_reserves_nothing(model_dir
     assert d.receiver.fetches == {"C": fetch} and d.engine.scheduler.kv.pool.num_free == num_free
     assert d.events == [] and d.role.num_waiting_for_kv() == 1
     d.abort("C")
-    d.role.receiver = None  # a worker without a KV store ignores the hint (the handoff fails later)
+    d.role.receiver = None  # a worker that moves no KV ignores the hint (the handoff fails later)
     d.role.on_prepare(
         PrepareDecode("D", PROMPT_A, greedy(2), time.time() + 60, "prefill-0", "p0", "tcp://x:1")
     )

@@ -108,7 +108,7 @@ def test_without_a_sender_a_held_request_fails_and_frees(model_dir: str) -> None
     p.turn()
     (event,) = p.events
     assert isinstance(event, RequestFailed) and (event.request_id, event.code) == ("A", ErrorCode.INTERNAL)
-    assert event.message == "prefill worker has no KV sender (no KV store)"
+    assert event.message == "prefill worker has no KV sender (it moves no KV)"
     p.engine.check_no_leaks()
 
 

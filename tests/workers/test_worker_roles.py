@@ -1,4 +1,4 @@
-"""Prefill and decode EngineWorkers driven directly (no Ray, no KV store): each refuses the ops its role
+"""Prefill and decode EngineWorkers driven directly (no Ray, moving no KV): each refuses the ops its role
 cannot serve (failing the request, not the worker) and still runs whole requests."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def reference() -> list[int]:
 def started(request: pytest.FixtureRequest) -> Iterator[tuple[EngineWorker, FakeRouter]]:
     secret = new_secret()
     router = FakeRouter(secret)
-    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)  # no store: no KV mover
+    control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)  # moves_kv False: no KV mover
     try:
         worker = EngineWorker(f"{request.param}-0", request.param, ENGINE, TransferConfig(), secret, control)
     except BaseException:
@@ -52,7 +52,7 @@ def test_ops_the_role_cannot_serve_fail_the_request_and_whole_requests_still_run
         # it holds prefills, but has no sender to offer them with; it never receives KV
         assert (failed["held"].code, failed["held"].message) == (
             ErrorCode.INTERNAL,
-            "prefill worker has no KV sender (no KV store)",
+            "prefill worker has no KV sender (it moves no KV)",
         )
         assert (failed["handoff"].code, failed["handoff"].message) == (
             ErrorCode.INVALID_REQUEST,
@@ -65,7 +65,7 @@ def test_ops_the_role_cannot_serve_fail_the_request_and_whole_requests_still_run
         )
         assert (failed["handoff"].code, failed["handoff"].message) == (
             ErrorCode.INTERNAL,
-            "decode worker has no KV receiver (no KV store)",
+            "decode worker has no KV receiver (it moves no KV)",
         )
     router.send(Generate("whole", PROMPT, PARAMS, deadline=1e12))
     tokens: list[int] = []
