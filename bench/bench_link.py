@@ -2,7 +2,8 @@
 
 Runs on the two-host lab (bench/netns_lab.py, as root, no Ray): host A is the root network namespace,
 host B a namespace joined to it by a veth pair, limited with ``tc ... tbf rate RATE`` in both directions.
-This process hosts the store (as the router does) on host A and starts two worker processes: the prefill
+This process hosts a store on host A (bench/raw_store.py: for the raw group and to pass the handoffs; the
+pair's own group rendezvous over its handshake link) and starts two worker processes: the prefill
 side on host A (KVSender) and the decode side inside host B's namespace (KVReceiver). Each repetition
 moves the same bytes twice, in the same run and over the same link: first one ``send``/``recv`` of a
 contiguous buffer over a plain two-rank gloo group (the link alone), then a full handoff of that many
@@ -70,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
     raw_buf = torch.empty(nbytes, dtype=torch.uint8).random_()
     shared = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=_TIMEOUT_S))
     raw = build_group(store, "bench-link/raw/", rank, "gloo", args.bind, _TIMEOUT_S)
-    channel = PairChannel(store, args.bind, "gloo", group_timeout_s=_TIMEOUT_S)
+    channel = PairChannel(args.bind, "gloo", group_timeout_s=_TIMEOUT_S)
     me = PeerId(f"link-{args.side}", "0")
     side: Any
     if is_prefill:
@@ -129,8 +130,8 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     from bench.netns_lab import netns_refusal, two_host_lab
+    from bench.raw_store import RawStore
     from cluster.frames import new_secret
-    from deploy.launch import KVStore
 
     refusal = netns_refusal()
     if refusal is not None:
@@ -139,7 +140,7 @@ def main() -> int:
     link_bits = _rate_bits(args.rate)
     with two_host_lab(start_ray=False) as lab:
         lab.rate_limit(args.rate)
-        store = KVStore(lab.ip_a)
+        store = RawStore(lab.ip_a)
         common = ["--tokens", str(args.tokens), "--layers", str(args.layers), "--reps", str(args.reps),
                   "--store", f"{store.address[0]}:{store.address[1]}", "--secret", new_secret().hex()]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -1,7 +1,8 @@
 """KV-transfer benchmark: handoff latency and throughput vs a raw torch.distributed send/recv.
 
 Two processes (rank 0 = prefill with KVSenders, rank 1 = decode with KVReceivers) on one machine; this
-process hosts the store their groups rendezvous on (as the router does). For each prompt length and each
+process hosts the store their raw group rendezvous on (bench/raw_store.py; a pair's own group rendezvous
+over its handshake link, as in a cluster, which hosts no store). For each prompt length and each
 repetition, the same number of bytes is first moved with a plain `send`/`recv` of one contiguous buffer
 over a two-rank group of their own (the wire alone), then as a full handoff by each
 configuration in turn: signed ZMQ handshake, the pair's own group (built in the warm-up), gather of
@@ -77,7 +78,7 @@ def _worker(rank: int, store: tuple[str, int], secret: bytes, backend: str, case
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = build_group(store, "bench-transfer/raw/", rank, backend, "127.0.0.1", 600.0, device)
-    channel = PairChannel(store, "127.0.0.1", backend, group_timeout_s=600.0, device=device)
+    channel = PairChannel("127.0.0.1", backend, group_timeout_s=600.0, device=device)
 
     def barrier() -> None:
         group.barrier().wait()
@@ -227,13 +228,13 @@ def main() -> None:
                          f"{budget / 2**30:.1f} GiB (x{args.layers // layers} bytes and ~time for the full model)")  # fmt: skip
         layout = KVLayout(num_layers=layers, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
         cases.append((num_tokens, layout))
+    from bench.raw_store import RawStore
     from cluster.frames import new_secret
-    from deploy.launch import KVStore
 
-    kv_store = KVStore("127.0.0.1")
+    raw_store = RawStore("127.0.0.1")
     ctx = mp.get_context("spawn")
     handoffs, sender_out, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    common = (kv_store.address, new_secret(), args.backend, cases, args.reps, configs, handoffs)
+    common = (raw_store.address, new_secret(), args.backend, cases, args.reps, configs, handoffs)
     procs = [
         ctx.Process(target=_worker, args=(0, *common, sender_out)),
         ctx.Process(target=_worker, args=(1, *common, out)),
@@ -250,7 +251,7 @@ def main() -> None:
             p.join(30)
             if p.is_alive():
                 p.terminate()
-        kv_store.close()
+        raw_store.close()
     print(f"backend={args.backend} torch={torch.__version__} cpus={os.cpu_count()} Llama-3-8B KV layout "
           f"(8 KV heads, head_dim 128, block 16, bf16; 4 KiB/token/layer), median of {args.reps} after 1 "
           f"warm-up; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip

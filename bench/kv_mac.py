@@ -47,7 +47,6 @@ def handoff_seconds(integrity: str, nbytes: int, chunk_bytes: int, repeats: int)
     """Median wall seconds of one handoff of `nbytes` KV between two sides over a gloo pair."""
     import threading
 
-    from deploy.launch import KVStore
     from transfer.pairs import PairChannel
     from transfer.peers import PeerId
     from transfer.receiver import KVReceiver
@@ -58,10 +57,9 @@ def handoff_seconds(integrity: str, nbytes: int, chunk_bytes: int, repeats: int)
     bytes_per_block = num_layers * 2 * block_size * heads * dim * 2
     num_blocks = max(1, nbytes // bytes_per_block)
     shape = (num_layers, num_blocks + row_blocks, 2, block_size, heads, dim)
-    store = KVStore("127.0.0.1")
     secret = new_secret()
     src, dst = torch.randn(shape).to(torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
-    pre, dec = PairChannel(store.address, "127.0.0.1"), PairChannel(store.address, "127.0.0.1")
+    pre, dec = PairChannel("127.0.0.1"), PairChannel("127.0.0.1")
     sent = threading.Semaphore(0)
     options: dict[str, Any] = {"secret": secret, "integrity": integrity, "timeout_s": 120.0}
     sender = KVSender(src, me=PeerId("p", "0"), channel=pre, on_sent=lambda r, ok: sent.release(),
@@ -81,7 +79,6 @@ def handoff_seconds(integrity: str, nbytes: int, chunk_bytes: int, repeats: int)
     finally:
         sender.close()
         receiver.close()
-        store.close()
     return sorted(seconds[1:])[len(seconds[1:]) // 2]  # NOTE: the first builds the pair
 
 

@@ -2,7 +2,7 @@
 (bench/netns_lab.py):
 
     python -m bench.stranger          # root (network namespaces); prints figures, not a pass/fail test
-    python -m bench.stranger --rendezvous-only    # part 1 only (e.g. against a commit before issue 41)
+    python -m bench.stranger --rendezvous-only    # part 1 only
 
 Starts the lab and a cluster on it (prefill on host A with the router, decode on host B, the bundled tiny
 model, CPU), runs a first wave of 8 greedy requests, then acts from processes started in host B's
@@ -11,16 +11,12 @@ namespace that hold no cluster secret:
 1. rendezvous, twice: decode-N is killed and a fresh decode-(N+1) added, so the next wave builds a new
    pair; meanwhile the stranger attacks that pair's rendezvous everywhere it can reach, and the wave's 8
    requests are timed (a rendezvous it could stall would fail them at the transfer timeout, 20 s here,
-   while the pair's build waits out its group timeout, 80 s):
-   - ``pre``: it writes a forged value under every key of the new pair's first generations in the
-     router's TCPStore (if the cluster still hosts one) before any rightful write (compare-and-set,
-     atomic: strictly before), and under the missing keys of any pair whose keys appear there;
-   - ``late``: it watches that store every millisecond and overwrites every pair key with a forgery the
-     moment it sees the rightful value there (the denial of service issue 41 names: the rightful reader
-     then only ever finds the forgery);
-   - both: every 20 ms it sends forged ``rendezvous`` handshake frames (signed with a secret of its own)
-     for every key of those generations to the prefill worker's KV handshake socket, the one socket of
-     the pair's link it can reach (the decode side only connects out).
+   while the pair's build waits out its group timeout, 80 s). The cluster hosts no torch.distributed
+   store any more (the TCPStore attacks of bench/results/stranger-2026-11-29.md, ``pre`` and ``late``,
+   have nothing to aim at), so what is left is the link: every 20 ms the stranger sends forged
+   ``rendezvous`` handshake frames (signed with a secret of its own) for every key of the new pair's
+   first generations to the prefill worker's KV handshake socket, the one socket of the pair's link it
+   can reach (the decode side only connects out).
 2. frame: pushes one 400 MiB frame to the router's PULL socket while the router's process (this one)
    samples its VmRSS.
 3. chunk: a live gloo connection cannot be injected into from here, so a KV sender in host B (it holds a
@@ -35,7 +31,6 @@ refusals (``rendezvous_bad_tag``), the leak check and whether every wave's outpu
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import os
 import statistics
@@ -51,36 +46,22 @@ BIG_FRAME_BYTES = 400 << 20
 NONCE = 0x5EED_0F_A11
 SHAPE = (2, 16, 2, 4, 2, 8)  # a small KV cache: [L, blocks, 2, block_size, heads, dim] float32
 ROW_BYTES = 2 * 4 * 2 * 8 * 4
-PAIR = "pdserve/pair/"
-# NOTE: what a pair's group sets: gloo each rank's address ("0/0", "0/1"; under the old store prefix
-# "P/D/G/" they read "/0/0"), NCCL the unique id ("0:1"); generations 0-2 of each new pair
-STORE_RESTS = ("/0/0", "/0/1", "0:1")
+# NOTE: what a pair's group sets: gloo each rank's address ("0/0", "0/1"), NCCL the unique id ("0:1");
+# generations 0-2 of each new pair
 LINK_KEYS = ("0/0", "0/1", "0:1")
 GENERATIONS = (0, 1, 2)
 FRAME_EVERY_S = 0.02
-
-
-def _split(key: str) -> tuple[str, int, str] | None:
-    """``pdserve/pair/P/p/D/d/G/rest`` -> (ends ``P/p/D/d``, G, rest)."""
-    parts = key[len(PAIR) :].split("/")
-    if not key.startswith(PAIR) or len(parts) < 6 or not parts[4].isdigit():
-        return None
-    return "/".join(parts[:4]), int(parts[4]), "/".join(parts[5:])
 
 
 class Stranger:
     """In host B, no secret: attacks the pairs named by the driver's last command (see the module
     docstring) until told otherwise; counts what it did."""
 
-    def __init__(self, store_host: str, store_port: int, endpoint: str) -> None:
-        import torch.distributed as dist
+    def __init__(self, endpoint: str) -> None:
         import zmq
 
         from cluster.frames import FrameSigner, new_secret
 
-        self.store: Any = None
-        if store_port:
-            self.store = dist.TCPStore(store_host, store_port, None, False, datetime.timedelta(seconds=10))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
@@ -90,7 +71,6 @@ class Stranger:
         self.mode: str | None = None
         self.pairs: list[tuple[str, str]] = []
         self.counts: Counter[str] = Counter()
-        self.rightful: set[str] = set()  # keys of the named pairs it found in the store holding no forgery
         self._next_frames = 0.0
 
     def command(self, line: str) -> dict[str, Any]:
@@ -99,8 +79,6 @@ class Stranger:
         if "report" in cmd:
             with self.lock:
                 counts, self.counts = dict(self.counts), Counter()
-                counts["rightful_store_keys_seen"] = len(self.rightful)
-                self.rightful = set()
             return counts
         with self.lock:
             self.mode, self.pairs = cmd["mode"], [(str(p), str(d)) for p, d in cmd.get("pairs", [])]
@@ -113,32 +91,9 @@ class Stranger:
             mode, pairs = self.mode, list(self.pairs)
         if mode is None:
             return
-        if self.store is not None:
-            self._store_turn(mode, pairs)
         if force_frames or time.monotonic() >= self._next_frames:
             self._next_frames = time.monotonic() + FRAME_EVERY_S
             self._frames_turn(pairs)
-
-    def _store_turn(self, mode: str, pairs: list[tuple[str, str]]) -> None:
-        named = {f"{p}/{d}" for p, d in pairs}
-        keys = set(self.store.list_keys())
-        found = sorted(k for k in keys if (s := _split(k)) and s[0] in named)
-        values = [bytes(v) for v in self.store.multi_get(found)] if found else []
-        rightful = [k for k, v in zip(found, values, strict=True) if v != FORGED]
-        with self.lock:
-            self.rightful.update(rightful)
-        if mode == "late":
-            for key in rightful:
-                self.store.set(key, FORGED)  # NOTE: after its rightful write: the denial of service
-                self._count("store_overwritten_after_rightful_write")
-            return
-        for ends in named:
-            for gen in GENERATIONS:
-                for rest in STORE_RESTS:
-                    key = f"{PAIR}{ends}/{gen}/{rest}"
-                    # NOTE: set only if absent (atomic on the store server): strictly before the rightful write
-                    if key not in keys and bytes(self.store.compare_set(key, "", FORGED)) == FORGED:
-                        self._count("store_prewritten")
 
     def _frames_turn(self, pairs: list[tuple[str, str]]) -> None:
         for prefill, decode in pairs:
@@ -154,9 +109,9 @@ class Stranger:
             self.counts[what] += 1
 
 
-def stranger_rendezvous(store_host: str, store_port: str, endpoint: str) -> None:
+def stranger_rendezvous(endpoint: str) -> None:
     """In host B, no secret: one JSON command a line on stdin, one JSON answer a line on stdout."""
-    stranger = Stranger(store_host, int(store_port), endpoint)
+    stranger = Stranger(endpoint)
     lines: list[str] = []
     cond = threading.Condition()
 
@@ -172,7 +127,7 @@ def stranger_rendezvous(store_host: str, store_port: str, endpoint: str) -> None
     threading.Thread(target=read, daemon=True).start()
     while True:
         with cond:
-            cond.wait_for(lambda: bool(lines), 0.001)  # NOTE: the store's watch: every millisecond
+            cond.wait_for(lambda: bool(lines), 0.001)  # NOTE: a command is taken within a millisecond
             line = lines.pop(0) if lines else None
         if line == "":
             break
@@ -226,7 +181,7 @@ def forge_send(bind: str, integrity: str) -> None:
             return super().isend(buf, key, tag, lane)
 
     done = threading.Event()
-    sender = KVSender(torch.randn(*SHAPE), me=PeerId("forger-b", "0"), channel=ForgingChannel(None, bind),
+    sender = KVSender(torch.randn(*SHAPE), me=PeerId("forger-b", "0"), channel=ForgingChannel(bind),
                       secret=bytes.fromhex(os.environ["FORGE_SECRET"]), on_sent=lambda r, ok: done.set(),
                       endpoint=f"tcp://{bind}:*", chunk_bytes=2 * ROW_BYTES, integrity=integrity, timeout_s=10)  # fmt: skip
     sender.start()
@@ -248,7 +203,7 @@ def forge_receive(bind: str, integrity: str, handoff_hex: str) -> None:
 
     secrets.randbits = lambda k: NONCE  # NOTE: this process only: the nonce the stranger saw in the clear
     dst = torch.zeros(*SHAPE)
-    receiver = KVReceiver(dst, me=PeerId("receiver-a", "0"), channel=PairChannel(None, bind),
+    receiver = KVReceiver(dst, me=PeerId("receiver-a", "0"), channel=PairChannel(bind),
                           secret=bytes.fromhex(os.environ["FORGE_SECRET"]), integrity=integrity, timeout_s=10)  # fmt: skip
     receiver.start()
     error = receiver.submit(KVHandoff.from_bytes(bytes.fromhex(handoff_hex)), [7, 8, 9]).exception(30)
@@ -402,27 +357,25 @@ def run_bench(lab: Any, rendezvous_only: bool = False) -> None:
         first = [o for o, _ in first_timed]
         print(_wave_line("wave 1", first_timed, _decode_stats(handle, "decode-0"), first), flush=True)
         prefill, endpoint = _peer(handle, "prefill-0")
-        kv_store = getattr(handle, "_kv_store", None)  # NOTE: the router process's TCPStore, if still hosted
-        store = kv_store.address if kv_store is not None else ("", 0)
-        print(f"the stranger: router's TCPStore {store if store[1] else 'none'}, prefill-0's KV handshake "
-              f"socket {endpoint}", flush=True)  # fmt: skip
-        watcher = _in_b(lab, "rendezvous", store[0], str(store[1]), endpoint, stdin=subprocess.PIPE)
+        print(f"the stranger: the cluster hosts no TCPStore (the pairs rendezvous over their signed links); "
+              f"prefill-0's KV handshake socket {endpoint}", flush=True)  # fmt: skip
+        watcher = _in_b(lab, "rendezvous", endpoint, stdin=subprocess.PIPE)
         stranger = Driver(watcher)
         totals: Counter[str] = Counter()
         old = "decode-0"
-        for n, mode in ((1, "pre"), (2, "late")):
+        for n in (1, 2):
             handle.kill_worker(old)
             wait_for(lambda: any(w.worker_id == old and w.state == "dead"  # noqa: B023
                                  for w in handle.router.workers), 30, "the decode worker dead")  # fmt: skip
             [new] = handle.scale("decode", 1)
             decode, _ = _peer(handle, new)
             print(f"decode pool after the kill: [{decode}]", flush=True)
-            stranger.ask(mode=mode, pairs=[[prefill, decode]])
+            stranger.ask(mode="frames", pairs=[[prefill, decode]])
             timed = asyncio.run(timed_wave(handle, prompts, max_tokens))
             stranger.ask(mode=None)
             counts = stranger.ask(report=True)
             totals.update(counts)
-            print(f"stranger ({mode}, pair {prefill} | {decode}): {json.dumps(counts)}", flush=True)
+            print(f"stranger (frames, pair {prefill} | {decode}): {json.dumps(counts)}", flush=True)
             print(_wave_line(f"wave {n + 1}", timed, _decode_stats(handle, new), first), flush=True)
             old = new
         if not rendezvous_only:
@@ -454,12 +407,21 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in roles:
         roles[argv[0]](*argv[1:])
         return 0
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.stranger",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--rendezvous-only", action="store_true", help="part 1 only (the rendezvous waves)")
+    args = ap.parse_args(argv)
     from bench.netns_lab import two_host_lab
 
     os.environ["RAY_AUTH_MODE"] = "token"  # NOTE: the lab's Ray runs token auth; Ray reads it at import
     with two_host_lab() as lab:
         print(f"lab: host A {lab.ip_a}, host B {lab.ip_b} (netns {lab.ns})", flush=True)
-        run_bench(lab, rendezvous_only=argv == ["--rendezvous-only"])
+        run_bench(lab, rendezvous_only=args.rendezvous_only)
     return 0
 
 

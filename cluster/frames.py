@@ -18,12 +18,13 @@ replayed into another. Frames are decoded with caps on every size (msgpack ``max
 exactly the frames ``verify`` does, for the same reasons, in the same order (see ``_verify_body``).
 
 Trust boundary: a process that knows the secret is trusted (the secret is made at launch and handed to
-actors through Ray). The torch.distributed store and the gloo/NCCL connections cannot authenticate
-their clients (by design of those libraries); they bind the node's own address, never every interface.
-What travels over them is checked instead: rendezvous values are signed with a key derived from the
-secret (transfer/rendezvous.py) and KV chunks carry a MAC keyed from it (transfer.integrity `mac`,
-transfer/staging.py). Nothing is encrypted. Every receiving ZMQ socket has ZMQ_MAXMSGSIZE set to its
-verifier's cap, so libzmq drops an oversized frame unread.
+actors through Ray). There is no torch.distributed store: each KV-transfer pair rendezvous over its
+own handshake link, whose frames are signed with a key derived from the secret (transfer/rendezvous.py).
+The gloo/NCCL connections cannot authenticate their peers (by design of those libraries); they bind the
+node's own address, never every interface. What travels over them is checked instead: KV chunks carry a
+MAC keyed from the secret (transfer.integrity `mac`, transfer/staging.py). Nothing is encrypted. Every
+receiving ZMQ socket has ZMQ_MAXMSGSIZE set to its verifier's cap, so libzmq drops an oversized frame
+unread.
 This module imports nothing of the project.
 """
 

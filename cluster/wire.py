@@ -67,13 +67,15 @@ class WorkerControl:
 
     router_endpoints: the event sockets of the routers (one per front-end replica, by replica index).
     bind: "loopback" binds 127.0.0.1; "node" binds (and advertises) the node's own address, for clusters
-    that span hosts. store: where the launcher hosts the torch.distributed store for KV-transfer pairs.
+    that span hosts. moves_kv: the worker's pool hands KV over (a prefill or decode worker of a
+    disaggregated or conditional cluster): its role builds a channel for its KV-transfer pairs, each of
+    which rendezvous over its own signed handshake link (transfer/rendezvous.py); False (colocated): none.
     """
 
     router_endpoints: tuple[str, ...]
     heartbeat_interval_s: float
     bind: str = "loopback"
-    store: tuple[str, int] | None = None
+    moves_kv: bool = False
 
 
 class WorkerInfo(WireMessage, frozen=True):

@@ -22,11 +22,11 @@ when asked for, is served on that same loop so handlers and router share it); wi
 ``ReplicatedFrontEnd`` (deploy/replica_set.py), N HTTP edge + router processes on one port, supervised
 here. What needs the router in this process (``generate``, ``agenerate``, ``scale``, ``router``) refuses
 the second with :class:`NoLocalRouterError`. Each prefill/decode pair builds its own KV-transfer group
-on first use (transfer/pairs.py): there is no launch-time world, so workers added by ``scale`` or
-restarted by Ray move KV like the first ones. (The cluster's process still hosts a torch.distributed
-store, ``KVStore``: the pairs rendezvous over their own signed links and no worker reads it, but a worker
-turns KV transfers on by its address, ``WorkerControl.store``.) Each worker gets its own pool's engine
-settings (``ClusterConfig.engine_config(pool)``).
+on first use (transfer/pairs.py), rendezvousing over the pair's own signed handshake link: there is no
+launch-time world and no torch.distributed store (the cluster opens no port for one), so workers added
+by ``scale`` or restarted by Ray move KV like the first ones. A worker moves KV if its control says so
+(``WorkerControl.moves_kv``: any non-colocated cluster). Each worker gets its own pool's engine settings
+(``ClusterConfig.engine_config(pool)``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import replace
@@ -74,48 +73,6 @@ WORKER_NICENESS = 0
 
 def _pools(cfg: ClusterConfig) -> list[tuple[str, PoolConfig]]:
     return [(pool, cfg.pool(pool)) for pool in cfg.pool_names]
-
-
-class KVStore:
-    """The torch.distributed TCPStore KV-transfer pairs rendezvous on, served by the cluster's process.
-
-    NOTE: bound to ``host`` only (the router's own address): given no socket, torch's store server
-    listens on every interface, so it gets one already bound and listening (``master_listen_fd``, which
-    the store owns and closes). torch's store cannot authenticate its clients: every value a pair's
-    rendezvous sets is signed with a key derived from the cluster secret and checked by the other end,
-    which ignores (and counts) a stranger's (transfer/rendezvous.py). What a stranger that reaches this
-    port can still do: read key names and values (worker names, gloo addresses), delete or overwrite a
-    key (that pair's build times out; it is rebuilt at its next generation), and fill this process's
-    memory: the store has no size or count cap (issue 31 measured 128 x 8 MiB sets: +1 GiB RSS). Bind it
-    to an address only the cluster reaches (the README's trust boundary).
-    """
-
-    def __init__(self, host: str) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            listener.bind((host, 0))
-            listener.listen(1024)
-            self.address: tuple[str, int] = (host, int(listener.getsockname()[1]))
-            self._store: Any = dist.TCPStore(
-                host,
-                self.address[1],
-                None,
-                True,
-                datetime.timedelta(seconds=60),
-                wait_for_workers=False,
-                master_listen_fd=listener.fileno(),
-            )
-        except BaseException:
-            listener.close()
-            raise
-        listener.detach()  # NOTE: the store owns the descriptor now
-
-    def close(self) -> None:
-        self._store = None
 
 
 class WorkerLauncher:
@@ -219,12 +176,12 @@ class NoLocalRouterError(RuntimeError):
 
 
 class Cluster:
-    """A running cluster: Ray (when it started it), the KV-transfer store, the worker actors and its front
-    end (see the module docstring). Built complete by :func:`build_cluster`.
+    """A running cluster: Ray (when it started it), the worker actors and its front end (see the module
+    docstring). Built complete by :func:`build_cluster`.
 
     Lifecycle: ``shutdown()`` (idempotent, bounded; also ``with cluster:``) stops the front end first (no
-    new request, no replica left), then the workers, the store and a Ray it started: no process, actor
-    or thread of the cluster is left behind.
+    new request, no replica left), then the workers and a Ray it started: no process, actor or thread of
+    the cluster is left behind.
     """
 
     def __init__(
@@ -233,14 +190,12 @@ class Cluster:
         secret: bytes,
         front_end: FrontEnd,
         launcher: WorkerLauncher | None,
-        kv_store: KVStore | None,
         started_ray: bool,
     ) -> None:
         self.config = config
         self.secret = secret  # the control plane's key (cluster/frames.py); tests sign with it
         self.front_end = front_end
         self._launcher = launcher
-        self._kv_store = kv_store
         self._started_ray = started_ray
         self._is_shut_down = False
 
@@ -248,11 +203,6 @@ class Cluster:
     def actors(self) -> dict[str, Any]:
         """Each worker's actor, by worker id (a dead one too, until it is stopped)."""
         return self._launcher.actors if self._launcher is not None else {}
-
-    @property
-    def kv_store_address(self) -> tuple[str, int] | None:
-        """The address of the store this process hosts (``KVStore``; None: colocated, no transfers)."""
-        return self._kv_store.address if self._kv_store is not None else None
 
     # ---- the router in this process ------------------------------------------------------------------
     def _local(self, what: str) -> RouterFrontEnd:
@@ -400,7 +350,7 @@ class Cluster:
         if self._is_shut_down:
             return
         self._is_shut_down = True
-        _teardown(self.front_end, self._launcher, self._kv_store, self._started_ray)
+        _teardown(self.front_end, self._launcher, self._started_ray)
 
     def __enter__(self) -> Cluster:
         return self
@@ -411,16 +361,12 @@ class Cluster:
         self.shutdown()
 
 
-def _teardown(
-    front_end: FrontEnd, launcher: WorkerLauncher | None, kv_store: KVStore | None, started_ray: bool
-) -> None:
-    """The one teardown, of a running cluster and of one that failed to start: front end, workers, the
-    store, then a Ray this process started."""
+def _teardown(front_end: FrontEnd, launcher: WorkerLauncher | None, started_ray: bool) -> None:
+    """The one teardown, of a running cluster and of one that failed to start: front end, workers, then
+    a Ray this process started."""
     steps: list[tuple[str, Callable[[], None]]] = [("front end", front_end.stop)]
     if launcher is not None:
         steps.append(("workers", launcher.stop_all))
-    if kv_store is not None:
-        steps.append(("KV store", kv_store.close))
     if started_ray:
         import ray
 
@@ -487,9 +433,9 @@ def _front_end(cfg: ClusterConfig) -> FrontEnd:
 
 
 def build_cluster(config: ClusterConfig | dict[str, Any] | str, *, fault_injection: bool = False) -> Cluster:
-    """Ray, the front end (binds the event sockets the workers report to), the KV store, the worker
-    actors, then wait (bounded) until the front end serves with every worker admitted. See the module
-    docstring. ``fault_injection``: workers accept ``Cluster.inject_fault`` (tests only). On any failure
+    """Ray, the front end (binds the event sockets the workers report to), the worker actors, then wait
+    (bounded) until the front end serves with every worker admitted. See the module docstring.
+    ``fault_injection``: workers accept ``Cluster.inject_fault`` (tests only). On any failure
     everything started so far is stopped before the error propagates."""
     import ray
 
@@ -506,14 +452,12 @@ def build_cluster(config: ClusterConfig | dict[str, Any] | str, *, fault_injecti
         device_check.check_local(cfg)
     started_ray = _init_ray(cfg)
     launcher: WorkerLauncher | None = None
-    kv_store: KVStore | None = None
     try:
         worker_bind, router_host = _bind_host(cfg)
         secret = new_secret()
         endpoints = front_end.start(secret, router_host)
-        kv_store = KVStore(router_host) if cfg.router.mode != "colocated" else None
-        store = kv_store.address if kv_store is not None else None
-        control = WorkerControl(endpoints, cfg.router.health_interval_s, worker_bind, store)
+        moves_kv = cfg.router.mode != "colocated"
+        control = WorkerControl(endpoints, cfg.router.health_interval_s, worker_bind, moves_kv)
         launcher = WorkerLauncher(
             replace(cfg, transfer=_resolved_transfer(cfg)), secret, control, fault_injection
         )
@@ -527,9 +471,9 @@ def build_cluster(config: ClusterConfig | dict[str, Any] | str, *, fault_injecti
         except TimeoutError as e:
             raise RuntimeError(f"{e}; Ray resources available: {ray.available_resources()}") from None
     except BaseException:
-        _teardown(front_end, launcher, kv_store, started_ray)
+        _teardown(front_end, launcher, started_ray)
         raise
-    return Cluster(cfg, secret, front_end, launcher, kv_store, started_ray)
+    return Cluster(cfg, secret, front_end, launcher, started_ray)
 
 
 def _resolved_transfer(cfg: ClusterConfig) -> TransferConfig:

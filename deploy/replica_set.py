@@ -4,8 +4,7 @@ supervisor's side, ``ReplicatedFrontEnd``, the front end ``build_cluster`` (depl
 N processes, each an HTTP edge + router (``python -m deploy.replicas``, fed a :class:`ReplicaSpec` on its
 stdin) over the same worker pools, all listening on one port of the head node (``SO_REUSEPORT``: the
 kernel spreads new connections over the replicas that listen). The cluster's process supervises: it runs
-Ray, the KV-transfer store and the worker actors (as with one front end), and restarts a replica that
-dies (:class:`ReplicaSet`).
+Ray and the worker actors (as with one front end), and restarts a replica that dies (:class:`ReplicaSet`).
 
 What the replicas share is the workers, nothing else. Each replica admits the workers by their
 heartbeats (a worker beats to every replica's event socket: ``WorkerControl.router_endpoints``), routes

@@ -3,12 +3,12 @@
 A pair's group is a standalone ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) over a `LinkStore` of its
 own (transfer/rendezvous.py): what the group sets while it is built (gloo's addresses, NCCL's unique id)
 travels to the pair's other end as a signed handshake frame on the link the two ends already talk over
-(the decode side's DEALER, the prefill side's ROUTER), and what it gets comes only from there. No shared
-store is read: a TCPStore the router may still host (deploy/launch.py ``KVStore``) plays no part, and
-nothing a process without the cluster secret writes anywhere is read. There is no global
-torch.distributed world either, so a worker that Ray restarts, or one added later (a new incarnation,
-hence a new peer), moves KV as soon as the router admits it. Both ends call `connect` with the key they agreed on in the handshake (transfer/protocol.py); the
-side that owns the link attached it first (`use_link`: KVSender and KVReceiver do so). The group is built
+(the decode side's DEALER, the prefill side's ROUTER), and what it gets comes only from there. There is
+no shared store (the cluster hosts none), and nothing a process without the cluster secret writes
+anywhere is read. There is no global torch.distributed world either, so a worker that Ray restarts, or
+one added later (a new incarnation, hence a new peer), moves KV as soon as the router admits it. Both
+ends call `connect` with the key they agreed on in the handshake (transfer/protocol.py); the side that
+owns the link attached it first (`use_link`: KVSender and KVReceiver do so). The group is built
 on a helper thread (its rendezvous waits for the other end's values) and warmed up with one small
 send/recv before `connect`'s op completes.
 
@@ -120,8 +120,7 @@ class _BuildOp(PendingOp):
 class PairChannel(Channel):
     """send/recv over each pair's own group, gloo (staging on CPU) or nccl (staging on the KV's GPU).
 
-    ``store``: not read (pairs rendezvous over their sides' links); kept so the callers that still pass
-    the router's store address need not change with this module. ``bind_host``: this worker's own
+    Pairs rendezvous over their sides' links (no shared store). ``bind_host``: this worker's own
     address; ``group_timeout_s``: the groups' timeout (rendezvous, and any op, which gloo then fails and
     closes the pair with). Thread-safe; one channel may serve several sides (each `use_link`s its own).
     Tags are honoured by gloo; nccl ignores them and relies on the connector's strict ordering of each
@@ -130,7 +129,6 @@ class PairChannel(Channel):
 
     def __init__(
         self,
-        store: tuple[str, int] | None,
         bind_host: str,
         backend: str = "gloo",
         *,
@@ -314,8 +312,8 @@ def build_group(
     device: torch.device | None = None,
 ) -> Any:
     """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``store`` (a
-    ``dist.Store``: a pair's `LinkStore`; or the (host, port) of a TCPStore, for tools that build raw
-    groups), under ``prefix`` if one is given; returns once both ranks joined (gloo) or at once (nccl:
+    ``dist.Store``: a pair's `LinkStore`; or the (host, port) of a TCPStore the bench tools host for the
+    raw groups they build, never a cluster's), under ``prefix`` if one is given; returns once both ranks joined (gloo) or at once (nccl:
     lazily, on the first op). gloo's sockets listen on ``bind_host`` only. An nccl group first sets
     `NCCL_ENV_DEFAULTS`; a ``device`` without an index is the calling thread's current device. The caller
     keeps a Python store alive as long as the group (torch calls back into it)."""

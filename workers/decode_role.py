@@ -155,7 +155,7 @@ class DecodeRole:
             return
         self._early.pop(op.request_id, None)
         if self.receiver is None:
-            self._fail(op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (no KV store)")
+            self._fail(op.request_id, ErrorCode.INTERNAL, "decode worker has no KV receiver (it moves no KV)")
             return
         try:
             handoff = KVHandoff.from_bytes(op.handoff)

@@ -59,7 +59,7 @@ class PrefillRole:
                     self.ctx.worker_id,
                     rid,
                     ErrorCode.INTERNAL,
-                    "prefill worker has no KV sender (no KV store)",
+                    "prefill worker has no KV sender (it moves no KV)",
                 )
             )
             return

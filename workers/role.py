@@ -23,8 +23,8 @@ from workers.engine import Engine
 @dataclass(frozen=True)
 class WorkerContext:
     """The worker's parts a role uses: its engine (step thread only), ``send`` (an event to the
-    router), ``post`` (a command to the step thread, callable from any thread). ``store``: where the
-    router hosts the store KV-transfer pairs rendezvous on (None: this worker cannot move KV)."""
+    router), ``post`` (a command to the step thread, callable from any thread). ``moves_kv``: this worker
+    hands KV over (``WorkerControl.moves_kv``; False: it cannot move KV)."""
 
     worker_id: str
     incarnation: str
@@ -32,7 +32,7 @@ class WorkerContext:
     engine: Engine
     transfer_config: TransferConfig
     secret: bytes  # the cluster's: signs and checks the KV handshake's frames
-    store: tuple[str, int] | None
+    moves_kv: bool
     send: Callable[[Event], None]
     post: Callable[[object], None]
 
@@ -41,9 +41,9 @@ class WorkerContext:
         return PeerId(self.worker_id, self.incarnation)
 
     def channel(self) -> PairChannel | None:
-        """A channel for this worker's KV-transfer pairs (each built on first use), or None without a
-        store."""
-        if self.store is None:
+        """A channel for this worker's KV-transfer pairs (each built on first use, rendezvousing over its
+        own signed link), or None if this worker moves no KV."""
+        if not self.moves_kv:
             return None
         cfg, runner = self.transfer_config, self.engine.runner
         backend = cfg.backend
@@ -52,7 +52,6 @@ class WorkerContext:
         # NOTE: an abandoned op whose match never comes (a dead peer) ends at the group's timeout, which
         # then breaks the pair; far longer than a transfer, so a slow peer's late ops still land.
         return PairChannel(
-            self.store,
             self.bind_host,
             backend,
             group_timeout_s=max(60.0, 4 * cfg.timeout_s),

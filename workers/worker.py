@@ -7,9 +7,10 @@ Threads and what they own:
     frames to the router, in step order (the step thread never decodes text but for the requests whose
     text decides their end: stop strings, a held prefill's first token);
   - transfer thread(s) (inside the role's KVSender / KVReceiver): KV bytes; callbacks only queue commands.
-    Each prefill/decode pair moves its KV over its own group, built on first use on the store the
-    router hosts (``WorkerControl.store``): no launch-time step, so a restarted or added worker moves KV
-    as soon as it is admitted.
+    Each prefill/decode pair moves its KV over its own group, built on first use over the pair's own
+    signed handshake link (transfer/rendezvous.py; a worker moves KV if ``WorkerControl.moves_kv``): no
+    launch-time step and no shared store, so a restarted or added worker moves KV as soon as it is
+    admitted.
 Every thread runs guarded: if one dies (or a transfer thread is found dead), the worker sends
 ``WorkerFailed`` to the router at once and exits the process (``on_fatal``), so Ray can restart it.
 A bad frame is counted and dropped by the inbound thread; nothing a peer sends can kill a thread.
@@ -156,7 +157,7 @@ class EngineWorker:
             self.engine,
             transfer_config,
             secret,
-            control.store,
+            control.moves_kv,
             self._outbox.send,
             self._commands.put,
         )

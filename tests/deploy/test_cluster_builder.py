@@ -14,6 +14,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.protocol import SamplingParams, WorkerStats
+from cluster.wire import WorkerControl
 from deploy import device_check, launch
 from deploy.front_end import RouterFrontEnd
 from deploy.launch import Cluster, NoLocalRouterError, build_cluster
@@ -91,7 +92,7 @@ def test_what_a_front_end_checks_fails_before_ray_starts(
 
 def test_a_cluster_without_a_router_here_refuses_what_needs_one() -> None:
     cfg = ClusterConfig.from_dict({"server": {"replicas": 2}})
-    cluster = Cluster(cfg, b"k" * 32, FakeFrontEnd([]), None, None, started_ray=False)
+    cluster = Cluster(cfg, b"k" * 32, FakeFrontEnd([]), None, started_ray=False)
     refusal = r"^generate needs the router in this process; this cluster's routers run in its 2 front-end"
     with pytest.raises(NoLocalRouterError, match=refusal):
         cluster.generate([1, 2, 3], SamplingParams(max_tokens=1))
@@ -112,7 +113,7 @@ def test_shutdown_stops_the_front_end_then_the_workers_once_even_when_a_step_fai
     front = FakeFrontEnd(calls)
     front.stop_error = OSError("socket already gone")
     launcher: Any = FakeLauncher(calls)
-    cluster = Cluster(ClusterConfig(), b"k" * 32, front, launcher, None, started_ray=False)
+    cluster = Cluster(ClusterConfig(), b"k" * 32, front, launcher, started_ray=False)
     with cluster:
         assert cluster.actors == launcher.actors
     cluster.shutdown()
@@ -151,3 +152,58 @@ def test_a_start_that_fails_half_way_stops_what_it_started(monkeypatch: pytest.M
         "stop front end",
         "stop 2 workers",
     ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "pools", "moves_kv"),
+    [
+        ("colocated", {"colocated": {"num_workers": 1}}, False),
+        ("disaggregated", {"prefill": {"num_workers": 1}, "decode": {"num_workers": 1}}, True),
+        ("conditional", {"prefill": {"num_workers": 1}, "decode": {"num_workers": 1}}, True),
+    ],
+)
+def test_a_cluster_opens_no_store_for_its_kv_pairs(
+    monkeypatch: pytest.MonkeyPatch, mode: str, pools: dict[str, Any], moves_kv: bool
+) -> None:
+    """Issue 41 item 4: each prefill/decode pair rendezvous over its own signed handshake link, so the
+    builder hosts no torch.distributed store (an open, unauthenticated port) and listens on nothing of
+    its own (the front end binds its sockets); a worker moves KV by its control's ``moves_kv`` flag."""
+    pytest.importorskip("ray")
+    import socket
+
+    import torch.distributed as dist
+
+    opened: list[str] = []
+
+    def no_store(*args: Any, **kwargs: Any) -> Any:
+        opened.append(f"TCPStore{args}")
+        raise AssertionError("the cluster builder opened a torch.distributed TCPStore")
+
+    real_listen = socket.socket.listen
+
+    def listen(self: socket.socket, *args: Any) -> None:
+        opened.append(f"listen {self.getsockname()}")
+        real_listen(self, *args)
+
+    monkeypatch.setattr(dist, "TCPStore", no_store)
+    monkeypatch.setattr(socket.socket, "listen", listen)
+    calls: list[str] = []
+    front = FakeFrontEnd(calls)
+    monkeypatch.setattr(launch, "_front_end", lambda cfg: front)
+    monkeypatch.setattr(device_check, "check_local", lambda cfg: None)
+    monkeypatch.setattr(launch, "_init_ray", lambda cfg: False)
+    monkeypatch.setattr(launch, "_bind_host", lambda cfg: ("loopback", "127.0.0.1"))
+    controls: list[WorkerControl] = []
+
+    def create_actor(self: launch.WorkerLauncher, worker_id: str, pool: str, core: int | None) -> Any:
+        controls.append(self.control)
+        return object()
+
+    monkeypatch.setattr(launch.WorkerLauncher, "_create_actor", create_actor)
+    monkeypatch.setattr(launch.WorkerLauncher, "_release", lambda self, actors: calls.append("stop workers"))
+    with build_cluster({"router": {"mode": mode}, "pools": pools}) as cluster:
+        assert opened == []
+        assert [c.moves_kv for c in controls] == [moves_kv] * len(pools)
+        assert not hasattr(cluster, "kv_store_address")
+        assert not any("store" in name for name in vars(cluster))
+    assert calls[-2:] == ["stop front end", "stop workers"]

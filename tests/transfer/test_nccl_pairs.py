@@ -174,9 +174,7 @@ def test_the_nccl_warm_up_polls_and_never_blocks_a_stream_or_the_device(
 ) -> None:
     group = FakeGroup(num_polls=3, carried=KEY.generation)
     synced = _nccl_channel(monkeypatch, group, 5.0)
-    channel = linked(
-        PairChannel("127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), rank
-    )
+    channel = linked(PairChannel("127.0.0.1", "nccl", group_timeout_s=5.0, device=torch.device("cpu")), rank)
     channel.connect(KEY, rank).wait(10.0)
     [work] = group.works
     assert (work.polls, work.waits) == (3, [True])  # wait() only once the op completed
