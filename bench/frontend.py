@@ -17,8 +17,9 @@ CPU time (``/proc/PID/stat`` utime + stime) before and after, and prints:
 * the serving process's CPU per streamed token (router + HTTP edge, one event loop: every token of every
   stream passes through it; the share spent in the kernel, socket writes mostly) and the ceiling per
   core it implies (1 / CPU per token); its idle CPU per second is printed once, before the rounds;
-* TBT added over the mock step time: each gap between two tokens of a stream, as the client saw it,
-  less the profile's step time for the decode batch (``--streams`` / decode workers), p50 and p99;
+* TBT added over the mock step time: each gap between two tokens of a stream, as the client saw it (a
+  chunk of k tokens: its gap, then k - 1 gaps of 0), less the profile's step time for the decode batch
+  (``--streams`` / decode workers), p50 and p99;
 * the client processes' own CPU per token and in all (a saturated load generator shows here).
 
 With ``--api-server-count N`` (front-end replicas, ``deploy/replicas.py``) the serving processes are the
@@ -235,7 +236,10 @@ async def _stream(conn: _Connection, body: bytes, out: ClientRound) -> None:
             num = sum(len(c.get("token_ids") or ()) for c in obj["choices"])
             if num:
                 if last is not None:
+                    # NOTE: per token: a chunk of k tokens (a server that merged what the client had not
+                    # read yet) is its gap, then k - 1 tokens that came with it
                     out.gaps_s.append(now - last)
+                    out.gaps_s += [0.0] * (num - 1)
                 last = now
                 out.num_tokens += num
                 out.tokens_by_replica[replica] = out.tokens_by_replica.get(replica, 0) + num

@@ -46,7 +46,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.http.app import create_app, create_server
 from cluster.protocol import FinishReason, GenerateRequest, ModelInfo, RequestTimings, TokenDelta, WorkerStats
-from deploy.http_host import HttpServerHandle, _listen
+from cluster.router.stream import OutputListener, RequestStream
+from deploy.http_host import HttpServerHandle, listen
 
 PROMPT = [10, 11, 12]
 KINDS = {
@@ -58,26 +59,40 @@ _E2E = re.compile(rb'"e2e_s":\s*([0-9.eE+-]+)')
 
 
 class OneTokenRouter:
-    """A RouterLike whose generate yields one token at once: what remains is the HTTP path's cost."""
+    """A RouterLike whose stream gets its one token in the next turn of the loop: what remains is the HTTP
+    path's cost."""
 
     def __init__(self) -> None:
         self.model_info = ModelInfo("stub-model", "/models/stub", 128, 512)
         self.mode = "disaggregated"
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        start = time.perf_counter()
-        e2e = time.perf_counter() - start
-        timings = RequestTimings(0.0, e2e, 0.0, 0.0, e2e, e2e)
-        yield TokenDelta(req.request_id, [7], "", None, FinishReason.LENGTH, timings=timings)
-
-    async def abort(self, request_id: str) -> None:
-        pass
+    def open(
+        self,
+        req: GenerateRequest,
+        listener: OutputListener | None = None,
+        *,
+        max_unread_bytes: int | None = None,
+        unread_elsewhere: Callable[[], int] | None = None,
+    ) -> RequestStream:
+        stream = RequestStream(
+            req.request_id, listener, max_unread_bytes=max_unread_bytes, unread_elsewhere=unread_elsewhere
+        )
+        timings = RequestTimings(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        delta = TokenDelta(req.request_id, [7], "", None, FinishReason.LENGTH, timings=timings)
+        asyncio.get_running_loop().call_soon(stream.put, delta)
+        return stream
 
     def is_healthy(self) -> bool:
         return True
 
     def worker_stats(self) -> list[WorkerStats]:
         return []
+
+    def rejected_frames(self) -> dict[str, int]:
+        return {}
+
+    def route_decisions(self) -> dict[tuple[str, str], int]:
+        return {}
 
 
 def minimal_app() -> FastAPI:
@@ -146,7 +161,7 @@ class Target:
 
 def host_like_pdserve(app: FastAPI, loop: asyncio.AbstractEventLoop) -> HttpServerHandle:
     """``start_http``'s hosting, for any app: pdserve's listening socket, ``serve(sockets=...)`` on ``loop``."""
-    sock = _listen("127.0.0.1", 0)
+    sock = listen("127.0.0.1", 0)
     server = create_server(app, "127.0.0.1", int(sock.getsockname()[1]), "warning")
     future = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop)
     http = HttpServerHandle(server, future, sock)

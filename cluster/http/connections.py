@@ -65,6 +65,9 @@ class Writer(Protocol):
     async def run(self, work: Awaitable[T]) -> T:
         """Await ``work``; ConnectionLost (and ``work`` cancelled) if the client goes away first."""
 
+    def abandon(self) -> None:
+        """The client reads nothing: close its connection now, dropping what is buffered for it."""
+
 
 class BodyWriter:
     """Writes one response's body chunks to its connection, between the response's start and its last
@@ -98,6 +101,13 @@ class BodyWriter:
             raise ConnectionLost from None
         finally:
             self._on_loss = None
+
+    def abandon(self) -> None:
+        """Close the connection now, its buffered bytes dropped (a client that reads nothing would
+        otherwise keep its socket and buffer until it goes away); the response counts as disconnected."""
+        cycle = self._cycle
+        cycle.disconnected = True
+        cycle.transport.abort()
 
     def lost(self) -> None:
         """The connection is gone (the protocol calls it)."""
@@ -151,6 +161,9 @@ class AsgiWriter:
     def write(self, data: bytes) -> None:
         if data:
             self._pending.append(data)
+
+    def abandon(self) -> None:
+        self._pending.clear()  # NOTE: plain ASGI cannot close a connection; the server does once we return
 
     async def drain(self) -> None:
         if self.send is None:

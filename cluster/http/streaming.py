@@ -30,9 +30,8 @@ class SseResponse(Response):
     request.
 
     A stalled client: its connection's buffer stays full; after ``stream_stall_timeout_s`` of that the
-    response ends and the answer's requests are aborted everywhere. NOTE: uvicorn then closes the
-    transport, which waits to flush: a client that never reads keeps its socket (and at most its ~64 KiB
-    write buffer) until it goes away.
+    response ends, the answer's requests are aborted everywhere and the connection is closed at once, what
+    was buffered for it dropped (``Writer.abandon``).
     """
 
     media_type = "text/event-stream"
@@ -77,6 +76,7 @@ class SseResponse(Response):
             with contextlib.suppress(ConnectionLost):
                 await writer.run(respond())
         except ClientStalled:
+            writer.abandon()
             error = stalled_error(answer.limits, "its client read nothing")
             answer.metrics.observe_error(error.status, error.code)
             logger.warning("%s (%d choices)", error.message, len(answer.choices))

@@ -175,6 +175,9 @@ class _Writer:
     async def run(self, work: Awaitable[None]) -> None:
         await work
 
+    def abandon(self) -> None:
+        raise AssertionError("not a stalled answer")
+
 
 def test_the_keep_alive_comes_after_the_idle_timeout_and_output_puts_it_off(
     monkeypatch: pytest.MonkeyPatch,
