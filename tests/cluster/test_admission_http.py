@@ -18,7 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from cluster.config import ClusterConfig, PoolConfig, RouterConfig
+from cluster.config import ClusterConfig, PoolConfig, RouterConfig, ServerConfig
 from cluster.cost_model import CostProfile, LinearStepCost, TransferCost
 from cluster.frames import new_secret
 from cluster.http.app import create_app
@@ -124,7 +124,7 @@ async def _http_scenario() -> dict[str, Any]:
         )
         advisor = Advisor(router, cluster, CONSTANT, vocab_size=512, max_model_len=128)
         # NOTE: live advice is an admin route (issue 31 row 10): it takes the admin key only
-        app = create_app(router, None, api_key=KEY, admin_key=f"{KEY}-admin", advisor=advisor)
+        app = create_app(router, None, ServerConfig(api_key=KEY, admin_key=f"{KEY}-admin"), advisor=advisor)
         auth = {"Authorization": f"Bearer {KEY}"}
         admin = {"Authorization": f"Bearer {KEY}-admin"}
         body = {"model": "fake", "prompt": list(range(10, 18)), "max_tokens": 1}
