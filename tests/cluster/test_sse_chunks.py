@@ -1,6 +1,6 @@
-"""issue 30 item 2: the edge's per-token path renders SSE chunks without a dict or an encoder per chunk, and
-the wire carries a plain delta as its few set fields. Both must say exactly what the general path says:
-the same bytes on the SSE stream, the same TokenDelta out of the decoder, the same rejections."""
+"""issue 30 item 2 and issue 41 item 1: the edge's per-token path renders SSE chunks without a dict or an
+encoder per chunk, byte for byte what the general path renders, and writes a turn's output from the
+receive loop, one write a turn. (The wire's plain deltas, once here: tests/cluster/test_wire.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import cast
 
 import pytest
 
-from cluster.frames import REASON_BAD_FIELD, FrameSigner
 from cluster.http import answer as answer_module
 from cluster.http.answer import Answer
 from cluster.http.connections import Writer
@@ -29,7 +28,7 @@ from cluster.protocol import (
     delta_nbytes,
 )
 from cluster.router.router import Router
-from cluster.wire import EVENTS, ROUTER_ID, Deltas, Generate, WireDecoder, WireEncoder
+from cluster.wire import Deltas, Generate
 from tests.support.fake_workers import TIMEOUT_S, FakeWorkers, assert_idle, run, until
 from tests.support.stub_router import StubRouter
 
@@ -91,57 +90,6 @@ def test_a_choice_with_logprobs_takes_the_general_path() -> None:
     assert not fast.choices[0].is_plain
     delta = TokenDelta("r0", [11], " x", logprobs=[TokenLogprobs(11, -0.25, [11, 12], [-0.25, -2.0])])
     assert fast.chunk(0, delta) == _general(plan, general, 0, delta)
-
-
-def _frame_body(frame: bytes) -> object:
-    """What a Deltas frame carries for its first delta (the envelope unpacked, not checked)."""
-    import msgpack
-
-    from cluster.frames import MAC_BYTES, MAGIC
-
-    envelope_ = msgpack.unpackb(frame[len(MAGIC) + MAC_BYTES :], raw=False)
-    return envelope_[5]["deltas"][0]
-
-
-def test_a_plain_delta_travels_as_its_set_fields_and_decodes_to_the_same_delta() -> None:
-    encoder, decoder = WireEncoder(SECRET), WireDecoder(SECRET, ROUTER_ID, EVENTS)
-    plain = TokenDelta("a", [5], " hi")
-    assert _frame_body(encoder.encode(ROUTER_ID, Deltas("w", [plain]))) == {
-        "request_id": "a",
-        "token_ids": [5],
-        "text": " hi",
-    }
-    deltas = [
-        plain,
-        TokenDelta("b", [], ""),
-        TokenDelta("c", [1, 2], "x", num_cached_tokens=16),
-        TokenDelta("d", [3], "", scheduled_time=0.0),
-        TokenDelta(
-            "e", [4], "y", [TokenLogprobs(4, -0.5, [4], [-0.5])], FinishReason.STOP, 3, None, None, 1.5
-        ),
-        TokenDelta("f", [], "", error="boom", finish_reason=FinishReason.ERROR),
-    ]
-    event = decoder.decode(encoder.encode(ROUTER_ID, Deltas("w", deltas)))
-    assert isinstance(event, Deltas) and event.deltas == deltas
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"request_id": "a", "token_ids": [True]},
-        {"request_id": "a", "token_ids": ["5"]},
-        {"request_id": 1, "token_ids": [5]},
-        {"token_ids": [5]},
-        {"request_id": "a", "token_ids": [5], "text": b"x"},
-        {"request_id": "a", "token_ids": [5], "num_cached_tokens": 1.0},
-        {"request_id": "a", "token_ids": [5], "surprise": 1},
-    ],
-)
-def test_a_bad_plain_delta_is_still_rejected(bad: dict[str, object]) -> None:
-    decoder = WireDecoder(SECRET, ROUTER_ID, EVENTS)
-    frame = FrameSigner(SECRET).sign(ROUTER_ID, Deltas.TAG, {"worker_id": "w", "deltas": [bad]})
-    assert decoder.decode(frame) is None
-    assert decoder.rejected() == {REASON_BAD_FIELD: 1}
 
 
 class _SilentRouter(StubRouter):
