@@ -28,6 +28,7 @@ from pathlib import Path
 
 from cluster.config import EngineConfig, RouterConfig
 from cluster.cost_model import CostProfile, default_profile_path
+from cluster.protocol import SloUnattainableError
 from cluster.router.predict import Admission, Predictor
 
 MAX_CORRECTION = 4.0
@@ -117,6 +118,36 @@ class SloAdmission:
         else:
             self.num_rejected += 1
         return verdict
+
+    def refusal(
+        self,
+        predicted_ttft_s: float | None,
+        predicted_tbt_s: float | None,
+        requested_slo_s: float | None,
+        worker_id: str,
+        decode_worker_id: str | None = None,
+    ) -> SloUnattainableError | None:
+        """``check``'s verdict as the error that refuses the request (None: admitted), naming what it
+        missed, by how much, on ``worker_id``, and when to retry."""
+        verdict = self.check(
+            predicted_ttft_s, predicted_tbt_s, requested_slo_s, decode_worker_id=decode_worker_id
+        )
+        if verdict.ok:
+            return None
+        if verdict.missed == "ttft":
+            slo = self.slo_s(requested_slo_s) or 0.0
+            predicted, what = verdict.predicted_ttft_s, "time to first token"
+        else:
+            slo, predicted, what = (
+                self.tbt_slo_s or 0.0,
+                verdict.predicted_tbt_s or 0.0,
+                "time between tokens",
+            )
+        return SloUnattainableError(
+            f"predicted {what} {predicted * 1e3:.0f} ms exceeds the {verdict.missed.upper()} SLO "
+            f"{slo * 1e3:.0f} ms (on {worker_id}); retry after {verdict.retry_after_s} s",
+            verdict.retry_after_s,
+        )
 
     def observe(self, predicted_ttft_s: float | None, measured_ttft_s: float) -> None:
         """An admitted request's first token came back ``measured_ttft_s`` after its arrival."""

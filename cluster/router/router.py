@@ -3,7 +3,7 @@ requests off dead workers, drains workers for scale-down, aborts, deadlines, hea
 
 Runs on one asyncio loop in the router process (which also hosts the HTTP server). Hot messages are the
 typed, authenticated frames of cluster/wire.py over ZMQ: one PUSH socket per worker for ops, one PULL
-socket for every event coming back. A bad frame is counted and dropped; no frame can end a task.
+socket for every event coming back (cluster/router/events.py, read from the loop's selector). A bad frame is counted and dropped; no frame can end a task.
 
 The router composes: cluster/router/membership.py (which workers there are and their states: admit,
 heartbeat, lifecycle, drain, death), cluster/router/flights.py (each request's state across its attempts),
@@ -47,13 +47,13 @@ from cluster.protocol import (
     QueueFullError,
     RequestAbortedError,
     RouterError,
-    SloUnattainableError,
     TokenDelta,
     WorkerFailedError,
     WorkerStats,
     router_error,
 )
 from cluster.router.admission import SloAdmission, build_admission
+from cluster.router.events import EventSocket
 from cluster.router.flights import Flight, Flights
 from cluster.router.handoff import Handoffs
 from cluster.router.membership import Membership, WorkerRef, WorkerState
@@ -61,7 +61,6 @@ from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.routing import Pools, PrefixView, Route, decide
 from cluster.router.stream import OutputListener, RequestStream
 from cluster.wire import (
-    EVENTS,
     Abort,
     Deltas,
     Event,
@@ -73,16 +72,12 @@ from cluster.wire import (
     Prefilled,
     RequestFailed,
     Transferred,
-    WireDecoder,
     WireEncoder,
     WorkerFailed,
     WorkerGone,
-    router_recipient,
 )
 
 logger = logging.getLogger(__name__)
-
-MAX_FRAMES_PER_TURN = 64  # event frames handled in one turn of the loop before the HTTP edge gets its turn
 
 
 class Router:
@@ -118,20 +113,15 @@ class Router:
         self.served_model_name = served_model_name
         self._flights = Flights()
         self.replica = replica
-        self.decoder: WireDecoder[Event] = WireDecoder(secret, router_recipient(replica), EVENTS)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        # NOTE: libzmq drops a larger frame while reading its length (the sender's connection is closed)
-        # instead of buffering it whole for the verifier to refuse: the verifier's own cap, on the socket
-        self._pull.setsockopt(zmq.MAXMSGSIZE, self.decoder.verifier.max_frame_bytes)
-        self._pull.bind(f"tcp://{bind_host}:{event_port or '*'}")
-        self.endpoint: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.events = EventSocket(self._ctx, secret, replica, bind_host, event_port, self._on_event)
+        self.endpoint = self.events.endpoint
+        self._reject = self.events.decoder.verifier.reject
         self.members = Membership(
             config,
             self._ctx,
             WireEncoder(secret),
-            reject=self.decoder.verifier.reject,
+            reject=self._reject,
             on_death=self._on_worker_dead,
             on_removed=self._forget_worker,
             replica=replica,
@@ -143,7 +133,7 @@ class Router:
     async def start(self) -> None:
         # NOTE: these two run until close(); a lifecycle watch ends when its actor is unwatched.
         self._loops = [
-            asyncio.create_task(self._receive_loop(), name="router-receive"),
+            asyncio.create_task(self.events.run(), name="router-receive"),
             asyncio.create_task(self.members.monitor(), name="router-heartbeats"),
         ]
 
@@ -155,7 +145,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self.members.close()
-        self._pull.close(linger=0)
+        self.events.close()
         self._ctx.term()
 
     def watch(self, worker_id: str, actor: Any) -> None:
@@ -219,7 +209,7 @@ class Router:
 
     def rejected_frames(self) -> dict[str, int]:
         """Control frames the router itself dropped, by reason."""
-        return self.decoder.rejected()
+        return self.events.decoder.rejected()
 
     def route_decisions(self) -> dict[tuple[str, str], int]:
         """Routing decisions so far by (mode, reason): ``pdserve_route_decisions_total``."""
@@ -302,34 +292,21 @@ class Router:
         )
 
     def _admit_or_refuse(self, flight: Flight, route: Route[WorkerRef]) -> None:
-        """SLO-aware admission: raise SloUnattainableError (HTTP 429) when the route's predicted TTFT
-        misses the request's SLO; nothing has been queued or counted yet."""
+        """SLO-aware admission: raise SloUnattainableError (HTTP 429) when the route's predicted TTFT or
+        TBT misses the request's SLO; nothing has been queued or counted yet."""
         if self.admission is None:
             return
         req = flight.req
-        adm = self.admission
-        verdict = adm.check(
+        refusal = self.admission.refusal(
             route.predicted_ttft_s,
             route.predicted_tbt_s,
             req.ttft_slo_s,
-            decode_worker_id=route.tbt_worker_id,
+            route.worker.worker_id,
+            route.tbt_worker_id,
         )
-        if verdict.ok:
-            return
-        self.traffic.record(flight.arrival, len(req.prompt_token_ids), req.params.max_tokens)
-        if verdict.missed == "ttft":
-            slo, predicted, what = (
-                adm.slo_s(req.ttft_slo_s) or 0.0,
-                verdict.predicted_ttft_s,
-                "time to first token",
-            )
-        else:
-            slo, predicted, what = adm.tbt_slo_s or 0.0, verdict.predicted_tbt_s or 0.0, "time between tokens"
-        raise SloUnattainableError(
-            f"predicted {what} {predicted * 1e3:.0f} ms exceeds the {verdict.missed.upper()} SLO "
-            f"{slo * 1e3:.0f} ms (on {route.worker.worker_id}); retry after {verdict.retry_after_s} s",
-            verdict.retry_after_s,
-        )
+        if refusal is not None:
+            self.traffic.record(flight.arrival, len(req.prompt_token_ids), req.params.max_tokens)
+            raise refusal
 
     def _commit(self, flight: Flight, route: Route[WorkerRef]) -> None:
         """Carry out a route decision: count it, remember its blocks on the worker, send the request."""
@@ -499,49 +476,13 @@ class Router:
         self.members.retire(w)
 
     # ---- events from the workers ----------------------------------------------------------------------
-    async def _receive_loop(self) -> None:
-        """Reads the event socket from the loop's selector: each time its descriptor signals, the frames at
-        hand are taken without blocking (``_take_events``), with no future or task step per frame. Runs
-        until cancelled (``close``)."""
-        loop = asyncio.get_running_loop()
-        fd = int(self._pull.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._take_events)
-        try:
-            # NOTE: ZMQ's descriptor signals edges: frames that came before the reader are taken now
-            self._take_events()
-            await loop.create_future()
-        finally:
-            loop.remove_reader(fd)
-
-    def _take_events(self) -> None:
-        """Handles up to MAX_FRAMES_PER_TURN frames from the event socket; if more wait, the rest go in a
-        later turn of the loop (the descriptor will not signal them again), so a flood of frames cannot
-        keep the HTTP edge from its turn."""
-        pull, decode = self._pull, self.decoder.decode
-        if pull.closed:  # NOTE: a turn scheduled before close()
-            return
-        for _ in range(MAX_FRAMES_PER_TURN):
-            try:
-                frame = pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            # NOTE: a failure is logged and the next frame read: one raised out of here would leave the
-            # frames at hand unread until another arrives (the descriptor signals edges)
-            try:
-                event = decode(frame)
-                if event is not None:
-                    self._on_event(event)
-            except Exception:
-                logger.exception("router: failed to handle an event frame")
-        asyncio.get_running_loop().call_soon(self._take_events)
-
     def _on_event(self, event: Event) -> None:
         if isinstance(event, Heartbeat):
             self._on_heartbeat(event)
             return
         w = self.members.get(event.worker_id)
         if w is None:
-            self.decoder.verifier.reject("unknown_worker")
+            self._reject("unknown_worker")
             return
         match event:
             case WorkerFailed():

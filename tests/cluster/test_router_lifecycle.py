@@ -19,8 +19,9 @@ from cluster.protocol import (
     RequestAbortedError,
     TokenDelta,
 )
+from cluster.router.events import MAX_FRAMES_PER_TURN
 from cluster.router.membership import WorkerState
-from cluster.router.router import MAX_FRAMES_PER_TURN, Router
+from cluster.router.router import Router
 from cluster.wire import Abort, Deltas, Generate, PeerDead, Prefilled, WorkerFailed, WorkerGone
 from tests.support.fake_workers import TIMEOUT_S, FakeWorkers, Stream, assert_idle, delta, run, until
 
@@ -439,8 +440,8 @@ def test_a_frame_whose_handling_fails_is_logged_and_the_frames_after_it_are_stil
         )
         assert [d.token_ids for d in await s.rest()] == [[5], [6], [7]]  # type: ignore[union-attr]
 
-    with caplog.at_level("ERROR", logger="cluster.router.router"):
+    with caplog.at_level("ERROR", logger="cluster.router.events"):
         run(scenario, mode="colocated")
-    assert [r.getMessage() for r in caplog.records if r.name == "cluster.router.router"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "cluster.router.events"] == [
         "router: failed to handle an event frame"
     ]

@@ -83,6 +83,8 @@ TARGETS: dict[str, tuple[tuple[str, ...], ...]] = {
     "cluster/router/router.py": (ROUTER_STAGE,),
     "cluster/router/membership.py": (ROUTER_STAGE,),
     "cluster/router/flights.py": (ROUTER_STAGE,),
+    "cluster/router/stream.py": (ROUTER_STAGE,),
+    "cluster/router/events.py": (ROUTER_STAGE,),
     "cluster/router/handoff.py": (ROUTER_STAGE,),
 }
 
