@@ -331,26 +331,17 @@ def _wave_line(name: str, timed: list[tuple[Any, float]], stats: Any, first: lis
             f"rejected_frames={stats.rejected_frames}; errors: {errors}")  # fmt: skip
 
 
-def _build_cluster(config: dict[str, Any]) -> Any:
-    """deploy.launch's builder: ``build_cluster`` (``start_cluster`` before deploy/'s rename)."""
-    import deploy.launch as launch
-
-    build = getattr(launch, "build_cluster", None) or getattr(launch, "start_cluster", None)
-    if build is None:
-        raise RuntimeError("deploy.launch builds no cluster (neither build_cluster nor start_cluster)")
-    return build(config)
-
-
 def run_bench(lab: Any, rendezvous_only: bool = False) -> None:
     import ray
 
+    from deploy.launch import build_cluster
     from tests.support.cluster_utils import shared_prefix_prompts, wait_for
     from tests.support.two_host_driver import lab_config
 
     prompts = shared_prefix_prompts(8, seed=31, vocab=1229)
     max_tokens = [8 + i % 3 * 4 for i in range(len(prompts))]
     ray.init(address=lab.address, _node_ip_address=lab.ip_a, log_to_driver=False)
-    handle = _build_cluster(lab_config({}))
+    handle = build_cluster(lab_config({}))
     watcher: subprocess.Popen[str] | None = None
     try:
         first_timed = asyncio.run(timed_wave(handle, prompts, max_tokens))

@@ -99,7 +99,7 @@ class AdvisorLike(Protocol):
 
 
 class Scaler(Protocol):
-    """Grows or shrinks a pool of a running cluster (``deploy.launch.ClusterHandle``); blocking."""
+    """Grows or shrinks a pool of a running cluster (``deploy.launch.Cluster``); blocking."""
 
     @property
     def pools(self) -> list[str]: ...

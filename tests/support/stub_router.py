@@ -254,7 +254,7 @@ async def _taken(stream: RequestStream, timeout_s: float = 10.0) -> None:
 
 
 class FakeScaler:
-    """A scaler for the admin route (``ClusterHandle.scale``'s shape): records calls; ``gate`` (when set)
+    """A scaler for the admin route (``Cluster.scale``'s shape): records calls; ``gate`` (when set)
     holds a call until the test releases it."""
 
     def __init__(self) -> None:
