@@ -19,7 +19,11 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class Hardware:
-    """Datasheet figures of one accelerator (dense bf16 matmul, HBM, the link between two of them)."""
+    """Datasheet figures of one accelerator (dense bf16 matmul, HBM, the link between two of them).
+
+    ``link_gb_per_s``: one direction between two GPUs of one node (NVLink; PCIe on an L4 box);
+    ``nic_gb_per_s``: one GPU's share of the network between nodes (its NIC, one direction);
+    ``allreduce_latency_s``: the fixed cost of one small all-reduce inside a node (launch + link hops)."""
 
     name: str
     matmul_tflops: float
@@ -30,13 +34,16 @@ class Hardware:
     memory_efficiency: float = 0.8
     step_overhead_s: float = 2e-3  # host time per engine step (scheduling, input prep, launches)
     link_latency_s: float = 1e-3  # handshake of one KV handoff
+    nic_gb_per_s: float = 50.0  # 400 Gb/s InfiniBand / RoCE per GPU
+    allreduce_latency_s: float = 10e-6
 
 
 HARDWARE = {
     "h100": Hardware("H100 SXM", 989.0, 3350.0, 80.0, 450.0),
     "h200": Hardware("H200 SXM", 989.0, 4800.0, 141.0, 450.0),
-    "a100": Hardware("A100 SXM 80GB", 312.0, 2039.0, 80.0, 300.0),
-    "l4": Hardware("L4", 121.0, 300.0, 24.0, 32.0),
+    "a100": Hardware("A100 SXM 80GB", 312.0, 2039.0, 80.0, 300.0, nic_gb_per_s=25.0),
+    # NOTE: L4 boxes have no NVLink: GPUs talk over PCIe 4.0 x16 and a 100 GbE NIC
+    "l4": Hardware("L4", 121.0, 300.0, 24.0, 32.0, nic_gb_per_s=12.5, allreduce_latency_s=30e-6),
 }
 
 
