@@ -97,6 +97,20 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
         int,
         "colocated pool size (--mode colocated)",
     ),
+    (
+        "--prefill-tensor-parallel-size",
+        "pools.prefill",
+        "tensor_parallel_size",
+        int,
+        "ranks per prefill worker (overrides --tensor-parallel-size)",
+    ),
+    (
+        "--decode-tensor-parallel-size",
+        "pools.decode",
+        "tensor_parallel_size",
+        int,
+        "ranks per decode worker (overrides --tensor-parallel-size)",
+    ),
     ("--host", "server", "host", str, "bind address (default 127.0.0.1)"),
     ("--port", "server", "port", int, "HTTP port (default 8000)"),
     (
@@ -175,6 +189,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="the same as MODEL")
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="ranks per worker in every pool (one device each, on one node)",
+    )
+    parser.add_argument(
         "--config", default=None, help=f"ClusterConfig YAML (default: packaged {DEFAULT_CONFIG})"
     )
     parser.add_argument("--api-key", default=None, help=f"require this bearer key (default: ${API_KEY_ENV})")
@@ -242,6 +263,12 @@ def apply_overrides(data: dict[str, Any], args: argparse.Namespace) -> dict[str,
         raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     if model is not None:
         _section(data, "model")["path"] = model
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None:  # every pool's; the per-pool flags below override it
+        pools = _section(data, "pools")
+        # NOTE: a colocated pool made from the decode pool's shape below takes the decode pool's
+        for pool in ("prefill", "decode", *(["colocated"] if pools.get("colocated") else [])):
+            _section(pools, pool)["tensor_parallel_size"] = tp
     for flag, section, key, _, _ in _VALUE_FLAGS:
         value = getattr(args, _dest(flag))
         if value is not None:

@@ -39,8 +39,15 @@ class PoolConfig:
     # custom Ray resources each worker needs, e.g. {"host_b": 1} pins the pool to nodes that offer it
     resources: dict[str, float] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
+    # ranks per worker (tensor parallelism): each rank is a process with num_gpus / num_cpus of its own,
+    # all ranks of a worker on one node (a Ray placement group, STRICT_PACK)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        require(
+            1 <= self.tensor_parallel_size <= 64,
+            f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}",
+        )
         require(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
         require(self.num_gpus in (0, 0.0, 1, 1.0), f"num_gpus must be 0 or 1 per worker, got {self.num_gpus}")
         require(self.num_cpus >= 0, f"num_cpus must be >= 0, got {self.num_cpus}")
@@ -48,7 +55,8 @@ class PoolConfig:
         require(self.max_restarts >= -1, f"max_restarts must be >= -1 (-1: always), got {self.max_restarts}")
 
 
-_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}  # model: its own section
+# model: its own section; tensor_parallel_size: the pool's own key (pools.<pool>.tensor_parallel_size)
+_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "tensor_parallel_size"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,10 @@ class ClusterConfig:
     pin_cpu_cores: bool = False
 
     def __post_init__(self) -> None:
+        require(
+            "tensor_parallel_size" not in self.engine,
+            "tensor_parallel_size is a pool's: set pools.<pool>.tensor_parallel_size",
+        )
         # NOTE: the shared section alone first, so an error names the section its key is in
         check_keys(self.engine, "engine", _ENGINE_KEYS)
         from_dict(EngineConfig, {**self.engine, "model": self.model}, "engine")
@@ -130,7 +142,9 @@ class ClusterConfig:
 
     def engine_config(self, pool: str) -> EngineConfig:
         """``pool``'s workers' engine: the shared ``engine:`` section, the pool's own ``engine:`` over it."""
-        merged = {**self.engine, **self.pool(pool).engine, "model": self.model}
+        own = self.pool(pool)
+        merged = {**self.engine, **own.engine, "model": self.model}
+        merged["tensor_parallel_size"] = own.tensor_parallel_size
         return from_dict(EngineConfig, merged, f"pools.{pool}.engine")
 
     def engine_configs(self) -> dict[str, EngineConfig]:

@@ -87,6 +87,10 @@ class EngineConfig:
     structured_max_pending_compiles: int = 64
     structured_max_spec_chars: int = MAX_STRUCTURED_SPEC_CHARS
     structured_max_grammar_rules: int = MAX_GRAMMAR_RULES
+    # Ranks of one worker (Megatron-style tensor parallelism, workers/parallel.py): the model's heads,
+    # MLP width and vocabulary split over this many processes on one node, one device each; set per pool
+    # by PoolConfig.tensor_parallel_size (vLLM's --tensor-parallel-size).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
@@ -107,6 +111,10 @@ class EngineConfig:
             >= 1,
             "structured_max_pending_compiles, structured_max_spec_chars and structured_max_grammar_rules "
             "must be >= 1",
+        )
+        require(
+            1 <= self.tensor_parallel_size <= 64,
+            f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}",
         )
         require(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
         require(
