@@ -3,6 +3,9 @@
     pdserve bench offline [--num-requests 128] [--prompt-len 16 128] [--output-len 16 128] [--seed 0]
                           [--repeats 3] [--threads N] [--variant NAME:key=value,...] [--load-format dummy]
     pdserve bench offline --model bench/configs/llama-3-8b --load-format mock --gpu h100   # mock engine
+    pdserve bench offline --repeats 0 --skip-hf --no-roofline --overhead-running 256 --overhead-steps 100 \
+        --overhead-forward model null --variant sync:async_scheduling=false \
+        --variant async:async_scheduling=true                 # host per decode step only, both schedulers
 
 Requests: prompt and output lengths drawn uniformly from the ranges with the seed, random token ids,
 EOS ignored (every request produces exactly its output length). Printed, all measured in this process:
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import yaml
 
 from bench import hf_peer
 from bench.roofline import ModelFlops, measure_rates, workload_flops
@@ -91,8 +96,8 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``NAME:key=value,key=value`` (values are Python literals; bare words are strings). A key that names
-    a SamplingParams field (``repetition_penalty``, ``presence_penalty``, ...) sets it on every request;
+    """``NAME:key=value,key=value`` (values as ``parse_value`` reads them). A key that names a
+    SamplingParams field (``repetition_penalty``, ``presence_penalty``, ...) sets it on every request;
     any other is an LLM option."""
     name, _, rest = text.partition(":")
     options: dict[str, Any] = {}
@@ -101,11 +106,24 @@ def parse_variant(text: str) -> Variant:
         key, _, raw = item.partition("=")
         key = key.strip()
         target = sampling if key in _SAMPLING_FIELDS else options
-        try:
-            target[key] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            target[key] = raw.strip()
+        target[key] = parse_value(raw)
     return Variant(name, options, sampling)
+
+
+def parse_value(raw: str) -> Any:
+    """A ``--variant`` value as a YAML config would give it (``true`` / ``false``, ``null`` / ``~``,
+    ints, floats; a bare word is a string), so the config's type check sees a bool where a YAML file
+    would have one. Python's spellings (``True``, ``None``, ``1e-3``, which YAML 1.1 reads as a string)
+    are taken too."""
+    text = raw.strip()
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError, SyntaxError):
+            value = ast.literal_eval(text)
+    return value
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -160,6 +178,10 @@ class NullModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, raw: bool = False, fused: bool = False) -> torch.Tensor:
         return self.logits[: hidden.shape[0]]
+
+    def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every row's argmax of the zero logits: token 0 (a fresh tensor: the runner may keep it)."""
+        return torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
 
 
 def host_overhead(
