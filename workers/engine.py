@@ -109,6 +109,11 @@ class Engine:
             ids.update(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
 
+    def close(self) -> None:
+        """Stops what the engine started beside itself: a tensor-parallel engine's other ranks (bounded;
+        workers/rank_process.py). Idempotent; an engine at one rank has nothing to stop."""
+        self.runner.close()
+
     def use_stage(self, stage: DetokenizerStage) -> None:
         """Leave the text of most requests to ``stage`` (before any request is added): the engine
         registers each request with it as it arrives (or, reserved for a handoff, once its first token

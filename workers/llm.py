@@ -35,6 +35,16 @@ class LLM:
         self.detokenize_thread = detokenize_thread and self.engine.tokenizer is not None
         self._counter = 0
 
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if it has any (``with LLM(...) as llm`` too)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
