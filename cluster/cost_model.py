@@ -17,7 +17,7 @@ import json
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,8 @@ class LinearStepCost:
     padded_excess_token_s: float = 0.0
     padded_knee_tokens: float = 0.0
     prefill_step_s: float = 0.0
+    # NOTE: a fit measures one worker as it ran: this many ranks. It says nothing of another size.
+    tensor_parallel_size: int = 1
 
     kind = "linear"
     FEATURES = (
@@ -137,16 +139,30 @@ class LinearStepCost:
         }
         values["base_s"] = self.base_s * (math.sqrt(prefill * decode) if base is None else base)
         return LinearStepCost(
-            **values, padded_knee_tokens=self.padded_knee_tokens, prefill_step_s=self.prefill_step_s * prefill
+            **values,
+            padded_knee_tokens=self.padded_knee_tokens,
+            prefill_step_s=self.prefill_step_s * prefill,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
 @dataclass(frozen=True)
 class RooflineStepCost:
-    """A roofline estimate: overhead + max(FLOPs / achievable FLOP/s, bytes moved / memory bandwidth).
+    """A roofline estimate: overhead + max(FLOPs / achievable FLOP/s, bytes moved / memory bandwidth), per
+    rank of a worker of ``tensor_parallel_size`` GPUs, plus its all-reduces.
 
     FLOPs: 2 per matmul parameter per token plus attention; bytes: the weights once per step plus every
-    KV position read (decode context, and each prompt chunk's own prefix)."""
+    KV position read (decode context, and each prompt chunk's own prefix). The FLOP and byte figures are
+    the whole model's; at TP = N each rank computes 1/N of the FLOPs (Megatron-style: QKV and gate/up
+    column-parallel, o and down row-parallel, the vocabulary split) and reads 1/N of the weights and its
+    share of the KV heads (one head each when there are fewer KV heads than ranks: they are replicated).
+    The ranks then all-reduce ``allreduces_per_step`` times a step (two a layer: after o_proj and after
+    down_proj), each a message of tokens x ``allreduce_bytes_per_token`` (hidden x dtype bytes): a ring
+    all-reduce moves 2 (N - 1) / N of it through each GPU's link, after ``allreduce_latency_s``. The
+    all-reduces sit between the layers' matmuls, so their time adds to the roofline's.
+
+    The TP fields default to what a profile saved before them meant: one GPU a worker, no link figures
+    (``CostProfile.with_tensor_parallel`` refuses to take such a profile to TP > 1)."""
 
     overhead_s: float
     flops_per_s: float
@@ -155,17 +171,51 @@ class RooflineStepCost:
     attention_flops_per_pair: float  # 4 x layers x query heads x head_dim (QK^T and PV)
     weight_bytes: float
     kv_bytes_per_token: float
+    tensor_parallel_size: int = 1
+    allreduces_per_step: int = 0  # 2 x layers
+    allreduce_bytes_per_token: float = 0.0  # hidden x dtype bytes
+    link_bytes_per_s: float = 0.0  # one direction between two GPUs of a node (NVLink; PCIe)
+    allreduce_latency_s: float = 0.0  # the fixed cost of one all-reduce (launch + link hops)
+    num_kv_heads: int = 0  # 0: the KV splits evenly over the ranks
 
     kind = "roofline"
+
+    def __post_init__(self) -> None:
+        tp, heads = self.tensor_parallel_size, self.num_kv_heads
+        if tp < 1:
+            raise ValueError(f"roofline tensor_parallel_size must be >= 1, got {tp}")
+        if heads and heads % tp and tp % heads:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must divide the {heads} KV heads or be a multiple of them"
+            )
+
+    @property
+    def kv_share(self) -> float:
+        """The fraction of each token's KV one rank holds and reads."""
+        tp, heads = self.tensor_parallel_size, self.num_kv_heads
+        if heads == 0:
+            return 1.0 / tp
+        return max(1, heads // tp) / heads
+
+    def allreduce_s(self, num_tokens: int) -> float:
+        """The step's all-reduces for ``num_tokens`` tokens (0.0 on one GPU)."""
+        tp = self.tensor_parallel_size
+        if tp == 1 or num_tokens == 0:
+            return 0.0
+        message = num_tokens * self.allreduce_bytes_per_token
+        one = self.allreduce_latency_s + 2 * (tp - 1) / tp * message / self.link_bytes_per_s
+        return self.allreduces_per_step * one
 
     def step_s(self, shape: StepShape) -> float:
         if shape.is_empty:
             return 0.0
+        tp = self.tensor_parallel_size
         pairs = shape.num_attention_pairs + shape.num_context_tokens + shape.num_decode_seqs
-        flops = self.flops_per_token * shape.num_tokens + self.attention_flops_per_pair * pairs
+        flops = (self.flops_per_token * shape.num_tokens + self.attention_flops_per_pair * pairs) / tp
         kv_read = shape.num_context_tokens + shape.num_decode_seqs + shape.num_prefill_tokens
-        nbytes = self.weight_bytes + self.kv_bytes_per_token * kv_read
-        return self.overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+        nbytes = self.weight_bytes / tp + self.kv_bytes_per_token * self.kv_share * kv_read
+        compute = max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+        return self.overhead_s + compute + self.allreduce_s(shape.num_tokens)
 
 
 StepCost = LinearStepCost | RooflineStepCost
@@ -273,6 +323,32 @@ class CostProfile:
     handoff_receive_token_s: float = 0.0
     spinning_transfer_scale: float = 1.0
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The GPUs (ranks) of the worker whose steps ``step_s`` times."""
+        return self.step.tensor_parallel_size
+
+    def with_tensor_parallel(self, tp: int) -> CostProfile:
+        """This profile for a worker of ``tp`` ranks (``EngineConfig.tensor_parallel_size``): its steps
+        cost what the roofline says of that size (``RooflineStepCost``); everything else is unchanged.
+        ValueError, naming the profile, when it cannot say: a measured (linear) profile knows only the
+        size it was measured at, a roofline saved without link figures knows only one GPU."""
+        step = self.step
+        if tp == step.tensor_parallel_size:
+            return self
+        if isinstance(step, LinearStepCost):
+            raise ValueError(
+                f"cost profile {self.name!r} was measured at tensor_parallel_size "
+                f"{step.tensor_parallel_size}; it cannot time a worker of {tp}: calibrate at that size "
+                "or plan with a roofline estimate (--gpu)"
+            )
+        if tp > 1 and (step.link_bytes_per_s <= 0 or step.allreduces_per_step <= 0):
+            raise ValueError(
+                f"cost profile {self.name!r} has no link figures (link_bytes_per_s, allreduces_per_step): "
+                f"it cannot time a worker of tensor_parallel_size {tp}; rebuild it (--gpu)"
+            )
+        return replace(self, step=replace(step, tensor_parallel_size=tp))
+
     def step_s(self, shape: StepShape) -> float:
         seconds = self.step.step_s(shape) * self.step_scale
         if shape.is_empty:
@@ -330,7 +406,7 @@ class CostProfile:
                 "cost profile delivery_jitter_by_batch must have increasing batches >= 1 and seconds >= 0, "
                 f"got {points!r}"
             )
-        profile = _build(
+        profile: CostProfile = _build(
             cls, {**data, "step": step_cost, "transfer": transfer, "delivery_jitter_by_batch": jitter}
         )
         for f in fields(cls):

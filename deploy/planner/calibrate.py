@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def fit_linear(samples: Sequence[Sample]) -> LinearStepCost:
             best = (error, knee, coef)
     assert best is not None
     _, knee, coef = best
-    values = {name: float(c) for name, c in zip(LinearStepCost.FEATURES, coef, strict=True)}
+    values: dict[str, Any] = {name: float(c) for name, c in zip(LinearStepCost.FEATURES, coef, strict=True)}
     return LinearStepCost(**values, padded_knee_tokens=knee)
 
 

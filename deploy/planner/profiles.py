@@ -60,6 +60,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     dtype_bytes: int
+    tie_word_embeddings: bool = False
 
     @property
     def layer_params(self) -> int:
@@ -78,7 +79,28 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
+        """What a step reads of the weights: every layer and the LM head (the embedding is only indexed)."""
         return (self.layer_params + self.lm_head_params) * self.dtype_bytes
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """What the weights take in memory: ``weight_bytes`` and the embedding table (unless tied)."""
+        embedding = 0 if self.tie_word_embeddings else self.hidden_size * self.vocab_size
+        return self.weight_bytes + embedding * self.dtype_bytes
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one of ``tp`` ranks holds: split, or one each (replicated) when there are fewer heads
+        than ranks (as vLLM does). ValueError when the heads cannot be shared so."""
+        heads = self.num_kv_heads
+        if tp < 1 or (heads % tp and tp % heads) or self.num_heads % tp:
+            raise ValueError(
+                f"{self.name}: tensor_parallel_size {tp} must divide its {self.num_heads} query heads, "
+                f"and divide its {heads} KV heads or be a multiple of them"
+            )
+        return max(1, heads // tp)
+
+    def kv_bytes_per_token_per_rank(self, tp: int) -> int:
+        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * self.dtype_bytes
 
     @classmethod
     def from_config(cls, model_dir: str | Path, dtype: str = "auto") -> ModelShape:
@@ -98,10 +120,15 @@ class ModelShape:
             head_dim=int(text.get("head_dim") or hidden // heads),
             vocab_size=int(text["vocab_size"]),
             dtype_bytes=DTYPE_BYTES.get(name, 2),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         )
 
 
-def roofline_profile(hw: Hardware, model: ModelShape) -> CostProfile:
+def roofline_profile(hw: Hardware, model: ModelShape, tp: int = 1) -> CostProfile:
+    """The roofline estimate of ``model`` on workers of ``tp`` ``hw`` GPUs (``with_tensor_parallel``
+    takes it to another size): two all-reduces a layer of hidden x dtype bytes a token, over the link
+    inside a node."""
+    model.kv_heads_per_rank(tp)  # NOTE: refuses a size the heads cannot be split over
     # NOTE: the LM head runs once per sampled sequence, not per prompt token; spreading it over every
     # token overstates prefill by vocab/(layers x width) -- small for the models this targets.
     flops_per_token = 2.0 * (model.layer_params + model.lm_head_params)
@@ -113,13 +140,19 @@ def roofline_profile(hw: Hardware, model: ModelShape) -> CostProfile:
         attention_flops_per_pair=4.0 * model.num_layers * model.num_heads * model.head_dim,
         weight_bytes=float(model.weight_bytes),
         kv_bytes_per_token=float(model.kv_bytes_per_token),
+        tensor_parallel_size=tp,
+        allreduces_per_step=2 * model.num_layers,
+        allreduce_bytes_per_token=float(model.hidden_size * model.dtype_bytes),
+        link_bytes_per_s=hw.link_gb_per_s * 1e9,
+        allreduce_latency_s=hw.allreduce_latency_s,
+        num_kv_heads=model.num_kv_heads,
     )
     return CostProfile(
         name=f"{hw.name} / {model.name}",
         source=(
             f"roofline estimate: {hw.matmul_tflops:g} TFLOP/s x {hw.matmul_efficiency:g}, HBM "
-            f"{hw.hbm_gb_per_s:g} GB/s x {hw.memory_efficiency:g}, link {hw.link_gb_per_s:g} GB/s; "
-            "not calibrated on the device"
+            f"{hw.hbm_gb_per_s:g} GB/s x {hw.memory_efficiency:g}, link {hw.link_gb_per_s:g} GB/s, "
+            f"all-reduce latency {hw.allreduce_latency_s * 1e6:g} us; not calibrated on the device"
         ),
         step=step,
         transfer=TransferCost(hw.link_latency_s, hw.link_gb_per_s * 1e9),
@@ -131,11 +164,19 @@ def roofline_profile(hw: Hardware, model: ModelShape) -> CostProfile:
 
 
 def gpu_kv_blocks(
-    hw: Hardware, model: ModelShape, block_size: int, gpu_memory_utilization: float = 0.9
+    hw: Hardware, model: ModelShape, block_size: int, gpu_memory_utilization: float = 0.9, tp: int = 1
 ) -> int:
-    """KV blocks that fit beside the weights (1 GiB kept back for activations), as the runner sizes them."""
-    free = hw.memory_gb * 1e9 * gpu_memory_utilization - model.weight_bytes - 2**30
-    num_blocks = int(free // (block_size * model.kv_bytes_per_token))
+    """KV blocks a worker of ``tp`` GPUs holds, as the runner sizes them: on each rank, what its share of
+    the weights leaves of ``gpu_memory_utilization`` of its memory (1 GiB kept back for activations),
+    in blocks of its share of the KV heads. ValueError, with the figures, when the model does not fit."""
+    per_rank = hw.memory_gb * 1e9 * gpu_memory_utilization
+    weights = model.resident_weight_bytes / tp
+    free = per_rank - weights - 2**30
+    num_blocks = int(free // (block_size * model.kv_bytes_per_token_per_rank(tp))) if free > 0 else 0
     if num_blocks < 2:
-        raise ValueError(f"{model.name} does not fit on one {hw.name} ({hw.memory_gb:g} GB)")
+        where = f"one {hw.name}" if tp == 1 else f"{tp} x {hw.name} (TP{tp})"
+        raise ValueError(
+            f"{model.name} does not fit on {where}: {weights / 1e9:.1f} GB of weights a GPU + 1 GiB "
+            f"for activations leave no room for KV in {gpu_memory_utilization:g} x {hw.memory_gb:g} GB"
+        )
     return num_blocks

@@ -111,8 +111,10 @@ def test_roofline_llama3_8b_on_h100() -> None:
     prefill = shape_of([(0, 8192, False)])
     flops = step.flops_per_token * 8192 + step.attention_flops_per_pair * prefill.num_attention_pairs
     assert step.step_s(prefill) == pytest.approx(2e-3 + flops / (989e12 * 0.6), rel=1e-12)
+    # in memory the weights include the embedding table (untied: 128256 x 4096 bf16)
+    assert shape.resident_weight_bytes == shape.weight_bytes + 128256 * 4096 * 2
     assert gpu_kv_blocks(HARDWARE["h100"], shape, 16) == int(
-        (80e9 * 0.9 - shape.weight_bytes - 2**30) // (16 * shape.kv_bytes_per_token)
+        (80e9 * 0.9 - shape.resident_weight_bytes - 2**30) // (16 * shape.kv_bytes_per_token)
     )
 
 
