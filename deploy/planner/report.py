@@ -61,9 +61,16 @@ class Summary:
     goodput_rps: float  # requests within the SLO per second
     output_tokens_per_s: float
     meets_slo: bool  # the SLO's percentile of TTFT and TBT within bounds, nothing rejected
+    num_gpus: int = 0  # of the simulated layout (0: not known, a measured run's)
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput_rps / self.num_gpus if self.num_gpus else math.nan
 
 
-def summarize(label: str, records: Sequence[RequestRecord], duration_s: float, slo: Slo) -> Summary:
+def summarize(
+    label: str, records: Sequence[RequestRecord], duration_s: float, slo: Slo, num_gpus: int = 0
+) -> Summary:
     served = [r for r in records if r.rejected is None and r.ttft_s is not None]
     ttft = Percentiles.of_ms([r.ttft_s for r in served if r.ttft_s is not None])
     gaps = np.concatenate([np.frombuffer(r.gaps_s, dtype=np.float64) for r in served] or [np.zeros(0)])
@@ -91,27 +98,32 @@ def summarize(label: str, records: Sequence[RequestRecord], duration_s: float, s
         good / duration,
         sum(r.num_tokens for r in served) / duration,
         meets,
+        num_gpus,
     )
 
 
 def summarize_result(result: SimResult, slo: Slo) -> Summary:
-    return summarize(result.config.label, result.records, result.duration_s, slo)
+    return summarize(result.config.label, result.records, result.duration_s, slo, result.config.num_gpus)
 
 
-def table(rows: Sequence[Summary], slo: Slo, recommended: str | None = None) -> str:
-    """One line per configuration: latency percentiles (ms), attainment, goodput, the SLO verdict."""
+def table(rows: Sequence[Summary], slo: Slo, recommended: str | None = None, per_gpu: bool = False) -> str:
+    """One line per configuration: latency percentiles (ms), attainment, goodput, the SLO verdict;
+    ``per_gpu``: its GPUs and goodput per GPU too (layouts of different tensor-parallel sizes)."""
     q = int(slo.percentile)
+    width = max([16, *(len(s.label) for s in rows)])
+    gpus = f" {'GPUs':>4} {'good/GPU':>8}" if per_gpu else ""
     head = (
-        f"{'configuration':<16} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TBT p50':>8} {'p90':>7} {'p99':>7} "
-        f"{'E2E p90':>9} {'in SLO':>7} {'goodput':>8} {'tok/s':>7}  SLO at p{q}"
+        f"{'configuration':<{width}} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TBT p50':>8} {'p90':>7} {'p99':>7} "
+        f"{'E2E p90':>9} {'in SLO':>7} {'goodput':>8}{gpus} {'tok/s':>7}  SLO at p{q}"
     )
     lines = [head, "-" * len(head)]
     for s in rows:
         mark = " <- recommended" if s.label == recommended else ""
+        gpus = f" {s.num_gpus:4d} {s.goodput_per_gpu:8.3f}" if per_gpu else ""
         lines.append(
-            f"{s.label:<16} {s.ttft_ms.p50:9.1f} {s.ttft_ms.p90:8.1f} {s.ttft_ms.p99:8.1f} "
+            f"{s.label:<{width}} {s.ttft_ms.p50:9.1f} {s.ttft_ms.p90:8.1f} {s.ttft_ms.p99:8.1f} "
             f"{s.tbt_ms.p50:8.1f} {s.tbt_ms.p90:7.1f} {s.tbt_ms.p99:7.1f} {s.e2e_ms.p90:9.1f} "
-            f"{s.slo_attainment:7.1%} {s.goodput_rps:8.2f} {s.output_tokens_per_s:7.0f}  "
+            f"{s.slo_attainment:7.1%} {s.goodput_rps:8.2f}{gpus} {s.output_tokens_per_s:7.0f}  "
             f"{'met' if s.meets_slo else 'missed'}{mark}"
         )
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 What runs for real: every worker's ``Scheduler`` / ``KVCacheManager`` / prefix cache (deploy/planner/
 twin.py) and the router's placement policy (``cluster.router.placement``: pick_prefill, pick_decode,
-pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` (stretched
+pick_least_loaded). What is modelled: time. A step lasts ``CostProfile.step_s(shape)`` at its pool's
+tensor-parallel size (``with_tensor_parallel``; stretched
 while more CPU workers are busy than the host has cores; a prefill step more, by the profile's
 ``prefill_weight``; longer by ``handoff_receive_step_s`` / ``handoff_send_step_s`` for each handoff that
 its worker received / sent beside the step before it), a KV handoff ``handoff_s``, a control message
@@ -142,7 +143,11 @@ class Simulation:
         tbt = router.tbt_slo_ms / 1e3 if router.tbt_slo_ms is not None else None
         prefills_on = "colocated" if config.mode == "colocated" else "prefill"
         budget = config.engine_of(prefills_on).max_num_batched_tokens
-        self.predictor = Predictor(profile, budget, tbt) if predicts else None
+        # each pool's steps at its own tensor-parallel size (ValueError when the profile cannot say)
+        self.step_profiles = {pool: profile.with_tensor_parallel(config.tp_of(pool)) for pool in pools}
+        # NOTE: the router predicts with one profile: the pool that prefills (its TTFT is what it judges)
+        step_profile = self.step_profiles[prefills_on]
+        self.predictor = Predictor(step_profile, budget, tbt) if predicts else None
         self.view = PrefixView() if predicts else None
         self._pools = Pools(
             self.pools.get("prefill", []), self.pools.get("decode", []), self.pools.get("colocated", [])
@@ -311,7 +316,7 @@ class Simulation:
         else:
             flight.decode, cmd = w, GENERATE
         if self.view is not None:
-            self.view.record(w.worker_id, route.block_hashes, self.config.num_kv_blocks - 1)
+            self.view.record(w.worker_id, route.block_hashes, w.num_kv_blocks - 1)
         w.queue(flight)
         w.num_assigned += 1
         self._at(t + self.profile.hop_s, _DELIVER, (w, cmd, flight))
@@ -332,7 +337,7 @@ class Simulation:
             w.num_assigned += 1
         if self.view is not None:
             hashes = hash_full_blocks(flight.prompt, w.block_size)
-            self.view.record(w.worker_id, hashes, self.config.num_kv_blocks - 1)
+            self.view.record(w.worker_id, hashes, w.num_kv_blocks - 1)
         self._at(t + self.profile.hop_s, _DELIVER, (w, HANDOFF, flight))
 
     def _on_settle(self, t: float, flight: Flight) -> None:
@@ -397,7 +402,7 @@ class Simulation:
         w.spinning = shape is None and w.has_work
         if shape is None:
             return
-        step_s = self.profile.step_s(shape) * self._slowdown(t, w.pool == "prefill")
+        step_s = self.step_profiles[w.pool].step_s(shape) * self._slowdown(t, w.pool == "prefill")
         if w.link_free_s > t:  # its transfer thread moves KV meanwhile
             step_s += self.profile.host_transfer_s
         if received or sent:

@@ -32,6 +32,10 @@ class SimConfig:
     prefill_engine: EngineConfig | None = None  # the prefill pool's own settings (None: ``engine``)
     decode_engine: EngineConfig | None = None  # the decode pool's own settings (None: ``engine``)
     num_kv_blocks: int = 2048  # per worker, block 0 included (as EngineConfig.num_kv_blocks)
+    # a prefill / decode pool's own KV blocks a worker (None: ``num_kv_blocks``): pools of different
+    # tensor-parallel sizes hold different amounts of KV
+    prefill_kv_blocks: int | None = None
+    decode_kv_blocks: int | None = None
     max_model_len: int = 2048
     router: RouterConfig = field(default_factory=RouterConfig)
     heartbeat_interval_s: float = 0.5  # how stale the router's view of free blocks is
@@ -70,15 +74,45 @@ class SimConfig:
         own = {"prefill": self.prefill_engine, "decode": self.decode_engine}.get(pool)
         return own if own is not None else self.engine
 
+    def kv_blocks_of(self, pool: str) -> int:
+        """KV blocks of each of ``pool``'s workers, block 0 included."""
+        own = {"prefill": self.prefill_kv_blocks, "decode": self.decode_kv_blocks}.get(pool)
+        return own if own is not None else self.num_kv_blocks
+
+    def tp_of(self, pool: str) -> int:
+        """GPUs (tensor-parallel ranks) of each of ``pool``'s workers."""
+        return self.engine_of(pool).tensor_parallel_size
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+
     @property
     def num_workers(self) -> int:
         return self.num_colocated if self.mode == "colocated" else self.num_prefill + self.num_decode
 
     @property
-    def label(self) -> str:
+    def num_gpus(self) -> int:
+        """Workers times their ranks, over the pools the mode runs (``num_workers`` at TP 1)."""
         if self.mode == "colocated":
-            return f"colocated x{self.num_colocated}"
-        return f"{self.num_prefill}P:{self.num_decode}D" + (" cond" if self.mode == "conditional" else "")
+            return self.num_colocated * self.tp_of("colocated")
+        return self.num_prefill * self.tp_of("prefill") + self.num_decode * self.tp_of("decode")
+
+    @property
+    def is_tensor_parallel(self) -> bool:
+        return any(self.tp_of(pool) > 1 for pool in self.pools)
+
+    @property
+    def label(self) -> str:
+        """``colocated x4`` / ``2P:2D``; with a pool at TP > 1, every pool's size: ``colocated x2 TP4``,
+        ``1P(TP4):2D(TP2)``."""
+        if self.mode == "colocated":
+            tp = f" TP{self.tp_of('colocated')}" if self.is_tensor_parallel else ""
+            return f"colocated x{self.num_colocated}{tp}"
+        cond = " cond" if self.mode == "conditional" else ""
+        if not self.is_tensor_parallel:
+            return f"{self.num_prefill}P:{self.num_decode}D{cond}"
+        return f"{self.num_prefill}P(TP{self.tp_of('prefill')}):{self.num_decode}D(TP{self.tp_of('decode')}){cond}"
 
     def colocated(self, num_workers: int) -> SimConfig:
         return replace(self, mode="colocated", num_colocated=num_workers, num_prefill=0, num_decode=0)
@@ -121,7 +155,8 @@ class SimWorker:
         self.pool = pool
         engine = config.engine_of(pool)
         self.block_size = engine.block_size
-        self.scheduler = Scheduler(engine, config.num_kv_blocks, config.max_model_len)
+        self.num_kv_blocks = config.kv_blocks_of(pool)
+        self.scheduler = Scheduler(engine, self.num_kv_blocks, config.max_model_len)
         self.inbox: deque[tuple[int, Flight]] = deque()
         self.pending: deque[Flight] = deque()  # decode side: handoffs waiting for blocks or a seat
         self.early: dict[str, Flight] = {}  # decode side: early admissions not reserved yet, in order
