@@ -227,13 +227,18 @@ _STEP_KINDS: dict[str, type[LinearStepCost] | type[RooflineStepCost]] = {
 
 @dataclass(frozen=True)
 class TransferCost:
-    """One KV handoff: handshake latency + bytes / bandwidth."""
+    """One KV handoff: handshake latency + bytes / bandwidth. ``bytes_per_s``: between two workers of one
+    node (NVLink on a GPU box; what a calibrated profile measured on its host); ``nic_bytes_per_s``: between
+    two nodes (one GPU's share of the network), 0.0 when the profile does not say (then ``bytes_per_s``)."""
 
     latency_s: float
     bytes_per_s: float
+    nic_bytes_per_s: float = 0.0
 
-    def transfer_s(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else self.latency_s
+    def transfer_s(self, nbytes: int, between_nodes: bool = False) -> float:
+        """``nbytes`` through the link of one node, or the network between two (``between_nodes``)."""
+        rate = self.nic_bytes_per_s if between_nodes and self.nic_bytes_per_s > 0 else self.bytes_per_s
+        return self.latency_s + nbytes / rate if nbytes > 0 else self.latency_s
 
 
 @dataclass(frozen=True)

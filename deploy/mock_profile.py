@@ -4,16 +4,18 @@
 (deploy/planner/profiles.py), written as a profile JSON under the pdserve cache so every worker of the
 host reads the same file; ``--cost-profile PATH``: any profile (``pdserve plan calibrate``'s). Either one
 is both the mock's step time and the router's predictions, so what the router predicts is what the
-mock workers take.
+mock workers take. Its ``transfer`` is what a mock's KV handoff takes (transfer/paced_link.py): the GPU's
+link inside a node and, from ``--gpu``, its NIC between nodes.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cluster.cost_model import default_profile_path
+from cluster.cost_model import CostProfile, default_profile_path
 from cluster.hub import resolve_model
 from deploy.planner.profiles import HARDWARE, ModelShape, roofline_profile
 
@@ -26,17 +28,29 @@ def mock_profile_dir() -> Path:
     return default_profile_path().parent / "mock"
 
 
+def gpu_estimate(gpu: str, model: ModelShape) -> CostProfile:
+    """The roofline estimate of ``model`` on ``gpu`` (deploy/planner/profiles.py), its handoffs taking the
+    GPU's NIC between nodes (``Hardware.nic_gb_per_s``) where the estimate does not say."""
+    if gpu not in HARDWARE:
+        raise ValueError(f"gpu must be one of {sorted(HARDWARE)}, got {gpu!r}")
+    hw = HARDWARE[gpu]
+    profile = roofline_profile(hw, model)
+    if profile.transfer.nic_bytes_per_s:
+        return profile
+    return replace(profile, transfer=replace(profile.transfer, nic_bytes_per_s=hw.nic_gb_per_s * 1e9))
+
+
 def write_gpu_profile(
     gpu: str, model_dir: str | Path, dtype: str = "auto", directory: Path | None = None
 ) -> Path:
-    """The roofline estimate of ``model_dir``'s config.json on ``gpu``, written (or already there) as
+    """``gpu_estimate`` of ``model_dir``'s config.json on ``gpu``, written (or already there) as
     ``<directory>/<gpu>-<model>-<hash of config.json and dtype>.json``; returns its path."""
     if gpu not in HARDWARE:
         raise ValueError(f"gpu must be one of {sorted(HARDWARE)}, got {gpu!r}")
     config = Path(model_dir) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
-    profile = roofline_profile(HARDWARE[gpu], ModelShape.from_config(model_dir, dtype))
+    profile = gpu_estimate(gpu, ModelShape.from_config(model_dir, dtype))
     digest = hashlib.blake2b(config.read_bytes() + dtype.encode(), digest_size=6).hexdigest()
     path = (directory or mock_profile_dir()) / f"{gpu}-{Path(model_dir).resolve().name}-{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -205,7 +205,9 @@ def test_validate_takes_the_serve_flags_and_the_mock_profile(
     )
     cfg = build_config(args)
     assert (cfg.prefill.num_workers, cfg.decode.num_workers) == (8, 1)
-    assert mock_step_profile(cfg) == roofline_profile(HARDWARE["h100"], ModelShape.from_config(model))
+    estimate = roofline_profile(HARDWARE["h100"], ModelShape.from_config(model))
+    nic = TransferCost(estimate.transfer.latency_s, estimate.transfer.bytes_per_s, 50e9)  # the H100's NIC
+    assert mock_step_profile(cfg) == replace(estimate, transfer=nic)
     assert mock_step_profile(load_cluster_config("deploy/cpu-disagg.yaml")) is None
     # a mock cluster without a profile to wait, and --gpu without a mock engine: refused before anything
     # starts
