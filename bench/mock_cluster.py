@@ -8,6 +8,8 @@ Runs ``pdserve serve MODEL --config deploy/mock-cluster.yaml --gpu GPU`` (Ray ac
 prefill + ``--decode`` decode workers with ``load_format: mock``: no weights; each step waits the GPU's
 roofline estimate for the model), then prints:
 
+* the profile: a prefill's and a decode step's time, and what a KV handoff moves of each block (the
+  signature word of each K and V row) before it waits out the rest of the GPU's link (transfer/paced_link.py);
 * start: seconds from the command to every worker admitted (``/metrics``: ``pdserve_worker_healthy``),
   and the resident memory of the worker processes;
 * three rounds of ``--requests`` concurrent greedy streaming completions (seeded token-id prompts),
@@ -45,6 +47,8 @@ from cluster.client.types import StreamResult
 from cluster.cost_model import CostProfile, shape_of
 from cluster.tokenizer import Tokenizer
 from deploy.mock_profile import write_gpu_profile
+from transfer.paced_link import PacedLink
+from transfer.protocol import DTYPE_ITEMSIZE, KVLayout
 from workers.mock_runner import MockTokens
 from workers.models.arch import ArchConfig
 
@@ -201,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{profile.step_s(shape_of([(0, mean_len, False)])) * 1e3:.2f} ms, a decode step of {batch} sequences "
         f"at {mean_len} positions {profile.step_s(shape_of([(mean_len, 1, True)] * batch)) * 1e3:.2f} ms"
     )
+    dtype = arch.torch_dtype if arch.torch_dtype in DTYPE_ITEMSIZE else "bfloat16"
+    layout = KVLayout(arch.num_hidden_layers, 16, arch.num_key_value_heads, arch.head_dim, dtype)
+    print(f"handoffs: {PacedLink(profile.transfer, '127.0.0.1').describe(layout)}")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PDSERVE_ADMIN_KEY": secrets.token_hex(16)}

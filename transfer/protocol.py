@@ -227,6 +227,8 @@ class TransferHeader:
     one-layer block rows each; chunk i goes on tag ``chunk_tag(tag, i)`` and ends with its checksum
     (`checksum` names the scheme; see transfer/staging.py). `tag` derives from the nonce. The bytes move
     over the pair of the two workers at `generation` (never below the request's), a `backend` group.
+    `sample_bytes` > 0: a mock engine's paced handoff (transfer/paced_link.py): of each K and V row (one
+    token's heads in one layer) only the first `sample_bytes` move, so a block row is `moved_row_bytes`.
     """
 
     request_id: str
@@ -244,6 +246,7 @@ class TransferHeader:
     chunk_bytes: int
     checksum: str
     tag: int
+    sample_bytes: int = 0
 
     def to_bytes(self) -> bytes:
         return _pack(self)
@@ -270,6 +273,13 @@ class TransferResult:
     scatter_seconds: float = 0.0
     blocked_seconds: float = 0.0
     generation: int = -1  # of the pair that carried it (-1: no pair was agreed)
+    # NOTE: a paced handoff (a mock engine's, transfer/paced_link.py; receiver only): `nbytes` is what
+    # moved, `link_nbytes` the KV the modelled link carried, `link_seconds` the time it predicts for them
+    # (from the header on), `paced_seconds` how long the receiver waited for it after the last chunk.
+    link_nbytes: int = 0
+    link_seconds: float = 0.0
+    paced_seconds: float = 0.0
+    is_between_nodes: bool = False
     error: str | None = None
     error_type: str | None = None
 
@@ -293,6 +303,19 @@ def row_bytes_of(layout: KVLayout) -> int:
     return layout.bytes_per_block // layout.num_layers
 
 
+def token_row_bytes(layout: KVLayout) -> int:
+    """Bytes of one token's K (or V) in one layer: its heads."""
+    return layout.num_kv_heads * layout.head_dim * layout.itemsize
+
+
+def moved_row_bytes(layout: KVLayout, sample_bytes: int = 0) -> int:
+    """Bytes of one block in one layer that a transfer moves: all of them (`sample_bytes` 0), or the first
+    `sample_bytes` of each of its K and V token rows (a paced handoff, transfer/paced_link.py)."""
+    if sample_bytes == 0:
+        return row_bytes_of(layout)
+    return 2 * layout.block_size * sample_bytes
+
+
 def validate_header(
     header: TransferHeader,
     *,
@@ -305,9 +328,11 @@ def validate_header(
     layout: KVLayout,
     num_blocks: int,
     checksum: str = CHECKSUM_SCHEME,
+    sample_bytes: int = 0,
 ) -> None:
     """Raise TransferMismatchError naming the first field that differs from what the receiver expects
-    (`checksum`: the digest scheme it verifies with)."""
+    (`checksum`: the digest scheme it verifies with; `sample_bytes`: the part of each K/V row it takes,
+    0 for all of it)."""
     if header.generation < min_generation:
         raise TransferMismatchError(
             f"transfer header mismatch for request {header.request_id!r}: generation is "
@@ -323,7 +348,8 @@ def validate_header(
         "dtype": layout.dtype,
         "num_blocks": num_blocks,
         "shape": layout.layer_shape(num_blocks),
-        "nbytes": layout.bytes_per_block * num_blocks,
+        "sample_bytes": sample_bytes,
+        "nbytes": layout.num_layers * moved_row_bytes(layout, sample_bytes) * num_blocks,
         "checksum": checksum,
         "tag": tag_for_nonce(nonce),
     }
@@ -334,7 +360,7 @@ def validate_header(
                 f"transfer header mismatch for request {header.request_id!r}: {name} is {got!r}, "
                 f"expected {want!r}"
             )
-    row_bytes = row_bytes_of(layout)
+    row_bytes = moved_row_bytes(layout, sample_bytes)
     chunk_bytes = header.chunk_bytes
     if not (
         isinstance(chunk_bytes, int) and 0 < chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % row_bytes == 0

@@ -18,10 +18,11 @@ while it joins a pair the thread reads that dealer and sends its own values as t
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ import zmq
 
 from transfer.channel import Channel, OpLane, PendingOp
 from transfer.handshake import MAX_HANDSHAKE_FRAME_BYTES, MessageKind
+from transfer.paced_link import PacedLink
 from transfer.peers import DECODE_RANK, PairKey, PeerId
 from transfer.protocol import (
     KVHandoff,
@@ -48,6 +50,8 @@ from transfer.protocol import (
 )
 from transfer.side import NUM_SLOTS, POLL_S, PeerAbort, Side, abort_frame, as_transfer_error, fail
 from transfer.staging import ChunkPlan, block_index
+
+logger = logging.getLogger(__name__)
 
 MAX_ENDPOINTS = 4096  # senders' handshake endpoints remembered, by peer name
 
@@ -73,6 +77,8 @@ class KVReceiver(Side):
     its frames to it); every frame is checked against `secret` (transfer/handshake.py). `integrity` /
     `checksum`: what it verifies chunks with (see Side); a header naming a weaker scheme is refused, and
     a chunk that fails its digest or MAC is counted (TransferStats.num_rejected_chunks), never scattered.
+    `link`: a mock engine's paced handoffs (transfer/paced_link.py): part of each K/V row moves, and
+    `_pace` waits out the rest of the link's time before the transfer is done.
     """
 
     rank = DECODE_RANK
@@ -89,8 +95,11 @@ class KVReceiver(Side):
         num_slots: int = NUM_SLOTS,
         checksum: str | None = None,
         integrity: str | None = None,
+        link: PacedLink | None = None,
     ) -> None:
-        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum, integrity)
+        super().__init__(
+            kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum, integrity, link
+        )
         self._jobs: deque[_Job] = deque()
         self._dealers: dict[str, zmq.Socket[Any]] = {}
         self._posted: dict[int, _Job] = {}  # by nonce; the transfer thread's own
@@ -100,6 +109,7 @@ class KVReceiver(Side):
         self._endpoints: OrderedDict[str, str] = OrderedDict()
         self._poller = zmq.Poller()  # the transfer thread's: every dealer and the wakeup
         self._wakeup.register(self._poller)
+        self._is_paced_logged = False  # the first paced handoff is logged (transfer thread)
 
     def submit(
         self,
@@ -385,6 +395,7 @@ class KVReceiver(Side):
                 layout=self.layout,
                 num_blocks=len(dst_ids),
                 checksum=header.checksum,
+                sample_bytes=self.sample_bytes,
             )
             result.nbytes, result.generation = header.nbytes, header.generation
             key = PairKey(src, self.me, header.generation)
@@ -392,6 +403,8 @@ class KVReceiver(Side):
             plan = ChunkPlan.create(self.layout.num_layers, len(dst_ids), self._row_bytes, header.chunk_bytes)
             with self._on_stream():
                 self._receive_chunks(sock, job, key, nonce, plan, header.checksum, result, ops)
+            if self.link is not None:
+                self._pace(self.link, t0, job, result, lambda: self._check_and_poll(sock, src, nonce))
             self._send(sock, src, MessageKind.DONE, nonce)
             result.ok = True
         except PeerAbort as e:
@@ -412,6 +425,33 @@ class KVReceiver(Side):
         result.seconds = time.monotonic() - t0
         self._record(result)
         return result, error
+
+    def _pace(
+        self, link: PacedLink, t0: float, job: _Job, result: TransferResult, check: Callable[[], None]
+    ) -> None:
+        """A paced handoff's last part: wait (bounded by the fetch's deadline, `check`ing the sender every
+        POLL_S at most) until `t0` (the header's arrival) + what `link` predicts for the whole KV of the
+        fetched blocks, inside one node or between two; the figures go into `result`."""
+        between = link.is_between_nodes(job.handoff.src_endpoint)
+        result.link_nbytes = self.layout.bytes_per_block * len(job.dst_block_ids)
+        result.link_seconds = link.link_s(result.link_nbytes, between)
+        result.is_between_nodes = between
+        until = min(t0 + result.link_seconds, job.deadline)
+        t_wait = time.monotonic()
+        while (left := until - time.monotonic()) > 0:
+            check()
+            time.sleep(min(left, POLL_S))
+        result.paced_seconds = max(0.0, time.monotonic() - t_wait)
+        if not self._is_paced_logged:
+            self._is_paced_logged = True
+            logger.info(
+                "%s: first paced KV handoff (%s): moved %d of %d B (%s of each block), the link predicts "
+                "%.2f ms (%s), the real part took %.2f ms, waited %.2f ms",
+                self.me.name, job.handoff.request_id, result.nbytes, result.link_nbytes,
+                link.fraction(self.layout), result.link_seconds * 1e3,
+                "between nodes" if between else "inside a node", (t_wait - t0) * 1e3,
+                result.paced_seconds * 1e3,
+            )  # fmt: skip
 
     def _wait_joined(
         self, joined: PendingOp, deadline: float, sock: zmq.Socket[Any], src: PeerId, nonce: int

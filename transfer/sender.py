@@ -29,6 +29,7 @@ import zmq
 from cluster.frames import REASON_BAD_FIELD, REASON_MALFORMED
 from transfer.channel import Channel, OpLane, PendingOp
 from transfer.handshake import MAX_HANDSHAKE_FRAME_BYTES, Message, MessageKind
+from transfer.paced_link import PacedLink
 from transfer.parking import ParkedRequests
 from transfer.peers import PREFILL_RANK, PairKey, PeerId
 from transfer.protocol import (
@@ -85,7 +86,8 @@ class KVSender(Side):
     `endpoint` (tcp://127.0.0.1:* picks a port; see `self.endpoint`), the handshake socket, where every
     frame is checked against `secret` (transfer/handshake.py). `me` is this process (the handoff names it).
     `chunk_bytes` is the pipelining unit (rounded down to whole block rows); staging holds `num_slots` of
-    them whatever the transfer's size. `integrity` / `checksum`: how chunks are sealed (see Side).
+    them whatever the transfer's size. `integrity` / `checksum`: how chunks are sealed (see Side). `link`:
+    a mock engine's paced handoffs (transfer/paced_link.py): only part of each K/V row is gathered and sent.
     """
 
     rank = PREFILL_RANK
@@ -106,8 +108,11 @@ class KVSender(Side):
         num_slots: int = NUM_SLOTS,
         checksum: str | None = None,
         integrity: str | None = None,
+        link: PacedLink | None = None,
     ) -> None:
-        super().__init__(kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum, integrity)
+        super().__init__(
+            kv, me, channel, secret, timeout_s, zmq_context, num_slots, checksum, integrity, link
+        )
         self._on_sent = on_sent
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
@@ -568,6 +573,7 @@ class KVSender(Side):
             chunk_bytes=plan.chunk_bytes,
             checksum=self.checksum,
             tag=tag_for_nonce(req.nonce),
+            sample_bytes=self.sample_bytes,
         )
         return header, plan, block_ids[skip:]
 

@@ -18,6 +18,7 @@ import zmq
 from cluster.protocol import TransferStats
 from transfer.channel import Channel, PendingOp, layout_of
 from transfer.handshake import HandshakeFrames, MessageKind
+from transfer.paced_link import PacedLink
 from transfer.peers import PeerId
 from transfer.protocol import (
     INTEGRITY_MODES,
@@ -26,7 +27,7 @@ from transfer.protocol import (
     TransferPeerLostError,
     TransferResult,
     TransferTimeoutError,
-    row_bytes_of,
+    moved_row_bytes,
 )
 from transfer.rendezvous import REASON_MISBOUND, RendezvousLink
 from transfer.ring import StagingRing, on_stream
@@ -71,6 +72,10 @@ class Side:
     the pairs' rendezvous values included: the side's `RendezvousLink` (transfer/rendezvous.py), attached
     to the channel (`Channel.use_link`), queues the values its pairs' builds set, and the transfer thread
     sends them (`_flush_rendezvous`) and hands over the ones it reads (`_take_rendezvous`).
+
+    `link` (a mock engine's, transfer/paced_link.py): every transfer moves only the first
+    `sample_bytes` of each K and V token row (``self.sample_bytes``, 0: all of them), and the receiver
+    waits out the rest of the link's time; None moves every byte at the channel's own speed.
     """
 
     rank: ClassVar[int]  # this side's rank in each of its pairs' groups
@@ -86,14 +91,17 @@ class Side:
         num_slots: int,
         checksum: str | None = None,
         integrity: str | None = None,
+        link: PacedLink | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self._kv = kv
         self.layout = layout_of(kv)
-        self._rows = kv_rows(kv)
-        self._row_bytes = row_bytes_of(self.layout)
+        self.link = link
+        self.sample_bytes = link.sample_bytes_for(self.layout) if link is not None else 0
+        self._rows = kv_rows(kv, self.sample_bytes)
+        self._row_bytes = moved_row_bytes(self.layout, self.sample_bytes)
         self.me = me
         self._channel = channel
         self._frames = HandshakeFrames(secret, me.name)

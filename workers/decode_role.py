@@ -26,6 +26,7 @@ from cluster.wire import DecodeHandoff, KeepAlive, PeerDead, PrepareDecode, Requ
 from transfer.connector import KVReceiver
 from transfer.pairs import PairChannel
 from transfer.protocol import KVHandoff, TransferError, TransferResult
+from workers.mock_runner import paced_link
 from workers.role import WorkerContext
 
 
@@ -93,13 +94,15 @@ class DecodeRole:
         channel = self._channel = self.ctx.channel()
         if channel is None:
             return
+        runner = self.ctx.engine.runner
         self.receiver = KVReceiver(
-            self.ctx.engine.runner.kv_cache,
+            runner.kv_cache,
             me=self.ctx.me,
             channel=channel,
             secret=self.ctx.secret,
             timeout_s=self.ctx.transfer_config.timeout_s,
             integrity=self.ctx.transfer_config.integrity,
+            link=paced_link(runner.model, runner.kv_cache, self.ctx.bind_host),
         )
         self.receiver.start()
 

@@ -13,6 +13,10 @@ model; its forward, for one step:
 3. waits (sleeps, so the other threads of the worker run) until the step has taken the time its cost
    profile predicts for the step's shape (``cluster/cost_model.py``).
 
+Its KV handoffs take the time of the profile's link (``paced_link``, transfer/paced_link.py): each moves
+the signature word of every K and V row (every byte the forward writes) over the real transfer path and
+waits out the rest of what the link predicts for the whole KV: NVLink inside a node, the NIC between.
+
 No weights are read (config.json and the tokenizer only), so a worker of an 8B model config starts in
 seconds on a CPU, with the memory of its KV cache (``num_kv_blocks``, or ``cpu_kv_cache_bytes``).
 """
@@ -31,6 +35,8 @@ from torch import nn
 from cluster.config import EngineConfig
 from cluster.cost_model import CostProfile, StepShape, default_profile_path
 from cluster.tokenizer import Tokenizer
+from transfer.channel import layout_of
+from transfer.paced_link import SIGNATURE_BYTES, PacedLink
 from workers.attention.base import AttentionMetadata
 from workers.forward_context import get_forward_context
 from workers.models.arch import ArchConfig
@@ -242,6 +248,18 @@ class MockModel(CausalLM):
         flat = torch.as_strided(first, (len(kv_caches) * first.numel(),), (1,), first.storage_offset())
         self._kv_words, self._kv_key = flat.view(torch.uint8).view(torch.int64), key
         return self._kv_words
+
+
+def paced_link(model: nn.Module, kv_cache: torch.Tensor, host: str) -> PacedLink | None:
+    """How a worker whose model is ``model`` moves its KV (``kv_cache``; ``host``: the address it binds):
+    a mock with a cost profile at that profile's link, moving the signature word of each K and V row
+    (logged, with the fraction of every block that is); None (every byte, at the channel's own speed) for
+    a real model or a mock without a profile."""
+    if not isinstance(model, MockModel) or model.profile is None:
+        return None
+    link = PacedLink(model.profile.transfer, host, SIGNATURE_BYTES)
+    logger.info("mock engine: %s", link.describe(layout_of(kv_cache)))
+    return link
 
 
 def build_mock_model(config: EngineConfig, arch: ArchConfig, model_dir: str) -> MockModel:

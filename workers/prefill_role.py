@@ -11,6 +11,7 @@ from cluster.protocol import ErrorCode, TokenDelta, TransferStats
 from cluster.wire import DecodeHandoff, PeerDead, Prefilled, PrepareDecode, RequestFailed
 from transfer.connector import KVSender
 from transfer.pairs import PairChannel
+from workers.mock_runner import paced_link
 from workers.request import RequestStatus
 from workers.role import WorkerContext
 
@@ -47,6 +48,7 @@ class PrefillRole:
             timeout_s=cfg.timeout_s,
             lease_s=cfg.lease_s,
             integrity=cfg.integrity,
+            link=paced_link(engine.runner.model, engine.runner.kv_cache, self.ctx.bind_host),
         )
         self.sender.start()
 

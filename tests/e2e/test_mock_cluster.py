@@ -1,16 +1,19 @@
 """A mock cluster as a user starts one: ``pdserve serve MODEL --config deploy/mock-cluster.yaml --gpu h100``
 for a model given by its config.json alone (no weights, no tokenizer), Ray actors, the HTTP API. It
-streams the mock's rule token for token, each handoff moves whole blocks of the model's real KV layout
-(bf16, 28 layers), and the router predicts with the very profile the workers wait by."""
+streams the mock's rule token for token, each handoff moves the signature word of every K and V row of
+whole blocks of the model's real KV layout (bf16, 28 layers: 1/256 of each block, transfer/paced_link.py)
+and waits out the rest of the H100's link, and the router predicts with the very profile the workers
+wait by."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from cluster.cost_model import CostProfile
+from cluster.cost_model import CostProfile, TransferCost
 from deploy.cli import build_parser
 from deploy.cli_args import build_config
 from deploy.http_host import start_http
@@ -43,7 +46,9 @@ def test_a_mock_cluster_from_the_cli_serves_the_rule_and_moves_the_models_kv_byt
     assert engine.load_format == "mock" and engine.mock_cost_profile == cfg.router.cost_profile == str(
         written
     )
-    assert CostProfile.load(written) == roofline_profile(HARDWARE["h100"], ModelShape.from_config(MODEL))
+    estimate = roofline_profile(HARDWARE["h100"], ModelShape.from_config(MODEL))
+    nic = TransferCost(estimate.transfer.latency_s, estimate.transfer.bytes_per_s, 50e9)  # the H100's NIC
+    assert CostProfile.load(written) == replace(estimate, transfer=nic)
     rule = MockTokens.for_model(ArchConfig.from_pretrained(MODEL), None)
     expected = [rule.continuation(prompt, MAX_TOKENS) for prompt in PROMPTS]
 
@@ -54,8 +59,8 @@ def test_a_mock_cluster_from_the_cli_serves_the_rule_and_moves_the_models_kv_byt
                 body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
                 answer = httpx.post(f"{http.url}/v1/completions", json=body, timeout=60).json()
                 assert answer["choices"][0]["token_ids"] == want
-        # each prompt's blocks moved once, whole, at the bytes per block of the model's bf16 KV
-        bytes_per_block = 28 * 2 * BLOCK_SIZE * 8 * 128 * 2
+        # each prompt's blocks moved once: 8 B of each 2,048 B K/V row (8 heads x 128 x bf16), 28 layers
+        bytes_per_block = 28 * 2 * BLOCK_SIZE * 8
         moved = sum(-(-len(p) // BLOCK_SIZE) for p in PROMPTS) * bytes_per_block
 
         def decode_bytes() -> int:
