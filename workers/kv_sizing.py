@@ -78,6 +78,7 @@ class ProfiledModel:
     device: torch.device
     block_size: int
     bytes_per_block: int
+    num_kv_heads: int  # this rank's (tensor parallelism splits them)
     fresh_inputs: Callable[[StepArrays, SchedulerOutput], StepInputs]
 
 
@@ -101,7 +102,7 @@ def _profile_peak(
     out = _profile_schedule(runner.block_size, query_lens, params)
     arrays = build_step_arrays(out.scheduled, runner.block_size)
     num_profile_blocks = int(arrays.block_tables.max()) + 1
-    shape = (num_profile_blocks, 2, runner.block_size, runner.arch.num_key_value_heads, runner.arch.head_dim)
+    shape = (num_profile_blocks, 2, runner.block_size, runner.num_kv_heads, runner.arch.head_dim)
     caches = [
         torch.zeros(shape, dtype=runner.dtype, device=runner.device)
         for _ in range(runner.arch.num_hidden_layers)

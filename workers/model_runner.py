@@ -15,7 +15,6 @@ import operator
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
@@ -38,10 +37,13 @@ from workers.logits_processors import LogitsProcessors
 from workers.mock_runner import build_mock_model
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
-from workers.prompt_logprobs import PromptLogprobsCopy, score_prompt_rows
+from workers.parallel import SINGLE, Sharding, TensorParallel
+from workers.parallel_steps import broadcast_step, broadcast_stop, receive_step
+from workers.prompt_logprobs import score_prompt_rows
+from workers.rank_process import RankGroup
+from workers.runner_steps import ForwardStep, PendingStep
 from workers.sampler import (
     CounterStream,
-    HostCopy,
     RowGenerator,
     Sampler,
     SamplerOutput,
@@ -105,14 +107,35 @@ class ModelRunner:
     CUDA, the reused input buffers and the decode CUDA graphs (captured after the KV cache exists, with
     their memory reserved by the sizing, and kept for the runner's life)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, tp: TensorParallel = SINGLE) -> None:
         self.config = config
+        # NOTE: under tensor parallelism every rank builds its runner with the same calls in the same
+        # order (warm-ups and sizing run collectives); after that only rank 0 steps (``forward``), and
+        # the other ranks follow what it broadcasts (``follow``). Rank 0 starts the others here.
+        self.ranks: RankGroup | None = None
         # NOTE: a mock engine (load_format mock) stands for a device but runs on the host
         self.device = resolve_device("cpu" if config.load_format == "mock" else config.device)
         self.is_async = config.uses_async_scheduling(self.device.type)  # launch step N+1 before N is read
         if self.device.type == "cpu" and config.retain_host_memory:
             retain_freed_memory()
         self.arch = ArchConfig.from_pretrained(model_dir)
+        Sharding.check(self.arch, config.tensor_parallel_size)
+        if config.tensor_parallel_size > 1 and config.load_format == "mock":
+            raise ValueError("load_format mock runs one rank per worker: tensor_parallel_size must be 1")
+        if tp is SINGLE and config.tensor_parallel_size > 1:
+            self.ranks = RankGroup.start(config, model_dir, self.device)
+            try:
+                self._build(config, model_dir, self.ranks.tp)
+            except BaseException:
+                self.ranks.close()
+                raise
+        else:
+            self._build(config, model_dir, tp)
+
+    def _build(self, config: EngineConfig, model_dir: str, tp: TensorParallel) -> None:
+        """The rest of ``__init__``: the same on every rank (the model's shard, the KV cache, warm-ups)."""
+        self.tp = tp
+        self.num_kv_heads = tp.sharding(self.arch).num_kv_heads  # this rank's
         self.dtype = resolve_dtype(config.model.dtype, self.arch, self.device)
         # NOTE: before the model: building it imports torch._dynamo, which imports triton, and on CPU the
         # Triton backend must set TRITON_INTERPRET before triton is first imported.
@@ -120,13 +143,13 @@ class ModelRunner:
         # NOTE: the Triton path also fuses the layers' elementwise work; the torch path stays the oracle.
         self.fused_ops = config.attention_backend == "triton"
         if config.load_format == "dummy":
-            self.model = build_random_model(self.arch, self.dtype, self.device, seed=config.seed)
+            self.model = build_random_model(self.arch, self.dtype, self.device, seed=config.seed, tp=tp)
         elif config.load_format == "mock":
             # NOTE: "auto" is the dtype the model has on the GPU the mock stands for (its KV bytes too)
             self.dtype = resolve_dtype(config.model.dtype, self.arch, torch.device("cuda"))
             self.model = build_mock_model(config, self.arch, model_dir)
         else:
-            self.model, _ = load_model(model_dir, self.dtype, self.device)
+            self.model, _ = load_model(model_dir, self.dtype, self.device, tp)
         self.block_size = config.block_size
         # NOTE: on CUDA the top-p race and the seeded noise are single Triton launches (no host sync, no
         # launch per seeded row); on CPU the torch path keeps the historical per-request generators.
@@ -137,8 +160,13 @@ class ModelRunner:
         # Rows of the last launched step's sampled tokens (device tensor) by request: the source of the
         # next step's placeholder tokens under asynchronous scheduling.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
+        # NOTE: a tensor-parallel worker runs eagerly: its decode graphs (the all-reduce captured inside,
+        # on every rank) are not built yet
         is_graphed = (
-            self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager
+            self.device.type == "cuda"
+            and config.attention_backend == "triton"
+            and not config.enforce_eager
+            and not tp.is_parallel
         )
         self.graph_sizes = (
             graph_batch_sizes(config.max_num_seqs, config.cuda_graph_max_batch_size) if is_graphed else []
@@ -150,7 +178,7 @@ class ModelRunner:
                 self.num_blocks,
                 2,
                 self.block_size,
-                self.arch.num_key_value_heads,
+                self.num_kv_heads,
                 self.arch.head_dim,
             ),
             dtype=self.dtype,
@@ -198,7 +226,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return a.num_hidden_layers * 2 * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def _size_kv_cache(self) -> int:
         if self.device.type == "cpu":
@@ -213,12 +241,14 @@ class ModelRunner:
             device=self.device,
             block_size=self.block_size,
             bytes_per_block=self.bytes_per_block,
+            num_kv_heads=self.num_kv_heads,
             fresh_inputs=self.fresh_inputs,
         )
         max_len = self.configured_max_len
-        return size_kv_cache_cuda(
+        num_blocks = size_kv_cache_cuda(
             profiled, self.config, max_len, self.graph_sizes, _PROFILE_PARAMS, _GRAPH_ALLOWANCE_BYTES
         )
+        return self.tp.min_over_ranks(num_blocks)  # NOTE: every rank holds the same blocks
 
     def forward_context(self, meta: AttentionMetadata) -> AbstractContextManager[ForwardContext]:
         """The scope a forward of this runner's model runs in (its KV caches, backend and op path)."""
@@ -242,9 +272,10 @@ class ModelRunner:
                 ScheduledRequest("warm-prefill", [0, 0], 0, [0] * -(-2 // bs), True, False, _PROFILE_PARAMS, 0),
             ]  # fmt: skip
             logits = self._warm_up_step(sched)
-            params = [_PROFILE_PARAMS, _PROFILE_PARAMS]
-            self.sampler(logits, params, [self._generator("warm-up", _PROFILE_PARAMS, 0), None])
-            self.remove("warm-up")
+            if self.tp.is_driver:  # NOTE: only rank 0 samples (the others hold a vocabulary shard)
+                params = [_PROFILE_PARAMS, _PROFILE_PARAMS]
+                self.sampler(logits, params, [self._generator("warm-up", _PROFILE_PARAMS, 0), None])
+                self.remove("warm-up")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -414,6 +445,10 @@ class ModelRunner:
         next step is launched: its placeholder tokens come from this step's sampled tokens)."""
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
+        if self.ranks is not None:
+            if self.ranks.failure is not None:
+                raise RuntimeError(self.ranks.failure)
+            broadcast_step(self.tp, inputs)
         self.prepare_time_s = time.perf_counter() - t0
         events = None
         if self.forward_events is not None:
@@ -428,12 +463,20 @@ class ModelRunner:
             with self.forward_context(inputs.meta):
                 hidden = self.model(inputs.input_ids, inputs.positions)
         hidden_rows = None
-        if inputs.sample_ids:
-            # NOTE: a graph's output buffer is reused by the next replay: its rows are gathered (a copy).
-            # An eager decode-only step samples every row, in order: its hidden states are the rows.
-            every_row = len(inputs.sample_ids) == hidden.shape[0] and inputs.graph_size is None
-            hidden_rows = hidden if every_row else hidden[inputs.logits_indices]
-        prompt_rows = None if inputs.prompt_rows is None else hidden[inputs.prompt_rows.logits_indices]
+        prompt_rows = None if inputs.prompt_rows is None else inputs.prompt_rows.logits_indices
+        if self.tp.is_parallel:
+            # NOTE: the LM head is a collective: its rows' logits (the model dtype) are gathered here, on
+            # every rank, and sampling starts from them (``_head_rows``)
+            hidden_rows, prompt_rows = self._head_rows(
+                hidden, inputs.logits_indices if inputs.sample_ids else None, prompt_rows
+            )
+        else:
+            if inputs.sample_ids:
+                # NOTE: a graph's output buffer is reused by the next replay: its rows are gathered (a copy).
+                # An eager decode-only step samples every row, in order: its hidden states are the rows.
+                every_row = len(inputs.sample_ids) == hidden.shape[0] and inputs.graph_size is None
+                hidden_rows = hidden if every_row else hidden[inputs.logits_indices]
+            prompt_rows = None if prompt_rows is None else hidden[prompt_rows]
         self.forward_time_total_s += time.perf_counter() - t_forward
         self.forward_cpu_total_s += time.thread_time() - c_forward
         return ForwardStep(inputs, hidden_rows, events, prompt_rows)
@@ -471,8 +514,10 @@ class ModelRunner:
             processors = self.logits_processors.prepare(inputs.sample_ids, inputs.sample_num_outputs)
         if mask is None and processors is None and is_argmax_only(params, has_processors=False):
             # NOTE: no fp32 copy and no soft-cap (monotonic) when only the argmax is wanted.
+            if self.tp.is_parallel:
+                return SamplerOutput(hidden_rows.argmax(dim=-1))
             return SamplerOutput(self.model.argmax_tokens(hidden_rows))
-        logits = self.model.compute_logits(hidden_rows, fused=self.fused_ops)
+        logits = self._prompt_logits(hidden_rows)
         if mask is not None:
             # NOTE: before the sampler, as vLLM does: greedy rows, the random race and the reported
             # logprobs all see only the tokens the grammar allows.
@@ -492,7 +537,10 @@ class ModelRunner:
         return self.sampler(processed, params, generators, raw_logits=logits if asks_logprobs else None)
 
     def _prompt_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of prompt-scoring rows: the model's own (final soft-cap included), no processor."""
+        """Float32 logits of rows (final soft-cap included), no processor. Under tensor parallelism the
+        rows are already the LM head's gathered output (``_head_rows``)."""
+        if self.tp.is_parallel:
+            return self.model.finish_logits(hidden_rows, fused=self.fused_ops)
         return self.model.compute_logits(hidden_rows, fused=self.fused_ops)
 
     def _generator(self, request_id: str, params: SamplingParams, num_sampled: int) -> RowGenerator:
@@ -515,42 +563,36 @@ class ModelRunner:
         self.logits_processors.remove(request_id)
         self.block_tables.remove(request_id)
 
+    # ---- tensor parallelism: rank 0 broadcasts each step, the other ranks follow --------------------
+    def _head_rows(
+        self, hidden: torch.Tensor, sample_idx: torch.Tensor | None, prompt_idx: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The LM head over the step's sampling rows and prompt-scoring rows, in one gather: (logits of
+        the sampling rows, of the prompt rows) on rank 0; the other ranks' are their shards."""
+        parts = [idx for idx in (sample_idx, prompt_idx) if idx is not None]
+        if not parts:
+            return None, None
+        rows = hidden[parts[0] if len(parts) == 1 else torch.cat(parts)]
+        logits = self.model.head(rows)
+        num_sample = 0 if sample_idx is None else int(sample_idx.shape[0])
+        return (
+            None if sample_idx is None else logits[:num_sample],
+            None if prompt_idx is None else logits[num_sample:],
+        )
 
-@dataclass
-class ForwardStep:
-    """A step whose forward is enqueued and whose sampling is not (``ModelRunner.sample`` finishes it).
-    hidden_rows: the hidden states of the rows to sample (None: the step samples nothing); prompt_rows:
-    those of the rows that score prompt tokens (None: none)."""
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel worker: the other ranks leave ``follow`` and exit (bounded; the
+        ones left are killed). Nothing to do at one rank. Idempotent."""
+        if self.ranks is not None:
+            self.ranks.close(lambda: broadcast_stop(self.tp))
 
-    inputs: StepInputs
-    hidden_rows: torch.Tensor | None
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
-    prompt_rows: torch.Tensor | None = None
-
-    @property
-    def sample_ids(self) -> list[str]:
-        return self.inputs.sample_ids
-
-
-@dataclass
-class PendingStep:
-    """A launched step; ``result()`` waits for its sampled tokens (the step's one device sync) and its
-    prompt logprobs (``prompt_copy``: a second copy, only in a step that scores prompt tokens)."""
-
-    sample_ids: list[str]
-    sample_params: list[SamplingParams]
-    copy: HostCopy | None
-    prompt_copy: PromptLogprobsCopy | None = None
-
-    def result(self) -> SampledTokens:
-        if self.copy is None:
-            sampled = SampledTokens({})
-        else:
-            token_ids, logprobs = self.copy.wait(self.sample_params)
-            ids = self.sample_ids
-            sampled = SampledTokens(dict(zip(ids, token_ids, strict=True)))
-            if self.copy.has_logprobs:
-                sampled.logprobs = {r: lp for r, lp in zip(ids, logprobs, strict=True) if lp is not None}
-        if self.prompt_copy is not None:
-            sampled.prompt_logprobs = self.prompt_copy.wait()
-        return sampled
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks 1..N-1: run every step rank 0 broadcasts, until it says stop (or the group fails: the
+        error propagates and the rank exits)."""
+        if self.tp.is_driver:
+            raise RuntimeError("rank 0 drives the steps; only the other ranks follow")
+        while (step := receive_step(self.tp, self.device, self.block_size)) is not None:
+            with self.forward_context(step.meta):
+                hidden = self.model(step.input_ids, step.positions)
+            self._head_rows(hidden, step.sample_idx, step.prompt_idx)

@@ -14,11 +14,11 @@ from workers.models.layers import (
     Attention,
     CausalLM,
     DecoderModel,
-    Embedding,
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
     fused_norm,
+    vocab_embedding,
 )
 
 
@@ -44,7 +44,7 @@ class Gemma2Model(DecoderModel):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__(arch)
         self.hidden_size = arch.hidden_size
-        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = vocab_embedding(arch)
         self.layers = nn.ModuleList([Gemma2DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
         self.rotary_emb = RotaryEmbedding(arch)

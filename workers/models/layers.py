@@ -20,6 +20,7 @@ from torch import nn
 from workers.attention.base import AttentionSpec
 from workers.forward_context import get_forward_context
 from workers.models.arch import ArchConfig
+from workers.parallel import TensorParallel, current
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -38,30 +39,84 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with HF's parameter names; ``out_sizes`` > 1 entries fuse several HF linears."""
+    """``y = x W^T (+ b)`` with HF's parameter names; ``out_sizes`` > 1 entries fuse several HF linears.
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+    Under tensor parallelism (workers/parallel.py) ``out_sizes`` are this rank's and a checkpoint tensor
+    is narrowed to this rank's part as it loads (``take``): ``rows``, one (start, length) per fused HF
+    linear, for a column-parallel layer; ``cols`` (start, length) for a row-parallel one, whose partial
+    outputs ``tp`` sums (the bias added once, after the sum). ``padded``: the rank's rows may run past
+    the checkpoint's (the vocabulary's last shard); the rest stays zero."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        *,
+        rows: list[tuple[int, int]] | None = None,
+        cols: tuple[int, int] | None = None,
+        tp: TensorParallel | None = None,
+        padded: bool = False,
+    ) -> None:
         super().__init__()
         self.out_sizes = out_sizes
+        self.rows, self.cols, self.padded = rows, cols, padded
+        self.reduce = tp if tp is not None and tp.is_parallel and cols is not None else None
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.reduce is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.reduce.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         """The rows of ``param`` that HF's ``index``-th fused linear owns."""
         start = sum(self.out_sizes[:index])
         return param.narrow(0, start, self.out_sizes[index])
 
+    def take(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's part of the checkpoint's ``index``-th fused tensor (weight or bias)."""
+        if self.rows is not None:
+            start, length = self.rows[index]
+            return tensor.narrow(0, start, length)
+        if self.cols is not None and tensor.dim() == 2:
+            return tensor.narrow(1, *self.cols)
+        return tensor
+
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    """Token embeddings; under tensor parallelism this rank's rows of the vocabulary (``rows``: start,
+    length in the checkpoint; padded to ``num_embeddings``), looked up where an id falls in them and
+    summed over the ranks (the others add zeros: exact)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        rows: tuple[int, int] | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
+        self.rows = rows
+        self.padded = rows is not None
+        self.tp = tp if tp is not None and tp.is_parallel else None
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp is None or self.rows is None:
+            return F.embedding(input_ids, self.weight)
+        start = self.rows[0]
+        local = input_ids - start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(out)
+
+    def take(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        return tensor if self.rows is None else tensor.narrow(0, *self.rows)
 
 
 class RMSNorm(nn.Module):
@@ -160,16 +215,22 @@ class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        tp = current()
+        shard = tp.sharding(arch)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = arch.head_dim
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
-        self.qkv_proj = Linear(arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias)
-        self.o_proj = Linear(arch.q_size, [arch.hidden_size], arch.o_bias)
+        self.q_size, self.kv_size = shard.num_heads * arch.head_dim, shard.num_kv_heads * arch.head_dim
+        rows = None if not tp.is_parallel else [shard.q_rows(), shard.kv_rows(), shard.kv_rows()]
+        self.qkv_proj = Linear(
+            arch.hidden_size, [self.q_size, self.kv_size, self.kv_size], arch.qkv_bias, rows=rows
+        )
+        cols = shard.q_rows() if tp.is_parallel else None
+        self.o_proj = Linear(self.q_size, [arch.hidden_size], arch.o_bias, cols=cols, tp=tp)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.has_qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.has_qk_norm else None
         self.spec = AttentionSpec(
-            num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=arch.head_dim,
             scale=arch.attn_scale,
             logit_soft_cap=arch.attn_logit_softcapping,
@@ -223,10 +284,13 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {arch.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = ACTIVATIONS[arch.hidden_act]
         self.act_name = arch.hidden_act
-        self.intermediate_size = arch.intermediate_size
-        size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, [size, size], arch.mlp_bias)
-        self.down_proj = Linear(size, [arch.hidden_size], arch.mlp_bias)
+        tp = current()
+        shard = tp.sharding(arch)
+        self.intermediate_size = size = shard.intermediate_size
+        rows = [shard.mlp_rows()] * 2 if tp.is_parallel else None
+        cols = shard.mlp_rows() if tp.is_parallel else None
+        self.gate_up_proj = Linear(arch.hidden_size, [size, size], arch.mlp_bias, rows=rows)
+        self.down_proj = Linear(size, [arch.hidden_size], arch.mlp_bias, cols=cols, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -234,6 +298,22 @@ class GatedMLP(nn.Module):
             return self.down_proj(triton_ops().gated_act(gate_up, self.act_name))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+def vocab_shard(arch: ArchConfig, tp: TensorParallel) -> tuple[int, tuple[int, int] | None]:
+    """(rows this rank's embedding / LM head has, (start, length) of the checkpoint's rows it holds, or
+    None when it holds them all)."""
+    if not tp.is_parallel:
+        return arch.vocab_size, None
+    shard = tp.sharding(arch)
+    return shard.vocab_per_rank, (shard.vocab_start, shard.vocab_rows)
+
+
+def vocab_embedding(arch: ArchConfig) -> Embedding:
+    """The token embeddings of ``arch``: this rank's vocabulary shard under tensor parallelism."""
+    tp = current()
+    rows, held = vocab_shard(arch, tp)
+    return Embedding(rows, arch.hidden_size, rows=held, tp=tp)
 
 
 def load_hf_weights(
@@ -264,11 +344,18 @@ def load_hf_weights(
         target: torch.Tensor = params[name]
         if isinstance(module, Linear) and len(module.out_sizes) > 1:
             target = module.shard(target, shard)
-        if tuple(target.shape) != tuple(tensor.shape):
+        padded = False
+        if isinstance(module, (Linear, Embedding)):
+            tensor = module.take(tensor, shard)
+            padded = module.padded and tensor.dim() >= 1 and tensor.shape[0] < target.shape[0]
+        if tuple(target.shape[padded:]) != tuple(tensor.shape[padded:]):
             raise ValueError(
                 f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}"
             )
         with torch.no_grad():
+            if padded:  # NOTE: the vocabulary's last shard: rows past the checkpoint's stay zero
+                target.zero_()
+                target = target.narrow(0, 0, tensor.shape[0])
             target.copy_(tensor)
         pending.discard((name, shard))
     if pending:
@@ -299,9 +386,19 @@ class CausalLM(nn.Module):
     def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.arch = arch
+        self.tp = current()
         self.model = self.model_class(arch)
+        vocab = vocab_shard(arch, self.tp)
         self.lm_head = (
-            None if arch.tie_word_embeddings else Linear(arch.hidden_size, [arch.vocab_size], False)
+            None
+            if arch.tie_word_embeddings
+            else Linear(
+                arch.hidden_size,
+                [vocab[0]],
+                False,
+                rows=None if vocab[1] is None else [vocab[1]],
+                padded=vocab[1] is not None,
+            )
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -312,8 +409,17 @@ class CausalLM(nn.Module):
         """[N, hidden_size] -> float32 logits [N, vocab_size] (final soft-cap applied when the arch has
         one). ``raw``: the head's output alone, in the model dtype (enough for an argmax: the upcast and
         the soft-cap are monotonic). ``fused``: upcast and soft-cap in one Triton kernel."""
+        return self.finish_logits(self.head(hidden), raw, fused)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> the LM head's output [N, vocab_size] in the model dtype. Under tensor
+        parallelism every rank computes its vocabulary shard and rank 0 gathers them (the other ranks get
+        their own shard back): every rank must call it, in the same order."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        return self.tp.gather_vocab(F.linear(hidden, weight), self.arch.vocab_size)
+
+    def finish_logits(self, logits: torch.Tensor, raw: bool = False, fused: bool = False) -> torch.Tensor:
+        """The head's output -> float32 logits, final soft-cap applied (``compute_logits``' second half)."""
         cap = self.arch.final_logit_softcapping
         if raw:
             return logits

@@ -1,0 +1,116 @@
+"""Tensor parallelism inside one engine (workers/parallel.py, workers/rank_process.py): outputs at TP=2
+and TP=4 against TP=1's, by the oracle's rule (tests/support/tp_oracle.py), on the bundled model and the
+four architectures' test checkpoints, over gloo on CPU; and the ranks as one unit (start, stop, death)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+
+import pytest
+import torch
+
+from cluster.protocol import SamplingParams
+from tests.support.hf_models import ARCHS, make_random_hf_model
+from tests.support.tp_oracle import compare
+from workers.llm import LLM
+from workers.models.arch import ArchConfig
+from workers.parallel import Sharding
+
+_ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("tp-ckpts")
+    return {arch: make_random_hf_model(arch, root, seed=i) for i, arch in enumerate(ARCHS)}
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = [5, 23, 40, 9]
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _run(model: str, tp: int, prompts: list[list[int]], params: list[SamplingParams]) -> list:  # type: ignore[type-arg]
+    llm = LLM(model, tensor_parallel_size=tp, detokenize_thread=False, **_ENGINE)
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "bundled"])
+def test_greedy_at_tp2_and_tp4_matches_tp1(arch: str, checkpoints: dict[str, pathlib.Path]) -> None:
+    model = "" if arch == "bundled" else str(checkpoints[arch])
+    vocab = ArchConfig.from_pretrained(model or "workers/assets/pdserve-tiny").vocab_size
+    prompts = _prompts(vocab, seed=len(arch))
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True)] * len(prompts)
+    reference = _run(model, 1, prompts, params)
+    # NOTE: TP=4 on the two most different models only (a tied, padded vocabulary; Gemma2's soft-caps,
+    # sliding window and norms): four ranks on two cores take ~15 s to start
+    for tp in (2, 4) if arch in ("bundled", "gemma2") else (2,):
+        agreement = compare(reference, _run(model, tp, prompts, params))
+        print(f"{arch} TP={tp}: {agreement}, divergence rate {agreement.divergence_rate:.2f}")
+        assert agreement.num_tokens >= len(prompts)
+
+
+def test_sampling_features_at_tp2_match_tp1() -> None:
+    """Seeded sampling, penalties, prompt logprobs, prefix caching and preemption (a KV pool too small for
+    every request at once) at TP=2, against TP=1 on the same schedule."""
+    shared = list(range(10, 42))
+    prompts = [[*shared, 7, 8, 9], [*shared, 50, 51], list(range(100, 137)), [5, 6]]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.8, seed=11, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=2, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=3, logprobs=3, ignore_eos=True),
+    ]
+    engine = {**_ENGINE, "num_kv_blocks": 12}  # NOTE: 11 usable blocks of 8: the four cannot all fit
+
+    def run(tp: int) -> tuple[list, int]:  # type: ignore[type-arg]
+        with LLM("", tensor_parallel_size=tp, detokenize_thread=False, **engine) as llm:
+            llm.generate(prompts[:1], params[:1])  # NOTE: the shared prefix's blocks, cached
+            outputs = llm.generate(prompts, params)
+            return outputs, llm.engine.scheduler.num_preemptions
+
+    reference, preempted = run(1)
+    outputs, preempted_tp = run(2)
+    assert preempted > 0 and preempted_tp == preempted
+    assert (
+        reference[1].num_cached_tokens > 0 and outputs[1].num_cached_tokens == reference[1].num_cached_tokens
+    )
+    compare(reference, outputs)
+    ref_prompt, tp_prompt = reference[2].prompt_logprobs, outputs[2].prompt_logprobs
+    assert ref_prompt is not None and tp_prompt is not None and len(ref_prompt) == len(tp_prompt)
+    for a, b in zip(ref_prompt[1:], tp_prompt[1:], strict=True):
+        assert a is not None and b is not None and a.token_id == b.token_id
+        assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_a_rank_that_dies_fails_the_engine_and_close_leaves_no_process() -> None:
+    llm = LLM("", tensor_parallel_size=2, detokenize_thread=False, **_ENGINE)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None and len(ranks.pids) == 1
+    pid = ranks.pids[0]
+    try:
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids
+        os.kill(pid, signal.SIGKILL)
+        ranks._children[0].wait(timeout=30)
+        with pytest.raises(RuntimeError, match=r"rank 1 .* exited with code -9"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+        assert ranks.failure is not None
+    finally:
+        llm.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> None:
+    arch = ArchConfig.from_pretrained("workers/assets/pdserve-tiny")  # 8 heads, 2 KV heads, 688 wide
+    Sharding.check(arch, 4)
+    with pytest.raises(ValueError, match="does not divide num_attention_heads 8"):
+        Sharding.check(arch, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 16 does not divide num_attention_heads 8"):
+        LLM("", tensor_parallel_size=16)

@@ -1,0 +1,132 @@
+"""How rank 0 of a tensor-parallel worker hands each step to its other ranks.
+
+Rank 0 schedules and prepares a step as at one rank, then broadcasts it: a fixed-size header on the host
+group (the op and the sizes), then every input the forward and the LM head need as one packed int64
+tensor on the device group (token ids after asynchronous scheduling's placeholders were filled in on the
+device, positions, slots, the attention metadata, the rows to sample and to score). No pickle, no
+per-request loop: two broadcasts a step. The other ranks (``ModelRunner.follow``) unpack it into the same
+``AttentionMetadata`` and run the same forward, whose all-reduces and LM-head gather meet rank 0's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from workers.attention import AttentionMetadata
+from workers.parallel import TensorParallel
+from workers.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """What the other ranks must know of a step before its packed inputs arrive (int64 fields)."""
+
+    STEP: ClassVar[int] = 1
+    STOP: ClassVar[int] = 2
+    SIZE: ClassVar[int] = 9
+
+    op: int
+    num_tokens: int = 0
+    num_seqs: int = 0
+    width: int = 0
+    num_sample: int = 0
+    num_prompt: int = 0
+    num_decodes: int = 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+
+    def pack(self) -> torch.Tensor:
+        return torch.tensor(dataclasses.astuple(self), dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, header: torch.Tensor) -> StepHeader:
+        return cls(*header.tolist())
+
+
+@dataclass(frozen=True)
+class FollowedStep:
+    """A step as another rank receives it: the forward's inputs and the LM head's rows."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor | None
+    prompt_idx: torch.Tensor | None
+
+
+def broadcast_step(tp: TensorParallel, inputs: StepInputs) -> None:
+    """Rank 0: ``inputs`` (an eager step's) to the other ranks."""
+    meta = inputs.meta
+    if meta is None:
+        raise RuntimeError("a tensor-parallel step runs eagerly: it needs attention metadata")
+    sample_idx = inputs.logits_indices if inputs.sample_ids else None
+    prompt_idx = None if inputs.prompt_rows is None else inputs.prompt_rows.logits_indices
+    num_seqs, width = meta.block_tables.shape
+    header = StepHeader(
+        op=StepHeader.STEP,
+        num_tokens=int(inputs.input_ids.shape[0]),
+        num_seqs=int(num_seqs),
+        width=int(width),
+        num_sample=0 if sample_idx is None else int(sample_idx.shape[0]),
+        num_prompt=0 if prompt_idx is None else int(prompt_idx.shape[0]),
+        num_decodes=meta.num_decodes,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    tp.broadcast(header.pack(), host=True)
+    parts = [
+        inputs.input_ids,
+        inputs.positions,
+        meta.slot_mapping,
+        meta.query_start_loc.long(),
+        meta.seq_lens.long(),
+        meta.block_tables.reshape(-1).long(),
+    ]
+    parts += [idx for idx in (sample_idx, prompt_idx) if idx is not None]
+    tp.broadcast(torch.cat(parts))
+
+
+def broadcast_stop(tp: TensorParallel) -> None:
+    """Rank 0: the other ranks leave ``ModelRunner.follow``."""
+    tp.broadcast(StepHeader(op=StepHeader.STOP).pack(), host=True)
+
+
+def receive_step(tp: TensorParallel, device: torch.device, block_size: int) -> FollowedStep | None:
+    """Ranks 1..N-1: the next step rank 0 broadcasts (None: stop). Blocks until it comes; a rank 0 that
+    died fails the broadcast (the group's error or timeout), which propagates."""
+    header = torch.zeros(StepHeader.SIZE, dtype=torch.int64)
+    tp.broadcast(header, host=True)
+    step = StepHeader.unpack(header)
+    if step.op == StepHeader.STOP:
+        return None
+    if step.op != StepHeader.STEP:
+        raise RuntimeError(f"unknown tensor-parallel op {step.op}")
+    t, b = step.num_tokens, step.num_seqs
+    sizes = [t, t, t, b + 1, b, b * step.width, step.num_sample, step.num_prompt]
+    packed = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+    tp.broadcast(packed)
+    ids, pos, slots, qsl, seq_lens, tables, sample_idx, prompt_idx = packed.split(sizes)
+    qsl32, seq_lens32 = qsl.int(), seq_lens.int()
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=qsl32,
+        seq_lens=seq_lens32,
+        block_tables=tables.int().view(b, step.width),
+        query_start_loc_cpu=qsl32.cpu(),
+        seq_lens_cpu=seq_lens32.cpu(),
+        num_decodes=step.num_decodes,
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
+        block_size=block_size,
+    )
+    return FollowedStep(
+        ids,
+        pos,
+        meta,
+        sample_idx if step.num_sample else None,
+        prompt_idx if step.num_prompt else None,
+    )

@@ -1,0 +1,274 @@
+"""The other ranks of a tensor-parallel worker: child processes of rank 0, living and dying with it.
+
+Rank 0 (the worker's own process: the Ray actor, or an offline ``LLM``) starts ranks 1..N-1 with
+``RankGroup.start`` before it builds its model runner. Each child is ``python -m workers.rank_process``
+reading its spec as JSON on stdin (no pickle): its rank, the group's size, the engine config, the model
+directory and the rendezvous file. All ranks join one group through a ``FileStore`` in a directory
+only this user can read (the ranks share one node: the worker asks Ray for all of its ranks' devices,
+which Ray places on one node; no port is opened for the rendezvous), then build the same runner with
+the same calls, and the children follow rank 0's steps (``ModelRunner.follow``) until it says stop.
+
+A worker is one unit:
+  - a child dies with its parent: it asks the kernel for SIGKILL when rank 0 exits (PR_SET_PDEATHSIG),
+    and checks rank 0 is still its parent after asking (rank 0 may have died before it asked);
+  - rank 0 learns at once that a child exited (a watcher thread per child calls ``on_death``): a worker
+    then fails as a whole (it says so and exits; Ray restarts it, and its new rank 0 starts new ranks);
+  - a collective never waits forever: the group's timeout bounds it (a stopped, not dead, rank).
+On CUDA rank r sees only its own device (``CUDA_VISIBLE_DEVICES`` narrowed to the r-th of the worker's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cluster.config import EngineConfig, from_dict
+from workers.parallel import TensorParallel, build_groups
+
+logger = logging.getLogger(__name__)
+
+# NOTE: a rank imports torch and joins before any model is built; a minute covers a loaded box
+JOIN_TIMEOUT_S = 120.0
+# NOTE: one collective of a step (or the start-up's model build on every rank, whose warm-up runs
+# collectives) waits at most this long for a stopped rank; a dead one fails it at once
+GROUP_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """What a child rank is told (JSON on its stdin)."""
+
+    rank: int
+    size: int
+    store_path: str
+    parent_pid: int
+    model_dir: str
+    engine: dict[str, Any]
+    torch_threads: int
+    device: str  # "cpu" or "cuda"
+
+
+_death_handler: Callable[[str], None] | None = None
+
+
+def on_rank_death(handler: Callable[[str], None] | None) -> None:
+    """What this process does when one of its tensor-parallel ranks exits unasked (a worker: say so and
+    exit, ``EngineWorker``'s ``on_fatal``). None: only log it; the next step then fails."""
+    global _death_handler
+    _death_handler = handler
+
+
+class RankGroup:
+    """Rank 0's handle on ranks 1..N-1 (``start``); ``tp`` is rank 0's place in the group, ``failure``
+    why a rank exited unasked (None while every rank lives)."""
+
+    def __init__(self, tp: TensorParallel, children: list[subprocess.Popen[bytes]], store_dir: str) -> None:
+        self.tp = tp
+        self.failure: str | None = None
+        self._children = children
+        self._store_dir = store_dir
+        self._closing = threading.Event()
+        self._store: Any = None
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        model_dir: str,
+        device: torch.device,
+    ) -> RankGroup:
+        """Starts ranks 1..N-1 of ``config.tensor_parallel_size`` and joins the group with them (bounded
+        by ``JOIN_TIMEOUT_S``). If a rank exits before ``close``, a watcher thread records it in
+        ``failure`` and calls the process's handler (``on_rank_death``)."""
+        size = config.tensor_parallel_size
+        store_dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # NOTE: mode 0700: only this user reads it
+        store_path = os.path.join(store_dir, "rendezvous")
+        visible = _visible_devices(size) if device.type == "cuda" else []
+        children: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(1, size):
+                spec = RankSpec(
+                    rank=rank,
+                    size=size,
+                    store_path=store_path,
+                    parent_pid=os.getpid(),
+                    model_dir=model_dir,
+                    engine=dataclasses.asdict(config),
+                    torch_threads=torch.get_num_threads(),
+                    device=device.type,
+                )
+                env = dict(os.environ)
+                if visible:
+                    env["CUDA_VISIBLE_DEVICES"] = visible[rank]
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "workers.rank_process"], stdin=subprocess.PIPE, env=env
+                )
+                children.append(child)
+                assert child.stdin is not None
+                child.stdin.write(json.dumps(dataclasses.asdict(spec)).encode())
+                child.stdin.close()
+            import torch.distributed as dist
+
+            store = dist.FileStore(store_path, size)
+            group, host_group = _join(store, size, device, children)
+        except BaseException:
+            _kill(children)
+            shutil.rmtree(store_dir, ignore_errors=True)
+            raise
+        ranks = cls(TensorParallel(0, size, group, host_group), children, store_dir)
+        ranks._store = store  # NOTE: torch keeps calling into the store while the group lives
+        for rank, child in enumerate(children, start=1):
+            threading.Thread(
+                target=ranks._watch, args=(rank, child), name=f"tp-rank-{rank}-watch", daemon=True
+            ).start()
+        return ranks
+
+    def _watch(self, rank: int, child: subprocess.Popen[bytes]) -> None:
+        code = child.wait()
+        if self._closing.is_set():
+            return
+        why = f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}"
+        self.failure = why
+        logger.error("%s: this worker's ranks are one unit, so it fails as a whole", why)
+        handler = _death_handler
+        if handler is not None:
+            handler(why)
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self._children]
+
+    def close(self, stop: Callable[[], None] | None = None) -> None:
+        """``stop()`` (rank 0 tells the ranks to leave their loop), then waits for them (bounded) and
+        kills what is left (at once without ``stop``); removes the rendezvous directory. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        if stop is None:  # NOTE: a failed start-up: the ranks wait in a collective, nothing to drain
+            _kill(self._children)
+        elif all(child.poll() is None for child in self._children):
+            try:
+                stop()
+            except Exception as e:  # noqa: BLE001 (a broken group: the ranks are killed below)
+                logger.warning("telling the tensor-parallel ranks to stop failed: %s", e)
+        for child in self._children:
+            try:
+                child.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=STOP_TIMEOUT_S)
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def _join(
+    store: Any, size: int, device: torch.device, children: list[subprocess.Popen[bytes]]
+) -> tuple[Any, Any]:
+    """Rank 0 joins the group (on a helper thread), failing at once if a rank exits first, or after
+    ``JOIN_TIMEOUT_S``."""
+    result: list[tuple[Any, Any]] = []
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            result.append(build_groups(store, 0, size, device, JOIN_TIMEOUT_S))
+        except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
+            errors.append(e)
+
+    thread = threading.Thread(target=join, name="tp-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(timeout=0.1)
+        dead = [
+            (rank, child.returncode) for rank, child in enumerate(children, 1) if child.poll() is not None
+        ]
+        if dead and thread.is_alive():
+            raise RuntimeError(
+                f"tensor-parallel rank {dead[0][0]} exited with code {dead[0][1]} while joining"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the tensor-parallel ranks did not join within {JOIN_TIMEOUT_S:g} s")
+    if errors:
+        raise errors[0]
+    group, host_group = result[0]
+    _set_timeout(group, host_group, GROUP_TIMEOUT_S)
+    return group, host_group
+
+
+def _visible_devices(size: int) -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(devices) < size:
+        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; this process sees {len(devices)}")
+    return devices[:size]
+
+
+def _set_timeout(group: Any, host_group: Any, timeout_s: float) -> None:
+    import datetime
+
+    for g in {id(group): group, id(host_group): host_group}.values():
+        if hasattr(g, "_set_default_timeout"):
+            g._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def _kill(children: list[subprocess.Popen[bytes]]) -> None:
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=STOP_TIMEOUT_S)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent exits; exit now if the parent is already gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def main() -> None:
+    """A child rank: read the spec, join, build the runner, follow rank 0's steps until told to stop."""
+    spec = RankSpec(**json.loads(sys.stdin.read()))
+    _die_with_parent(spec.parent_pid)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tp-rank-{spec.rank} %(levelname)s %(message)s"
+    )
+    torch.set_num_threads(spec.torch_threads)
+    import torch.distributed as dist
+
+    from workers.model_runner import ModelRunner
+
+    config = from_dict(EngineConfig, spec.engine, "engine")
+    device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
+    store = dist.FileStore(spec.store_path, spec.size)
+    group, host_group = build_groups(store, spec.rank, spec.size, device, JOIN_TIMEOUT_S)
+    _set_timeout(group, host_group, GROUP_TIMEOUT_S)
+    tp = TensorParallel(spec.rank, spec.size, group, host_group)
+    runner = ModelRunner(config, spec.model_dir, tp)
+    logger.info("rank %d of %d ready", spec.rank, spec.size)
+    runner.follow()
+    logger.info("rank %d of %d stopped", spec.rank, spec.size)
+    logging.shutdown()
+    os._exit(0)  # NOTE: nothing left to flush; skips tearing down torch's state (seconds on a busy box)
+
+
+if __name__ == "__main__":
+    main()
