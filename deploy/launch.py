@@ -104,20 +104,22 @@ class WorkerLauncher:
         return worker_id, self.actors[worker_id]
 
     def _create_actor(self, worker_id: str, pool: str, core: int | None) -> Any:
-        """One worker, one actor with its pool's resources (no placement group).
+        """One worker, one actor with its pool's resources times its ranks.
 
-        NOTE: the seat of a tensor-parallel worker: there, one placement group per worker (a bundle per
-        rank, STRICT_PACK) and N rank actors in it, rank 0 returned as the worker's face; ``_release``
-        then removes the group with its ranks. Nothing else here or in the cluster changes."""
+        A tensor-parallel worker (``tensor_parallel_size`` N) is this one actor, rank 0, asking Ray for
+        N ranks' devices and cores at once, which Ray grants on one node; it starts ranks 1..N-1 as its
+        own child processes (workers/rank_process.py), one device each, so the worker lives, dies and
+        is restarted as one unit and its resources go back to Ray with it."""
         import ray
 
         from workers.worker import EngineWorker
 
         pc = self.cfg.pool(pool)
+        ranks = pc.tensor_parallel_size
         actor_cls: Any = ray.remote(EngineWorker)
         return actor_cls.options(
-            num_cpus=max(pc.num_cpus, 0.001),
-            num_gpus=pc.num_gpus,
+            num_cpus=max(pc.num_cpus * ranks, 0.001),
+            num_gpus=pc.num_gpus * ranks,
             resources=dict(pc.resources) or None,
             max_restarts=pc.max_restarts,
             scheduling_strategy="SPREAD" if self.cfg.placement_strategy == "SPREAD" else "DEFAULT",
@@ -394,7 +396,7 @@ def _init_ray(cfg: ClusterConfig) -> bool:
         ray.init(address=address, log_to_driver=True, logging_config=logs.ray_logging_config(cfg.log))
         logs.after_ray_init(handlers)
         return False
-    needed = sum(p.num_cpus * p.num_workers for _, p in _pools(cfg))
+    needed = sum(p.num_cpus * p.num_workers * p.tensor_parallel_size for _, p in _pools(cfg))
     # NOTE: a local cluster's CPUs are admission tokens (workers set their own torch threads), so leave
     # room for more than one cluster in the same driver (tests, benchmarks comparing two configs).
     num_cpus = max(int(needed) + 1, os.cpu_count() or 1, _LOCAL_RAY_CPUS)

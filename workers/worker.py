@@ -55,6 +55,7 @@ from workers.decode_role import DecodeRole
 from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
 from workers.prefill_role import PrefillRole
+from workers.rank_process import on_rank_death
 from workers.role import Role, WorkerContext
 from workers.stats_log import StatsLine
 from workers.worker_ops import InjectedFault, LeakCheck, OpHandler
@@ -175,6 +176,8 @@ class EngineWorker:
             on_failure=lambda: self._vitals.mark_unhealthy(),
             more_threads=self._more_threads,
         )
+        # NOTE: a tensor-parallel worker's ranks are one unit: one that exits fails this worker at once
+        on_rank_death(self._guard.fatal)
         self._vitals = Vitals(
             self.info,
             self.engine,
@@ -256,6 +259,11 @@ class EngineWorker:
     def stats(self) -> WorkerStats:
         return self._vitals.stats
 
+    def rank_pids(self) -> list[int]:
+        """The process ids of this worker's tensor-parallel ranks 1..N-1 (none at one rank)."""
+        ranks = self.engine.runner.ranks
+        return [] if ranks is None else ranks.pids
+
     def ping(self) -> int:
         """Liveness for the router's lifecycle watch (answers even while the step thread is busy)."""
         return os.getpid()
@@ -297,6 +305,7 @@ class EngineWorker:
         self._pull.close(linger=0)
         self._outbox.close()
         self._ctx.term()
+        self.engine.close()  # NOTE: a tensor-parallel worker's other ranks (bounded)
 
     def _hang_until_shutdown(self) -> None:
         self._stop.wait(_FAULT_HANG_S)

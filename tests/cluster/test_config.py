@@ -158,3 +158,24 @@ def test_the_offline_options_are_checked_with_their_paths() -> None:
 def test_from_dict_takes_a_dataclass_only() -> None:
     with pytest.raises(TypeError, match="is not a dataclass"):
         from_dict(dict, {})
+
+
+def test_tensor_parallel_size_is_a_pools_and_the_flags_set_it() -> None:
+    from deploy.cli import build_parser
+    from deploy.cli_args import build_config
+
+    cfg = ClusterConfig.from_dict(
+        {
+            "pools": {"colocated": {"num_workers": 1, "tensor_parallel_size": 4}},
+            "router": {"mode": "colocated"},
+        }
+    )
+    assert cfg.engine_config("colocated").tensor_parallel_size == 4
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size is a pool's: set pools.<pool>.tensor_parallel_size"
+    ):
+        ClusterConfig.from_dict({"engine": {"tensor_parallel_size": 2}})
+    with pytest.raises(ValueError, match=r"pools.prefill.tensor_parallel_size must be in \[1, 64\], got 0"):
+        ClusterConfig.from_dict({"pools": {"prefill": {"tensor_parallel_size": 0}}})
+    args = ["serve", "--config", "deploy/cpu-colocated.yaml", "--tensor-parallel-size", "2"]
+    assert build_config(build_parser().parse_args(args)).colocated.tensor_parallel_size == 2

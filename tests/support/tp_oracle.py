@@ -68,3 +68,20 @@ def compare(
             assert ref.token_ids == out.token_ids, (ref.request_id, ref.token_ids, out.token_ids)
             assert ref.finish_reason == out.finish_reason, (ref.finish_reason, out.finish_reason)
     return agreement
+
+
+def check_tokens(reference: RequestOutput, token_ids: list[int], tol: float = TOLERANCE) -> bool:
+    """``token_ids`` (from a run that reports no logprobs we can use) against the reference's, by the
+    rule: equal, or the first difference is a near-tie in the reference's own logprobs. Returns whether
+    they diverged; raises AssertionError when the rule is broken."""
+    ref = reference.token_ids
+    if token_ids == ref:
+        return False
+    k = next(i for i, (a, b) in enumerate(zip(ref, token_ids, strict=False)) if a != b)
+    assert reference.logprobs is not None, "the reference needs logprobs"
+    entry = reference.logprobs[k]
+    ref_a, ref_b = _lp(entry, ref[k]), _lp(entry, token_ids[k])
+    assert ref_a is not None and ref_b is not None and abs(ref_a - ref_b) < tol, (
+        f"{reference.request_id} position {k}: {ref[k]} vs {token_ids[k]} is no near-tie ({entry})"
+    )
+    return True
