@@ -38,7 +38,8 @@ from workers.mock_runner import build_mock_model
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
 from workers.parallel import SINGLE, Sharding, TensorParallel
-from workers.parallel_steps import broadcast_step, broadcast_stop, receive_step
+from workers.parallel_kv import KvRelay
+from workers.parallel_steps import broadcast_step, head_rows, receive_step, stop_ranks
 from workers.prompt_logprobs import score_prompt_rows
 from workers.rank_process import RankGroup
 from workers.runner_steps import ForwardStep, PendingStep
@@ -185,6 +186,12 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
+        # rank 0 of a tensor-parallel worker: every rank's heads, for KV handoffs (workers/parallel_kv.py)
+        self.kv_relay = (
+            None
+            if tp.kv is None or not tp.is_driver
+            else KvRelay(tp.kv, self.kv_cache, tp.sharding(self.arch))
+        )
         self.max_model_len = config.max_model_len(self.arch.max_position_embeddings, self.num_blocks)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.block_tables = PersistentBlockTables(config.max_num_seqs, self.max_blocks_per_seq)
@@ -466,9 +473,9 @@ class ModelRunner:
         prompt_rows = None if inputs.prompt_rows is None else inputs.prompt_rows.logits_indices
         if self.tp.is_parallel:
             # NOTE: the LM head is a collective: its rows' logits (the model dtype) are gathered here, on
-            # every rank, and sampling starts from them (``_head_rows``)
-            hidden_rows, prompt_rows = self._head_rows(
-                hidden, inputs.logits_indices if inputs.sample_ids else None, prompt_rows
+            # every rank, and sampling starts from them (``parallel_steps.head_rows``)
+            hidden_rows, prompt_rows = head_rows(
+                self.model, hidden, inputs.logits_indices if inputs.sample_ids else None, prompt_rows
             )
         else:
             if inputs.sample_ids:
@@ -538,7 +545,7 @@ class ModelRunner:
 
     def _prompt_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits of rows (final soft-cap included), no processor. Under tensor parallelism the
-        rows are already the LM head's gathered output (``_head_rows``)."""
+        rows are already the LM head's gathered output (``parallel_steps.head_rows``)."""
         if self.tp.is_parallel:
             return self.model.finish_logits(hidden_rows, fused=self.fused_ops)
         return self.model.compute_logits(hidden_rows, fused=self.fused_ops)
@@ -564,27 +571,11 @@ class ModelRunner:
         self.block_tables.remove(request_id)
 
     # ---- tensor parallelism: rank 0 broadcasts each step, the other ranks follow --------------------
-    def _head_rows(
-        self, hidden: torch.Tensor, sample_idx: torch.Tensor | None, prompt_idx: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The LM head over the step's sampling rows and prompt-scoring rows, in one gather: (logits of
-        the sampling rows, of the prompt rows) on rank 0; the other ranks' are their shards."""
-        parts = [idx for idx in (sample_idx, prompt_idx) if idx is not None]
-        if not parts:
-            return None, None
-        rows = hidden[parts[0] if len(parts) == 1 else torch.cat(parts)]
-        logits = self.model.head(rows)
-        num_sample = 0 if sample_idx is None else int(sample_idx.shape[0])
-        return (
-            None if sample_idx is None else logits[:num_sample],
-            None if prompt_idx is None else logits[num_sample:],
-        )
-
     def close(self) -> None:
         """Rank 0 of a tensor-parallel worker: the other ranks leave ``follow`` and exit (bounded; the
         ones left are killed). Nothing to do at one rank. Idempotent."""
         if self.ranks is not None:
-            self.ranks.close(lambda: broadcast_stop(self.tp))
+            self.ranks.close(lambda: stop_ranks(self.tp, self.kv_relay))
 
     @torch.inference_mode()
     def follow(self) -> None:
@@ -595,4 +586,4 @@ class ModelRunner:
         while (step := receive_step(self.tp, self.device, self.block_size)) is not None:
             with self.forward_context(step.meta):
                 hidden = self.model(step.input_ids, step.positions)
-            self._head_rows(hidden, step.sample_idx, step.prompt_idx)
+            head_rows(self.model, hidden, step.sample_idx, step.prompt_idx)

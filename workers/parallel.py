@@ -106,11 +106,21 @@ class TensorParallel:
     ``group``: the device group (gloo on CPU, NCCL on CUDA); ``host_group``: a gloo group for the step
     headers rank 0 broadcasts (the same object on CPU). Both None when ``size`` is 1."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, host_group: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int = 0,
+        size: int = 1,
+        group: Any = None,
+        host_group: Any = None,
+        kv: TensorParallel | None = None,
+    ) -> None:
         self.rank = rank
         self.size = size
         self.group = group
         self.host_group = host_group if host_group is not None else group
+        # the same ranks' second set of groups, for KV handoffs (workers/parallel_kv.py): a transfer
+        # thread's collectives never interleave with the step thread's
+        self.kv = kv
 
     @property
     def is_parallel(self) -> bool:
@@ -144,6 +154,16 @@ class TensorParallel:
         if self.rank != 0:
             return local
         return torch.cat(outputs[0], dim=-1)[:, :vocab_size]
+
+    def gather_parts(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Rank 0: every rank's ``local`` (same shape on every rank), in rank order; the others: []."""
+        import torch.distributed as dist
+
+        outputs = [[torch.empty_like(local) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self.group.gather(outputs, [local], options).wait()
+        return outputs[0] if self.rank == 0 else []
 
     def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
         """Rank 0's ``x`` into every rank's ``x`` (in place), over the device group or the host group."""
@@ -187,20 +207,24 @@ def building(tp: TensorParallel) -> Iterator[TensorParallel]:
         _current = previous
 
 
-def build_groups(store: Any, rank: int, size: int, device: torch.device, timeout_s: float) -> tuple[Any, Any]:
+def build_groups(
+    store: Any, rank: int, size: int, device: torch.device, timeout_s: float, prefix: str = ""
+) -> tuple[Any, Any]:
     """(device group, host group) of ``size`` ranks over ``store`` (a ``dist.Store`` every rank opens: a
-    ``FileStore`` in a directory only this user can read, on one node). Returns once every rank joined
-    (gloo); NCCL connects on its first collective. gloo binds loopback: the ranks share one node."""
+    ``FileStore`` in a directory only this user can read, on one node), keyed under ``prefix`` (a worker
+    builds two sets: its steps' and its KV handoffs'). Returns once every rank joined (gloo); NCCL
+    connects on its first collective. gloo binds loopback: the ranks share one node."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    host = dist.ProcessGroupGloo(dist.PrefixStore("host", store), rank, size, options)
+    host = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}host", store), rank, size, options)
     if device.type != "cuda":
         return host, host
     torch.cuda.set_device(device)
     nccl_options = dist.ProcessGroupNCCL.Options()
     nccl_options._timeout = timeout
-    return dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, nccl_options), host
+    device_store = dist.PrefixStore(f"{prefix}device", store)
+    return dist.ProcessGroupNCCL(device_store, rank, size, nccl_options), host

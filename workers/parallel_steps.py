@@ -17,7 +17,9 @@ from typing import ClassVar
 import torch
 
 from workers.attention import AttentionMetadata
+from workers.models.layers import CausalLM
 from workers.parallel import TensorParallel
+from workers.parallel_kv import KvRelay
 from workers.step_inputs import StepInputs
 
 
@@ -90,9 +92,28 @@ def broadcast_step(tp: TensorParallel, inputs: StepInputs) -> None:
     tp.broadcast(torch.cat(parts))
 
 
-def broadcast_stop(tp: TensorParallel) -> None:
-    """Rank 0: the other ranks leave ``ModelRunner.follow``."""
+def stop_ranks(tp: TensorParallel, kv_relay: KvRelay | None) -> None:
+    """Rank 0: the other ranks' KV threads end and they leave ``ModelRunner.follow``."""
+    if kv_relay is not None:
+        kv_relay.close()
     tp.broadcast(StepHeader(op=StepHeader.STOP).pack(), host=True)
+
+
+def head_rows(
+    model: CausalLM, hidden: torch.Tensor, sample_idx: torch.Tensor | None, prompt_idx: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The LM head over a step's sampling rows and prompt-scoring rows, in one gather, on every rank:
+    (logits of the sampling rows, of the prompt rows) on rank 0; the other ranks get their shards."""
+    parts = [idx for idx in (sample_idx, prompt_idx) if idx is not None]
+    if not parts:
+        return None, None
+    rows = hidden[parts[0] if len(parts) == 1 else torch.cat(parts)]
+    logits = model.head(rows)
+    num_sample = 0 if sample_idx is None else int(sample_idx.shape[0])
+    return (
+        None if sample_idx is None else logits[:num_sample],
+        None if prompt_idx is None else logits[num_sample:],
+    )
 
 
 def receive_step(tp: TensorParallel, device: torch.device, block_size: int) -> FollowedStep | None:

@@ -126,12 +126,12 @@ class RankGroup:
             import torch.distributed as dist
 
             store = dist.FileStore(store_path, size)
-            group, host_group = _join(store, size, device, children)
+            tp = _join(store, size, device, children)
         except BaseException:
             _kill(children)
             shutil.rmtree(store_dir, ignore_errors=True)
             raise
-        ranks = cls(TensorParallel(0, size, group, host_group), children, store_dir)
+        ranks = cls(tp, children, store_dir)
         ranks._store = store  # NOTE: torch keeps calling into the store while the group lives
         for rank, child in enumerate(children, start=1):
             threading.Thread(
@@ -178,15 +178,15 @@ class RankGroup:
 
 def _join(
     store: Any, size: int, device: torch.device, children: list[subprocess.Popen[bytes]]
-) -> tuple[Any, Any]:
+) -> TensorParallel:
     """Rank 0 joins the group (on a helper thread), failing at once if a rank exits first, or after
     ``JOIN_TIMEOUT_S``."""
-    result: list[tuple[Any, Any]] = []
+    result: list[TensorParallel] = []
     errors: list[BaseException] = []
 
     def join() -> None:
         try:
-            result.append(build_groups(store, 0, size, device, JOIN_TIMEOUT_S))
+            result.append(_groups(store, 0, size, device))
         except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
             errors.append(e)
 
@@ -206,9 +206,17 @@ def _join(
             raise TimeoutError(f"the tensor-parallel ranks did not join within {JOIN_TIMEOUT_S:g} s")
     if errors:
         raise errors[0]
-    group, host_group = result[0]
+    return result[0]
+
+
+def _groups(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
+    """This rank's place in its worker's step groups and KV groups (see ``TensorParallel.kv``)."""
+    group, host_group = build_groups(store, rank, size, device, JOIN_TIMEOUT_S)
     _set_timeout(group, host_group, GROUP_TIMEOUT_S)
-    return group, host_group
+    kv_group, kv_host_group = build_groups(store, rank, size, device, JOIN_TIMEOUT_S, prefix="kv-")
+    _set_timeout(kv_group, kv_host_group, GROUP_TIMEOUT_S)
+    kv = TensorParallel(rank, size, kv_group, kv_host_group)
+    return TensorParallel(rank, size, group, host_group, kv=kv)
 
 
 def _visible_devices(size: int) -> list[str]:
@@ -244,6 +252,16 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _run_or_exit(target: Callable[[], None]) -> None:
+    """A rank's second thread: if it dies, the rank exits (rank 0's watcher then fails the worker)."""
+    try:
+        target()
+    except BaseException:
+        logger.exception("the KV thread of this tensor-parallel rank died")
+        logging.shutdown()
+        os._exit(1)
+
+
 def main() -> None:
     """A child rank: read the spec, join, build the runner, follow rank 0's steps until told to stop."""
     spec = RankSpec(**json.loads(sys.stdin.read()))
@@ -255,15 +273,17 @@ def main() -> None:
     import torch.distributed as dist
 
     from workers.model_runner import ModelRunner
+    from workers.parallel_kv import KvFollower
 
     config = from_dict(EngineConfig, spec.engine, "engine")
     device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
     store = dist.FileStore(spec.store_path, spec.size)
-    group, host_group = build_groups(store, spec.rank, spec.size, device, JOIN_TIMEOUT_S)
-    _set_timeout(group, host_group, GROUP_TIMEOUT_S)
-    tp = TensorParallel(spec.rank, spec.size, group, host_group)
+    tp = _groups(store, spec.rank, spec.size, device)
     runner = ModelRunner(config, spec.model_dir, tp)
     logger.info("rank %d of %d ready", spec.rank, spec.size)
+    if tp.kv is not None:
+        kv = KvFollower(tp.kv, runner.kv_cache, tp.sharding(runner.arch))
+        threading.Thread(target=_run_or_exit, args=(kv.run,), name="tp-kv", daemon=True).start()
     runner.follow()
     logger.info("rank %d of %d stopped", spec.rank, spec.size)
     logging.shutdown()

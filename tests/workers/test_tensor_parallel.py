@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 
+from cluster.block_hash import hash_full_blocks
 from cluster.protocol import SamplingParams
 from tests.support.hf_models import ARCHS, make_random_hf_model
 from tests.support.tp_oracle import compare
@@ -114,3 +115,40 @@ def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> Non
         Sharding.check(arch, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size 16 does not divide num_attention_heads 8"):
         LLM("", tensor_parallel_size=16)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_kv_relay_gives_every_head_in_one_rank_order_and_writes_each_rank_its_own(tp: int) -> None:
+    """Rank 0's view of the worker's KV (workers/parallel_kv.py): a prompt's blocks gathered at TP=N are
+    TP=1's KV for them (to float32 rounding of the all-reduced partial sums); scattered into other
+    blocks and gathered back, byte for byte (each rank wrote its own heads, every head from its
+    holder; at TP=4 the bundled model's 2 KV heads are held by two ranks each)."""
+    prompt = list(range(40, 80))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    options = {**_ENGINE, "enable_prefix_caching": True}
+    with LLM("", detokenize_thread=False, **options) as one:
+        one.generate([prompt], params)
+        blocks = _cached_blocks(one, prompt)
+        reference = one.engine.runner.kv_cache[:, blocks]
+    assert len(blocks) == len(prompt) // _ENGINE["block_size"]
+    with LLM("", tensor_parallel_size=tp, detokenize_thread=False, **options) as llm:
+        llm.generate([prompt], params)
+        assert _cached_blocks(llm, prompt) == blocks
+        relay = llm.engine.runner.kv_relay
+        assert relay is not None and relay.shape[4] == 2
+        index = torch.tensor(blocks)
+        gathered = torch.stack([relay.gather(layer, index) for layer in range(relay.shape[0])])
+        torch.testing.assert_close(gathered, reference, rtol=0, atol=1e-5)
+        spare = torch.tensor([relay.shape[1] - 1 - i for i in range(len(blocks))])
+        for layer in range(relay.shape[0]):
+            relay.scatter(layer, spare, gathered[layer])
+        again = torch.stack([relay.gather(layer, spare) for layer in range(relay.shape[0])])
+        assert torch.equal(again.view(torch.int32), gathered.view(torch.int32))
+
+
+def _cached_blocks(llm: LLM, prompt: list[int]) -> list[int]:
+    """The prefix cache's blocks of ``prompt``'s full blocks (the finished request's KV)."""
+    manager = llm.engine.scheduler.kv
+    cache = manager.prefix_cache
+    assert cache is not None
+    return cache.lookup(hash_full_blocks(prompt, manager.block_size, 0, b""))
