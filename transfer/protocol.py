@@ -227,8 +227,8 @@ class TransferHeader:
     one-layer block rows each; chunk i goes on tag ``chunk_tag(tag, i)`` and ends with its checksum
     (`checksum` names the scheme; see transfer/staging.py). `tag` derives from the nonce. The bytes move
     over the pair of the two workers at `generation` (never below the request's), a `backend` group.
-    `sample_bytes` > 0: a mock engine's paced handoff (transfer/paced_link.py): of each K and V row (one
-    token's heads in one layer) only the first `sample_bytes` move, so a block row is `moved_row_bytes`.
+    `sample_bytes` > 0: a mock engine's paced handoff (transfer/paced_link.py): of each block's K and of
+    its V in each layer only the first `sample_bytes` move, so a block row is `moved_row_bytes`.
     """
 
     request_id: str
@@ -303,17 +303,17 @@ def row_bytes_of(layout: KVLayout) -> int:
     return layout.bytes_per_block // layout.num_layers
 
 
-def token_row_bytes(layout: KVLayout) -> int:
-    """Bytes of one token's K (or V) in one layer: its heads."""
-    return layout.num_kv_heads * layout.head_dim * layout.itemsize
+def half_row_bytes(layout: KVLayout) -> int:
+    """Bytes of one block's K (or its V) in one layer: every slot's heads."""
+    return layout.block_size * layout.num_kv_heads * layout.head_dim * layout.itemsize
 
 
 def moved_row_bytes(layout: KVLayout, sample_bytes: int = 0) -> int:
     """Bytes of one block in one layer that a transfer moves: all of them (`sample_bytes` 0), or the first
-    `sample_bytes` of each of its K and V token rows (a paced handoff, transfer/paced_link.py)."""
+    `sample_bytes` of its K and of its V (a paced handoff, transfer/paced_link.py)."""
     if sample_bytes == 0:
         return row_bytes_of(layout)
-    return 2 * layout.block_size * sample_bytes
+    return 2 * sample_bytes
 
 
 def validate_header(
@@ -331,8 +331,8 @@ def validate_header(
     sample_bytes: int = 0,
 ) -> None:
     """Raise TransferMismatchError naming the first field that differs from what the receiver expects
-    (`checksum`: the digest scheme it verifies with; `sample_bytes`: the part of each K/V row it takes,
-    0 for all of it)."""
+    (`checksum`: the digest scheme it verifies with; `sample_bytes`: the part of each block's K and V it
+    takes, 0 for all of it)."""
     if header.generation < min_generation:
         raise TransferMismatchError(
             f"transfer header mismatch for request {header.request_id!r}: generation is "

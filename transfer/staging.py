@@ -146,15 +146,15 @@ def _word_dtype(row_bytes: int) -> torch.dtype:
 
 def kv_rows(kv: torch.Tensor, sample_bytes: int = 0) -> torch.Tensor:
     """A ``[L, num_blocks, 2, bs, h, d]`` KV cache as ``[L, num_blocks, words]`` of an integer type; with
-    `sample_bytes` > 0 (a paced handoff's, transfer/paced_link.py) as ``[L, num_blocks, 2 * bs, words]``:
-    the first `sample_bytes` of each K and V token row, a strided view (it must divide into the words of a
-    token row: a multiple of 8 bytes, as the paced link picks).
+    `sample_bytes` > 0 (a paced handoff's, transfer/paced_link.py) as ``[L, num_blocks, 2, words]``: the
+    first `sample_bytes` of each block's K and of its V, a strided view (a multiple of 8 bytes, shorter
+    than a block's K, as the paced link picks).
 
     NOTE: index ops on an integer row view run ~3x faster on CPU than on the 6-d float view.
     """
     if sample_bytes:
-        token_rows = kv.view(kv.shape[0], kv.shape[1], 2 * kv.shape[3], -1).view(torch.uint8)
-        words = token_rows.view(_word_dtype(math.gcd(sample_bytes, token_rows.shape[-1])))
+        halves = kv.view(kv.shape[0], kv.shape[1], 2, -1).view(torch.uint8)
+        words = halves.view(_word_dtype(math.gcd(sample_bytes, halves.shape[-1])))
         return words[..., : sample_bytes // words.element_size()]
     row_bytes = kv[0, 0].numel() * kv.element_size()
     flat = kv.view(kv.shape[0], kv.shape[1], -1).view(torch.uint8)

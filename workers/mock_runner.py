@@ -14,8 +14,9 @@ model; its forward, for one step:
    profile predicts for the step's shape (``cluster/cost_model.py``).
 
 Its KV handoffs take the time of the profile's link (``paced_link``, transfer/paced_link.py): each moves
-the signature word of every K and V row (every byte the forward writes) over the real transfer path and
-waits out the rest of what the link predicts for the whole KV: NVLink inside a node, the NIC between.
+the first word of every block's K and V in every layer (the signature of the block's first slot) over the
+real transfer path and waits out the rest of what the link predicts for the whole KV: NVLink inside a
+node, the NIC between.
 
 No weights are read (config.json and the tokenizer only), so a worker of an 8B model config starts in
 seconds on a CPU, with the memory of its KV cache (``num_kv_blocks``, or ``cpu_kv_cache_bytes``).
@@ -252,7 +253,7 @@ class MockModel(CausalLM):
 
 def paced_link(model: nn.Module, kv_cache: torch.Tensor, host: str) -> PacedLink | None:
     """How a worker whose model is ``model`` moves its KV (``kv_cache``; ``host``: the address it binds):
-    a mock with a cost profile at that profile's link, moving the signature word of each K and V row
+    a mock with a cost profile at that profile's link, moving the first word of each block's K and V
     (logged, with the fraction of every block that is); None (every byte, at the channel's own speed) for
     a real model or a mock without a profile."""
     if not isinstance(model, MockModel) or model.profile is None:

@@ -1,9 +1,8 @@
 """A mock cluster as a user starts one: ``pdserve serve MODEL --config deploy/mock-cluster.yaml --gpu h100``
 for a model given by its config.json alone (no weights, no tokenizer), Ray actors, the HTTP API. It
-streams the mock's rule token for token, each handoff moves the signature word of every K and V row of
-whole blocks of the model's real KV layout (bf16, 28 layers: 1/256 of each block, transfer/paced_link.py)
-and waits out the rest of the H100's link, and the router predicts with the very profile the workers
-wait by."""
+streams the mock's rule token for token, each handoff moves the first word of each block's K and V in
+the model's real KV layout (bf16, 28 layers: 1/4096 of each block, transfer/paced_link.py) and waits out
+the rest of the H100's link, and the router predicts with the very profile the workers wait by."""
 
 from __future__ import annotations
 
@@ -59,8 +58,8 @@ def test_a_mock_cluster_from_the_cli_serves_the_rule_and_moves_the_models_kv_byt
                 body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
                 answer = httpx.post(f"{http.url}/v1/completions", json=body, timeout=60).json()
                 assert answer["choices"][0]["token_ids"] == want
-        # each prompt's blocks moved once: 8 B of each 2,048 B K/V row (8 heads x 128 x bf16), 28 layers
-        bytes_per_block = 28 * 2 * BLOCK_SIZE * 8
+        # each prompt's blocks moved once: 8 B of each block's K and V (16 slots x 8 heads x 128 x bf16)
+        bytes_per_block = 28 * 2 * 8
         moved = sum(-(-len(p) // BLOCK_SIZE) for p in PROMPTS) * bytes_per_block
 
         def decode_bytes() -> int:

@@ -1,8 +1,9 @@
 """A mock engine with a cost profile hands KV over at its profile's link (transfer/paced_link.py), in a
 whole cluster in this process (the real router, workers, roles, handshake and gloo pair): the worker's
-log says the fraction of each block that moves; the decode side gets the signature word of every K and
-V row of the prompt (every byte the mock wrote) and nothing else; the handoff counts the whole KV on the
-link, inside one node (both bind loopback), and lasts at least what the link predicts for it."""
+log says the fraction of each block that moves; the decode side gets the first word of each block's K
+and V in every layer (the signature the mock wrote for the block's first slot) and nothing else; the
+handoff counts the whole KV on the link, inside one node (both bind loopback), and lasts at least what
+the link predicts for it."""
 
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ def mock_config(profile: str) -> EngineConfig:
     return replace(base, mock_cost_profile=profile)
 
 
-def test_a_mock_handoff_moves_every_byte_the_mock_wrote_and_waits_out_the_links_time(
+def test_a_mock_handoff_moves_each_blocks_signature_and_waits_out_the_links_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     arch = ArchConfig.from_pretrained(BUNDLED_MODEL)
     rule = MockTokens.for_model(arch, Tokenizer.from_pretrained(BUNDLED_MODEL))
     num_layers, num_blocks = arch.num_hidden_layers, -(-len(PROMPT) // BLOCK_SIZE)
-    row_bytes = arch.num_key_value_heads * arch.head_dim * 4  # one token's K (or V) in one layer, float32
+    half = BLOCK_SIZE * arch.num_key_value_heads * arch.head_dim * 4  # a block's K (or V) in a layer, f32
 
     # every chunk the decode side scatters: (layer, decode-side block id, the row part it received)
     received: list[tuple[int, int, torch.Tensor]] = []
@@ -69,44 +70,45 @@ def test_a_mock_handoff_moves_every_byte_the_mock_wrote_and_waits_out_the_links_
         cluster = LocalCluster(mock_config(_profile(tmp_path)), {"prefill": 1, "decode": 1})
     try:
         said = [r.getMessage() for r in caplog.records if "KV handoffs move" in r.getMessage()]
-        assert (
-            said
-            == [
-                f"mock engine: KV handoffs move 8 B of each {row_bytes} B K/V row (1/{row_bytes // 8} of every "
-                "block) over the real transfer path and wait out the rest of the link's time: 20 ms + bytes at "
-                "1 GB/s inside a node, 0.1 GB/s between nodes (a peer at another address than 127.0.0.1)"
-            ]
-            * 2
-        )  # the prefill worker's sender, the decode worker's receiver
+        line = (
+            f"mock engine: KV handoffs move 8 B of each block's K and V per layer (1/{half // 8} of every "
+            f"block, 16 of {2 * half} B) over the real transfer path and wait out the rest of the link's "
+            "time: 20 ms + bytes at 1 GB/s inside a node, 0.1 GB/s between nodes (a peer at another address "
+            "than 127.0.0.1)"
+        )
+        assert said == [line, line]  # the prefill worker's sender, the decode worker's receiver
 
         (deltas,) = cluster.generate([PROMPT], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)])
         assert [t for d in deltas for t in d.token_ids] == rule.continuation(PROMPT, MAX_TOKENS)
         cluster.wait_until_quiet()
         assert cluster.fatal == []
 
-        # each layer's blocks once, layer-major; of each slot's K and V rows the first word: its signature
+        # each layer's blocks once, layer-major; of each block's K and V the first word: the signature of
+        # its first slot
         assert [layer for layer, _, _ in received] == [
             i // num_blocks for i in range(num_layers * num_blocks)
         ]
         block_ids = [block_id for _, block_id, _ in received[:num_blocks]]
+        decode_kv = cluster.workers["decode-0"].engine.runner.kv_cache
         for i, (layer, block_id, part) in enumerate(received):
             assert block_id == block_ids[i % num_blocks]
-            want = torch.zeros(2, BLOCK_SIZE, dtype=torch.int64)
-            for offset in range(BLOCK_SIZE):
-                position = (i % num_blocks) * BLOCK_SIZE + offset
-                if position < len(PROMPT):
-                    for kv in (0, 1):
-                        want[kv, offset] = kv_signature(PROMPT[position], position, layer, kv)
-            assert torch.equal(part, want.view(-1)), (layer, block_id)
+            position = (i % num_blocks) * BLOCK_SIZE
+            want = [kv_signature(PROMPT[position], position, layer, kv) for kv in (0, 1)]
+            assert part.tolist() == want, (layer, block_id)
+            # the decode side's block holds those words at the head of its K and V, and (a full block: its
+            # own decode steps write past the prompt's last one) nothing else
+            words = decode_kv[layer, block_id].reshape(2, -1).view(torch.uint8).view(torch.int64)
+            assert words[:, 0].tolist() == want
+            assert i % num_blocks == num_blocks - 1 or not words[:, 1:].any()
 
         receiver = cluster.workers["decode-0"].role.receiver  # type: ignore[union-attr]
         assert receiver is not None
         (result,) = receiver.results()
-        link_nbytes = num_blocks * num_layers * 2 * BLOCK_SIZE * row_bytes
+        link_nbytes = num_blocks * num_layers * 2 * half
         assert (result.ok, result.num_blocks, result.nbytes) == (
             True,
             num_blocks,
-            link_nbytes * 8 // row_bytes,
+            num_blocks * num_layers * 16,
         )
         assert (result.link_nbytes, result.is_between_nodes) == (link_nbytes, False)
         assert result.link_seconds == LINK.transfer_s(link_nbytes) == 0.02 + link_nbytes / 1e9
