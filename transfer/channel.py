@@ -17,11 +17,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
 import zmq
+
+if TYPE_CHECKING:
+    from transfer.kv_source import KvSource
 
 from transfer.peers import PairKey, PeerId
 from transfer.protocol import KVLayout, TransferError, TransferTimeoutError
@@ -39,13 +42,14 @@ TORCH_DTYPES = {
 }
 
 
-def layout_of(kv: torch.Tensor) -> KVLayout:
-    """The layout of a ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`` KV cache."""
-    if kv.dim() != 6 or kv.shape[2] != 2:
+def layout_of(kv: torch.Tensor | KvSource) -> KVLayout:
+    """The layout of a ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`` KV cache (a
+    tensor, or a `KvSource`: a tensor-parallel worker's, every head)."""
+    if len(kv.shape) != 6 or kv.shape[2] != 2:
         raise TransferError(
             f"KV cache must be [L, num_blocks, 2, block_size, heads, dim], got {list(kv.shape)}"
         )
-    if not kv.is_contiguous():
+    if isinstance(kv, torch.Tensor) and not kv.is_contiguous():
         raise TransferError("KV cache must be contiguous")
     dtype = str(kv.dtype).removeprefix("torch.")
     return KVLayout(int(kv.shape[0]), int(kv.shape[3]), int(kv.shape[4]), int(kv.shape[5]), dtype)

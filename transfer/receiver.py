@@ -32,6 +32,7 @@ import zmq
 
 from transfer.channel import Channel, OpLane, PendingOp
 from transfer.handshake import MAX_HANDSHAKE_FRAME_BYTES, MessageKind
+from transfer.kv_source import KvSource
 from transfer.paced_link import PacedLink
 from transfer.peers import DECODE_RANK, PairKey, PeerId
 from transfer.protocol import (
@@ -85,7 +86,7 @@ class KVReceiver(Side):
 
     def __init__(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | KvSource,
         *,
         me: PeerId,
         channel: Channel,

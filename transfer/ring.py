@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from transfer.digest import DeviceDigest, DeviceMac
+from transfer.kv_source import SourceRows
 from transfer.protocol import CHECKSUM_SCHEME
 from transfer.staging import (
     DEVICE_SCHEMES,
@@ -122,15 +123,15 @@ class StagingRing:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def fill(self, rows: torch.Tensor, index: torch.Tensor, chunk: int) -> torch.Tensor:
+    def fill(self, rows: torch.Tensor | SourceRows, index: torch.Tensor, chunk: int) -> torch.Tensor:
         """Gather `chunk` (`rows` = kv_rows(kv), `index` = block ids) into its slot and seal it; returns its
         wire bytes. The slot's previous send must have completed."""
         t0 = time.perf_counter()
         wire, mirror, plan = self.wire(chunk), self._mirror(chunk), self.plan
         if mirror is None:  # staged where the KV is: CPU, or the GPU (nothing goes to the host)
-            gather_rows(rows, index, plan, chunk, payload_rows(wire, plan))
+            _gather(rows, index, plan, chunk, payload_rows(wire, plan))
         else:  # host staging: gather on the device, one copy down
-            gather_rows(rows, index, plan, chunk, payload_rows(mirror, plan))
+            _gather(rows, index, plan, chunk, payload_rows(mirror, plan))
             wire[:-TRAILER_BYTES].copy_(mirror[:-TRAILER_BYTES], non_blocking=True)
             self._wait_stream()
         t1 = time.perf_counter()
@@ -147,7 +148,7 @@ class StagingRing:
         if event is not None:
             event.synchronize()
 
-    def drain(self, rows: torch.Tensor, index: torch.Tensor, chunk: int, what: str) -> None:
+    def drain(self, rows: torch.Tensor | SourceRows, index: torch.Tensor, chunk: int, what: str) -> None:
         """Verify `chunk` (received into its slot) and scatter it into the blocks `index`. Raises
         TransferChecksumError, naming `what`, before anything of a bad chunk is written."""
         t0 = time.perf_counter()
@@ -155,10 +156,10 @@ class StagingRing:
         verify_chunk(wire, plan, self.nonce, chunk, what, self._digest)
         t1 = time.perf_counter()
         if mirror is None:
-            scatter_rows(rows, index, plan, chunk, payload_rows(wire, plan))
+            _scatter(rows, index, plan, chunk, payload_rows(wire, plan))
         else:  # host staging: one copy up, scatter on the device
             mirror[:-TRAILER_BYTES].copy_(wire[:-TRAILER_BYTES], non_blocking=True)
-            scatter_rows(rows, index, plan, chunk, payload_rows(mirror, plan))
+            _scatter(rows, index, plan, chunk, payload_rows(mirror, plan))
         if self._stream is not None:  # NOTE: the slot is busy until the queued copies out of it ran
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -169,3 +170,21 @@ class StagingRing:
     def finish(self) -> None:
         """Wait for every copy queued on the side's stream (receiver: the KV blocks are written)."""
         self._wait_stream()
+
+
+def _gather(
+    rows: torch.Tensor | SourceRows, index: torch.Tensor, plan: ChunkPlan, chunk: int, out: torch.Tensor
+) -> None:
+    if isinstance(rows, SourceRows):
+        rows.gather(index, plan, chunk, out)
+    else:
+        gather_rows(rows, index, plan, chunk, out)
+
+
+def _scatter(
+    rows: torch.Tensor | SourceRows, index: torch.Tensor, plan: ChunkPlan, chunk: int, src: torch.Tensor
+) -> None:
+    if isinstance(rows, SourceRows):
+        rows.scatter(index, plan, chunk, src)
+    else:
+        scatter_rows(rows, index, plan, chunk, src)

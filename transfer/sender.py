@@ -29,6 +29,7 @@ import zmq
 from cluster.frames import REASON_BAD_FIELD, REASON_MALFORMED
 from transfer.channel import Channel, OpLane, PendingOp
 from transfer.handshake import MAX_HANDSHAKE_FRAME_BYTES, Message, MessageKind
+from transfer.kv_source import KvSource
 from transfer.paced_link import PacedLink
 from transfer.parking import ParkedRequests
 from transfer.peers import PREFILL_RANK, PairKey, PeerId
@@ -94,7 +95,7 @@ class KVSender(Side):
 
     def __init__(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | KvSource,
         *,
         me: PeerId,
         channel: Channel,

@@ -18,6 +18,7 @@ import zmq
 from cluster.protocol import TransferStats
 from transfer.channel import Channel, PendingOp, layout_of
 from transfer.handshake import HandshakeFrames, MessageKind
+from transfer.kv_source import KvSource, SourceRows
 from transfer.paced_link import PacedLink
 from transfer.peers import PeerId
 from transfer.protocol import (
@@ -82,7 +83,7 @@ class Side:
 
     def __init__(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | KvSource,
         me: PeerId,
         channel: Channel,
         secret: bytes,
@@ -100,7 +101,13 @@ class Side:
         self.layout = layout_of(kv)
         self.link = link
         self.sample_bytes = link.sample_bytes_for(self.layout) if link is not None else 0
-        self._rows = kv_rows(kv, self.sample_bytes)
+        self._rows: torch.Tensor | SourceRows
+        if isinstance(kv, torch.Tensor):
+            self._rows = kv_rows(kv, self.sample_bytes)
+        elif self.sample_bytes:
+            raise TransferError("a paced handoff moves part of each block; a relayed KV moves whole blocks")
+        else:
+            self._rows = SourceRows(kv)
         self._row_bytes = moved_row_bytes(self.layout, self.sample_bytes)
         self.me = me
         self._channel = channel

@@ -96,7 +96,7 @@ class DecodeRole:
             return
         runner = self.ctx.engine.runner
         self.receiver = KVReceiver(
-            runner.kv_cache,
+            runner.kv_relay or runner.kv_cache,  # NOTE: a tensor-parallel worker: every rank's heads
             me=self.ctx.me,
             channel=channel,
             secret=self.ctx.secret,

@@ -21,10 +21,23 @@ their own until rank 0 says stop (``KvRelay.close``).
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from cluster.block_hash import hash_full_blocks
 from workers.parallel import Sharding, TensorParallel
+
+if TYPE_CHECKING:
+    from workers.block_manager import KVCacheManager
+
+
+class KvHolder(Protocol):
+    """What ``cached_kv`` reads of a model runner."""
+
+    kv_cache: torch.Tensor
+    kv_relay: KvRelay | None
+
 
 GATHER, SCATTER, STOP = 1, 2, 3
 _HEADER = 3  # op, layer, number of blocks
@@ -61,13 +74,14 @@ class _KvRanks:
 
 class KvRelay(_KvRanks):
     """Rank 0: the worker's KV in the one-rank layout (``shape``), for its transfer threads (one op at a
-    time: a lock orders them)."""
+    time: a lock orders them); a ``transfer.kv_source.KvSource``."""
 
     def __init__(self, tp: TensorParallel, kv_cache: torch.Tensor, shard: Sharding) -> None:
         super().__init__(tp, kv_cache, shard)
         arch = shard.arch
         layers, blocks, two, block_size, _, head_dim = kv_cache.shape
-        self.shape = (layers, blocks, two, block_size, self.total_heads, head_dim)
+        self.shape = torch.Size((layers, blocks, two, block_size, self.total_heads, head_dim))
+        self.dtype, self.device, self.is_cuda = kv_cache.dtype, kv_cache.device, kv_cache.is_cuda
         # the rank each head is taken from, and its place in that rank's heads
         self._owners = [Sharding(arch, r, tp.size) for r in range(tp.size)]
         self._lock = threading.Lock()
@@ -132,3 +146,19 @@ class KvFollower(_KvRanks):
                     self._scatter_part(layer, index, rows)
                 else:
                     raise RuntimeError(f"unknown tensor-parallel KV op {op}")
+
+
+def cached_kv(runner: KvHolder, kv: KVCacheManager, token_ids: list[int]) -> torch.Tensor:
+    """The KV a worker's prefix cache holds for ``token_ids``' full blocks, every head in the one-rank
+    layout (``[L, n, 2, bs, num_kv_heads, d]``, n the blocks found): what a handoff delivered, to compare
+    byte for byte (tests)."""
+    blocks = (
+        []
+        if kv.prefix_cache is None
+        else kv.prefix_cache.lookup(hash_full_blocks(token_ids, kv.block_size, 0, b""))
+    )
+    index = torch.tensor(blocks, dtype=torch.int64)
+    relay = runner.kv_relay
+    if relay is None:
+        return runner.kv_cache[:, index].cpu()
+    return torch.stack([relay.gather(layer, index) for layer in range(relay.shape[0])]).cpu()

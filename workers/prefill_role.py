@@ -39,7 +39,7 @@ class PrefillRole:
         if channel is None:
             return
         self.sender = KVSender(
-            engine.runner.kv_cache,
+            engine.runner.kv_relay or engine.runner.kv_cache,  # NOTE: at TP > 1 every rank's heads
             me=self.ctx.me,
             channel=channel,
             secret=self.ctx.secret,

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import zmq
 
 from cluster.config import EngineConfig, TransferConfig
@@ -54,6 +55,7 @@ from cluster.wire import OPS, WireDecoder, WorkerControl, WorkerInfo
 from workers.decode_role import DecodeRole
 from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
+from workers.parallel_kv import cached_kv
 from workers.prefill_role import PrefillRole
 from workers.rank_process import on_rank_death
 from workers.role import Role, WorkerContext
@@ -263,6 +265,12 @@ class EngineWorker:
         """The process ids of this worker's tensor-parallel ranks 1..N-1 (none at one rank)."""
         ranks = self.engine.runner.ranks
         return [] if ranks is None else ranks.pids
+
+    def cached_kv(self, token_ids: list[int]) -> bytes:
+        """The KV this worker's prefix cache holds for ``token_ids``' full blocks, every head, as the raw
+        bytes of ``[L, n, 2, block_size, num_kv_heads, head_dim]`` (tests: what a handoff delivered)."""
+        kv = cached_kv(self.engine.runner, self.engine.scheduler.kv, token_ids)
+        return bytes(kv.contiguous().view(torch.uint8).numpy())
 
     def ping(self) -> int:
         """Liveness for the router's lifecycle watch (answers even while the step thread is busy)."""

@@ -106,16 +106,6 @@ class ClusterConfig:
             f"placement_strategy must be one of {PLACEMENT_STRATEGIES}, got {self.placement_strategy!r}",
         )
         require(self.network in NETWORKS, f"network must be one of {NETWORKS}, got {self.network!r}")
-        if self.router.mode != "colocated":
-            # NOTE: a tensor-parallel worker's KV lives on all of its ranks; the handoff moves one
-            # rank's (transfer/), so until it moves every rank's, KV handoffs need one rank per worker
-            tp = {pool: self.pool(pool).tensor_parallel_size for pool in ("prefill", "decode")}
-            require(
-                max(tp.values()) == 1,
-                f"router mode {self.router.mode} hands KV off between workers of one rank only: "
-                f"pools.prefill.tensor_parallel_size {tp['prefill']}, pools.decode.tensor_parallel_size "
-                f"{tp['decode']} (tensor parallelism runs in colocated mode)",
-            )
         if self.router.mode == "colocated":
             require(
                 self.colocated.num_workers >= 1,
