@@ -30,8 +30,9 @@ from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
 PLACEHOLDER = -1
 
-# (request, index of its placeholder in output_token_ids, or None when the step samples nothing for it)
-_Flight = tuple[SchedulerOutput, list[tuple[Request, int | None]]]
+# A scheduled step: (its output, (request, index of its placeholder in output_token_ids, or None when the
+# step samples nothing for it) per scheduled request, the requests whose computed tokens may fill a block)
+_Flight = tuple[SchedulerOutput, list[tuple[Request, int | None]], list[Request]]
 
 
 class AsyncScheduler(Scheduler):
@@ -52,42 +53,61 @@ class AsyncScheduler(Scheduler):
         if self._in_flight:
             self._cache_in_flight_blocks(self._in_flight[-1])
         # NOTE: requests that end with their in-flight token sit this step out (their seat and budget go
-        # to others, as after a synchronous update); they are back in `running` for their resolve.
-        ends = [self._ends_in_flight(r) for r in self.running]
-        ending = [r for r, end in zip(self.running, ends, strict=True) if end]
+        # to others, as after a synchronous update); they are back in `running` for their resolve. Such a
+        # request's newest output is a placeholder and it is held for a handoff, or it reaches
+        # max_tokens or max_model_len with that token (`length_check_at` outputs: see set_length_check).
+        running = self.running
+        ending = [
+            r
+            for r in running
+            if (outputs := r.output_token_ids)
+            and outputs[-1] == PLACEHOLDER
+            and (r.hold_after_prefill or len(outputs) >= r.length_check_at)
+        ]
         if ending:
-            self.running = [r for r, end in zip(self.running, ends, strict=True) if not end]
+            is_ending = set(ending)
+            self.running = [r for r in running if r not in is_ending]
         try:
             out = super().schedule()
         finally:
             if ending:
                 self.running[:0] = ending
         if not out.is_empty:
-            records = [self._advance(s.request_id, s.needs_sample, len(s.token_ids)) for s in out.scheduled]
-            self._in_flight.append((out, records))
+            self._in_flight.append(self._advance(out))
         return out
 
-    def _advance(self, request_id: str, needs_sample: bool, num_new: int) -> tuple[Request, int | None]:
-        request = self.requests[request_id]
-        request.num_computed_tokens += num_new
-        if not needs_sample:
-            return request, None
-        request.output_token_ids.append(PLACEHOLDER)
-        return request, len(request.output_token_ids) - 1
-
-    def _ends_in_flight(self, request: Request) -> bool:
-        outputs = request.output_token_ids
-        if not outputs or outputs[-1] != PLACEHOLDER:
-            return False
-        return (
-            request.hold_after_prefill
-            or len(outputs) >= request.params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        )
+    def _advance(self, out: SchedulerOutput) -> _Flight:
+        """Advance the computed tokens of what ``out`` schedules and give each sampling row its
+        placeholder: the step's record, and the requests that may fill a block with it (what the
+        synchronous update registers: a chunk of several tokens, or one landing on a block's last slot)."""
+        requests = self.requests
+        block_size = self.kv.block_size
+        records: list[tuple[Request, int | None]] = []
+        may_fill: list[Request] = []
+        for s in out.scheduled:
+            request = requests[s.request_id]
+            num_new = len(s.token_ids)
+            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            if num_new > 1 or computed % block_size == 0:
+                may_fill.append(request)
+            if s.needs_sample:
+                outputs = request.output_token_ids
+                outputs.append(PLACEHOLDER)
+                records.append((request, len(outputs) - 1))
+            else:
+                records.append((request, None))
+        return out, records, may_fill
 
     def _cache_in_flight_blocks(self, flight: _Flight) -> None:
-        for request, _ in flight[1]:
-            if request.status is RequestStatus.RUNNING and self.requests.get(request.request_id) is request:
+        """Register the blocks the newest scheduled step filled (their tokens are known by now).
+
+        NOTE: only that step's ``may_fill`` requests: a one-token step fills a block only when its token
+        lands on the block's last slot, so the others would find nothing new to register."""
+        if self.kv.prefix_cache is None:
+            return
+        requests, running = self.requests, RequestStatus.RUNNING
+        for request in flight[2]:
+            if request.status is running and requests.get(request.request_id) is request:
                 self.kv.cache_full_blocks(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[Request]:
@@ -99,42 +119,40 @@ class AsyncScheduler(Scheduler):
         unless held for a handoff)."""
         if not self._in_flight or self._in_flight[0][0] is not out:
             raise RuntimeError("steps must be resolved in the order they were scheduled")
-        _, records = self._in_flight.popleft()
+        records = self._in_flight.popleft()[1]
         now = time.time()
         updated: list[tuple[Request, int]] = []
         token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        requests, running, max_model_len = self.requests, RequestStatus.RUNNING, self.max_model_len
         for request, index in records:
-            token_id = token_ids.get(request.request_id)
-            if index is None or token_id is None:
+            if index is None:
                 continue
-            if self.requests.get(request.request_id) is not request:
+            request_id = request.request_id
+            token_id = token_ids.get(request_id)
+            if token_id is None:
+                continue
+            if requests.get(request_id) is not request:
                 self.num_discarded_tokens += 1  # ended (stop, abort, release) while the step ran
                 continue
             request.output_token_ids[index] = token_id
             if logprobs:
-                token_logprobs = logprobs.get(request.request_id)
+                token_logprobs = logprobs.get(request_id)
                 if token_logprobs is not None:
                     request.logprobs.append(token_logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
             updated.append((request, index))
-            stop = self._stop_at(request, index)
-            if stop is not None:
-                self.finish_request(request.request_id, stop)
-            elif request.hold_after_prefill and request.status is RequestStatus.RUNNING:
+            # NOTE: check_stop as of this token (a newer placeholder may follow it), asked only where it
+            # may stop: a stop id, or as many outputs as `length_check_at` (as the synchronous update)
+            if token_id in request.stop_ids or index >= request.length_check_at - 1:
+                stop = request.check_stop(max_model_len, index + 1)
+                if stop is not None:
+                    self.finish_request(request_id, stop)
+                    continue
+            if request.hold_after_prefill and request.status is running:
                 self.running.remove(request)
                 request.status = RequestStatus.SENDING_KV
         return updated
-
-    def _stop_at(self, request: Request, index: int) -> RequestStatus | None:
-        """``Request.check_stop`` as of the token at ``index`` (a newer placeholder may follow it)."""
-        # NOTE: the one definition of the stop rules stays Request.check_stop; hide the tail for it.
-        tail = request.output_token_ids[index + 1 :]
-        del request.output_token_ids[index + 1 :]
-        try:
-            return request.check_stop(self.max_model_len)
-        finally:
-            request.output_token_ids.extend(tail)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         request = super().finish_request(request_id, status)

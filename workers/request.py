@@ -132,12 +132,15 @@ class Request:
         """Set `length_check_at` for an engine whose context holds `max_model_len` tokens."""
         self.length_check_at = min(self.params.max_tokens, max_model_len - len(self.prompt_token_ids))
 
-    def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """Token-level stop after appending a token: EOS / stop_token_ids / max_tokens / max_model_len."""
+    def check_stop(self, max_model_len: int, num_outputs: int | None = None) -> RequestStatus | None:
+        """Token-level stop after appending a token: EOS / stop_token_ids / max_tokens / max_model_len.
+        ``num_outputs``: as of the output token ``num_outputs - 1`` (newer placeholders may follow it);
+        default, as of the newest."""
         outputs = self.output_token_ids
-        if outputs[-1] in self.stop_ids:
+        if num_outputs is None:
+            num_outputs = len(outputs)
+        if outputs[num_outputs - 1] in self.stop_ids:
             return RequestStatus.FINISHED_STOPPED
-        num_outputs = len(outputs)
         if num_outputs >= self.params.max_tokens or len(self.prompt_token_ids) + num_outputs >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -180,13 +180,15 @@ class Scheduler:
         preempted: list[str] = []
         prompt_rows: list[PromptLogprobRows] = []
 
-        i = 0
         kv = self.kv
         tables = kv.block_tables
         block_size = kv.block_size
         running = self.running
-        while i < len(running) and budget > 0:
-            request = running[i]
+        # NOTE: a preemption pops requests off the end of `running` not reached yet; the iterator stops
+        # before them
+        for request in running:
+            if budget <= 0:
+                break
             computed = request.num_computed_tokens
             outputs = request.output_token_ids
             num_prompt = len(request.prompt_token_ids)
@@ -229,7 +231,6 @@ class Scheduler:
                 if request.prompt_logprobs is not None:
                     self._score_prompt(request, s, prompt_rows)
             budget -= num_new
-            i += 1
 
         if not preempted:
             num_seats = self.config.max_num_seqs - self._num_waiting_for_kv()
