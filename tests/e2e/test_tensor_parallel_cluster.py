@@ -7,10 +7,14 @@ rank process left once the cluster is shut down."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -22,6 +26,7 @@ from deploy.cli_args import build_config
 from deploy.http_host import start_http
 from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import wait_for
+from tests.support.replica_streams import PROMPTS as STREAM_PROMPTS
 from tests.support.tp_oracle import check_tokens
 from workers.engine import BUNDLED_MODEL
 from workers.llm import LLM
@@ -33,6 +38,8 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Once upon a time", "The little robot", "One day, a girl named Lily"]
 MAX_TOKENS = 16
+FAULT_PROMPTS = [list(STREAM_PROMPTS[i]) for i in range(16)]
+NUM_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +159,98 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.loaded
+def test_kill_9_of_rank_1_of_the_decode_worker_fails_it_as_a_unit_and_loses_no_stream() -> None:
+    """Prefill TP=1 -> decode TP=2 under 16 streams on a busy box: kill -9 of the decode worker's rank 1
+    fails the worker at once (its rank 0 says so and exits), every stream finishes with the offline
+    engine's text (migrated), Ray restarts the worker as a unit (a new rank 0 with a new rank 1) and it
+    serves handoffs again, no block is held, and no process of the dead group is left."""
+    flags = [
+        "serve",
+        "--config",
+        "deploy/cpu-disagg.yaml",
+        "--port",
+        "0",
+        "--decode-tensor-parallel-size",
+        "2",
+    ]
+    cfg = build_config(build_parser().parse_args(flags))
+    with LLM("", dtype="float32", **dict(cfg.engine)) as llm:
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, logprobs=3, ignore_eos=True)
+        reference = llm.generate(FAULT_PROMPTS, params)
+    cluster = build_cluster(cfg)
+    try:
+        victim = next(w for w in cluster.router.workers if w.worker_id == "decode-0")
+        old_incarnation, old_pid = victim.info.incarnation, victim.info.pid
+        decode = cluster.actors["decode-0"]
+        old_ranks = ray.get(decode.rank_pids.remote(), timeout=30)
+        assert len(old_ranks) == 1
+        with start_http(cluster) as server:
+            streams = asyncio.run(
+                _streams(server.url, FAULT_PROMPTS, NUM_TOKENS, lambda: os.kill(old_ranks[0], signal.SIGKILL))
+            )
+            for tokens, ref in zip(streams, reference, strict=True):
+                assert len(tokens) == NUM_TOKENS
+                check_tokens(ref, tokens)
+
+            def restarted() -> bool:
+                w = next((w for w in cluster.router.workers if w.worker_id == "decode-0"), None)
+                return w is not None and w.state.value == "healthy" and w.info.incarnation != old_incarnation
+
+            wait_for(restarted, 120, "the decode worker restarted (a new rank 0 and rank 1) and re-admitted")
+            new_ranks = ray.get(decode.rank_pids.remote(), timeout=30)
+            assert len(new_ranks) == 1 and new_ranks != old_ranks
+            again = asyncio.run(_streams(server.url, FAULT_PROMPTS[:2], 8, lambda: None))
+            assert again == [ref.token_ids[:8] for ref in reference[:2]]
+        stats = wait_for(
+            lambda: (s := {s.worker_id: s for s in cluster.worker_stats()})["decode-0"].transfer.num_ok >= 2 and s,
+            30, "the restarted decode worker's handoffs",
+        )  # fmt: skip
+        assert stats["decode-0"].transfer.num_failed == 0
+        cluster.wait_until_quiet(timeout_s=60)
+        assert cluster.check_leaks() == {"prefill-0": None, "decode-0": None}
+        wait_for(
+            lambda: not _alive(old_pid) and not _alive(old_ranks[0]), 30, "the dead group's processes gone"
+        )
+    finally:
+        cluster.shutdown()
+
+
+async def _streams(
+    url: str, prompts: list[list[int]], max_tokens: int, fault: Callable[[], None]
+) -> list[list[int]]:
+    """Streams ``prompts`` at once (greedy, EOS ignored); ``fault()`` once each has its first token;
+    every stream's token ids once all ended with [DONE] (an error or a missing [DONE] fails the test)."""
+    first = [asyncio.Event() for _ in prompts]
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        tokens: list[int] = []
+        async with (
+            httpx.AsyncClient(timeout=120) as http,
+            http.stream("POST", f"{url}/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return tokens
+                if line.startswith("data: "):
+                    tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+                    first[i].set()
+        raise AssertionError(f"stream {i} ended without [DONE] after {len(tokens)} tokens")
+
+    tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+    async with asyncio.timeout(120):
+        for event in first:
+            await event.wait()
+    fault()
+    async with asyncio.timeout(180):
+        return list(await asyncio.gather(*tasks))
