@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster.block_hash import hash_full_blocks
-from cluster.protocol import SamplingParams
+from cluster.protocol import FinishReason, SamplingParams, StructuredOutput
 from tests.support.hf_models import ARCHS, make_random_hf_model
 from tests.support.tp_oracle import compare
 from workers.llm import LLM
@@ -58,15 +58,22 @@ def test_greedy_at_tp2_and_tp4_matches_tp1(arch: str, checkpoints: dict[str, pat
 
 
 def test_sampling_features_at_tp2_match_tp1() -> None:
-    """Seeded sampling, penalties, prompt logprobs, prefix caching and preemption (a KV pool too small for
-    every request at once) at TP=2, against TP=1 on the same schedule."""
+    """Seeded sampling, penalties, prompt logprobs, a grammar, prefix caching and preemption (a KV pool
+    too small for every request at once) at TP=2, against TP=1 on the same schedule."""
     shared = list(range(10, 42))
-    prompts = [[*shared, 7, 8, 9], [*shared, 50, 51], list(range(100, 137)), [5, 6]]
+    prompts = [[*shared, 7, 8, 9], [*shared, 50, 51], list(range(100, 137)), [5, 6], [9, 10, 11]]
     params = [
         SamplingParams(max_tokens=16, temperature=0.8, seed=11, logprobs=3, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, logprobs=3, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.0, prompt_logprobs=2, logprobs=3, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=3, logprobs=3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=12,
+            temperature=1.0,
+            seed=5,
+            logprobs=3,
+            structured=StructuredOutput("regex", "[0-9]{4}-[a-z]+"),
+        ),
     ]
     engine = {**_ENGINE, "num_kv_blocks": 12}  # NOTE: 11 usable blocks of 8: the four cannot all fit
 
@@ -83,6 +90,7 @@ def test_sampling_features_at_tp2_match_tp1() -> None:
         reference[1].num_cached_tokens > 0 and outputs[1].num_cached_tokens == reference[1].num_cached_tokens
     )
     compare(reference, outputs)
+    assert reference[4].finish_reason == FinishReason.STOP and reference[4].text == outputs[4].text
     ref_prompt, tp_prompt = reference[2].prompt_logprobs, outputs[2].prompt_logprobs
     assert ref_prompt is not None and tp_prompt is not None and len(ref_prompt) == len(tp_prompt)
     for a, b in zip(ref_prompt[1:], tp_prompt[1:], strict=True):
