@@ -35,6 +35,12 @@ class KvSource(Protocol):
     @property
     def is_cuda(self) -> bool: ...
 
+    @property
+    def local(self) -> torch.Tensor:
+        """This process's part of the cache, ``[L, num_blocks, 2, block_size, heads held, head_dim]``,
+        whose first head is the whole cache's first (a paced handoff's sample: transfer/paced_link.py)."""
+        ...
+
     def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Blocks ``index`` of ``layer``: ``[n, 2, block_size, num_kv_heads, head_dim]``."""
         ...

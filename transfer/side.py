@@ -105,7 +105,9 @@ class Side:
         if isinstance(kv, torch.Tensor):
             self._rows = kv_rows(kv, self.sample_bytes)
         elif self.sample_bytes:
-            raise TransferError("a paced handoff moves part of each block; a relayed KV moves whole blocks")
+            # NOTE: a paced handoff's sample (the first words of each block's K and V) is the first
+            # head's, which this process holds: moved from its own part, as at one rank
+            self._rows = kv_rows(kv.local, self.sample_bytes)
         else:
             self._rows = SourceRows(kv)
         self._row_bytes = moved_row_bytes(self.layout, self.sample_bytes)

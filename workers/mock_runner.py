@@ -202,6 +202,16 @@ class MockModel(CausalLM):
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
+    # NOTE: under tensor parallelism every rank computes the same next tokens: the head gathers nothing
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def finish_logits(self, logits: torch.Tensor, raw: bool = False, fused: bool = False) -> torch.Tensor:
+        return self.compute_logits(logits)
+
+    def argmax_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
     def _write_kv(
         self,
         kv_caches: list[torch.Tensor],
@@ -278,4 +288,7 @@ def build_mock_model(config: EngineConfig, arch: ArchConfig, model_dir: str) -> 
         len(tokens.allowed_ids),
         f"the cost profile {profile.name!r}" if profile is not None else "nothing (no mock_cost_profile)",
     )
+    if profile is not None and config.tensor_parallel_size > 1:
+        # NOTE: each rank's share of the step and its all-reduces (cluster/cost_model.py)
+        profile = profile.with_tensor_parallel(config.tensor_parallel_size)
     return MockModel(arch, profile, tokens)

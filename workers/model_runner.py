@@ -121,8 +121,6 @@ class ModelRunner:
             retain_freed_memory()
         self.arch = ArchConfig.from_pretrained(model_dir)
         Sharding.check(self.arch, config.tensor_parallel_size)
-        if config.tensor_parallel_size > 1 and config.load_format == "mock":
-            raise ValueError("load_format mock runs one rank per worker: tensor_parallel_size must be 1")
         if tp is SINGLE and config.tensor_parallel_size > 1:
             self.ranks = RankGroup.start(config, model_dir, self.device)
             try:
@@ -522,7 +520,7 @@ class ModelRunner:
         if mask is None and processors is None and is_argmax_only(params, has_processors=False):
             # NOTE: no fp32 copy and no soft-cap (monotonic) when only the argmax is wanted.
             if self.tp.is_parallel:
-                return SamplerOutput(hidden_rows.argmax(dim=-1))
+                return SamplerOutput(self.model.argmax_logits(hidden_rows))
             return SamplerOutput(self.model.argmax_tokens(hidden_rows))
         logits = self._prompt_logits(hidden_rows)
         if mask is not None:

@@ -87,6 +87,11 @@ class KvRelay(_KvRanks):
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def local(self) -> torch.Tensor:
+        """Rank 0's own heads (the first of them is the first head of all)."""
+        return self.kv
+
     def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Blocks ``index`` of ``layer`` with every head: ``[n, 2, bs, num_kv_heads, d]``."""
         with self._lock:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +31,8 @@ from tests.support.replica_streams import PROMPTS as STREAM_PROMPTS
 from tests.support.tp_oracle import check_tokens
 from workers.engine import BUNDLED_MODEL
 from workers.llm import LLM
+from workers.mock_runner import MockTokens
+from workers.models.arch import ArchConfig
 from workers.parallel_kv import cached_kv
 
 ray = pytest.importorskip("ray")
@@ -254,3 +257,36 @@ async def _streams(
     fault()
     async with asyncio.timeout(180):
         return list(await asyncio.gather(*tasks))
+
+
+def test_a_mock_cluster_of_tensor_parallel_workers_serves_the_rule_with_paced_handoffs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pdserve serve qwen3-0.6b --config deploy/mock-cluster.yaml --gpu h100 -tp 2``: mock workers of two
+    real ranks each (the step broadcast, the relay), each step waiting the H100 roofline's time at TP=2;
+    the handoff moves the first word of each block's K and V of the one-rank layout (rank 0 holds it)."""
+    monkeypatch.setenv("PDSERVE_PROFILE", str(tmp_path / "cpu-profile.json"))
+    model = str(Path(__file__).resolve().parents[2] / "bench" / "configs" / "qwen3-0.6b")
+    flags = ["serve", model, "--config", "deploy/mock-cluster.yaml", "--gpu", "h100", "--num-kv-blocks", "16"]
+    flags += ["--num-prefill-workers", "1", "--num-decode-workers", "1", "--max-num-batched-tokens", "256"]
+    cfg = build_config(build_parser().parse_args([*flags, "-tp", "2", "--port", "0"]))
+    rule = MockTokens.for_model(ArchConfig.from_pretrained(model), None)
+    prompts = [[1000 + 13 * i + j for j in range(n)] for i, n in enumerate([5, 16, 40])]
+    cluster = build_cluster(cfg)
+    try:
+        for prompt in prompts:
+            assert cluster.generate(prompt, SamplingParams(max_tokens=6)).token_ids == rule.continuation(
+                prompt, 6
+            )
+        moved = sum(-(-len(p) // 16) for p in prompts) * 28 * 2 * 8  # 8 B of each block's K and V, 28 layers
+
+        def decode_bytes() -> int:
+            return sum(
+                s.transfer.bytes_total for s in cluster.worker_stats() if s.worker_id.startswith("decode")
+            )
+
+        wait_for(lambda: decode_bytes() == moved, 10, "the decode worker's heartbeat counting every handoff")
+        assert [len(ray.get(a.rank_pids.remote(), timeout=30)) for a in cluster.actors.values()] == [1, 1]
+        assert all(report is None for report in cluster.check_leaks(10).values())
+    finally:
+        cluster.shutdown()

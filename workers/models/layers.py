@@ -431,6 +431,10 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def argmax_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output (``head``) -> [N] int64: each row's most likely token."""
+        return logits.argmax(dim=-1)
+
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N] int64: each row's most likely token (the raw head's argmax)."""
         return self.compute_logits(hidden, raw=True).argmax(dim=-1)
