@@ -1,6 +1,6 @@
 """A KV cache that one process holds only in part: what a tensor-parallel worker's transfer moves.
 
-A worker of several ranks holds each block's KV heads spread over its ranks (workers/parallel.py). Its
+A worker of several ranks holds each block's KV heads spread over its ranks (workers/models/parallel.py). Its
 rank 0 runs the worker's transfer with a `KvSource`: the cache as one rank would hold it,
 ``[L, num_blocks, 2, block_size, num_kv_heads, head_dim]`` with every head in the checkpoint's order,
 reached one layer's blocks at a time (``gather`` / ``scatter``: workers/parallel_kv.py asks the other

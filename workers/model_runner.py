@@ -37,7 +37,7 @@ from workers.logits_processors import LogitsProcessors
 from workers.mock_runner import build_mock_model
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
-from workers.parallel import SINGLE, Sharding, TensorParallel
+from workers.models.parallel import SINGLE, Sharding, TensorParallel
 from workers.parallel_kv import KvRelay
 from workers.parallel_steps import broadcast_step, head_rows, receive_step, stop_ranks
 from workers.prompt_logprobs import score_prompt_rows

@@ -1,6 +1,6 @@
 """KV handoffs of a tensor-parallel worker: its blocks as one rank's cache would hold them, all heads.
 
-Every rank of a worker holds its own KV heads of every block (workers/parallel.py). A handoff moves
+Every rank of a worker holds its own KV heads of every block (workers/models/parallel.py). A handoff moves
 blocks in the one-rank layout, all KV heads of the checkpoint in order (``[2, block_size, num_kv_heads,
 head_dim]`` a row), so a prefill worker of any tensor-parallel size hands off to a decode worker of any
 size: the wire never depends on either. Rank 0 runs the worker's transfer (transfer/) and reaches the
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from cluster.block_hash import hash_full_blocks
-from workers.parallel import Sharding, TensorParallel
+from workers.models.parallel import Sharding, TensorParallel
 
 if TYPE_CHECKING:
     from workers.block_manager import KVCacheManager

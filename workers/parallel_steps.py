@@ -18,7 +18,7 @@ import torch
 
 from workers.attention import AttentionMetadata
 from workers.models.layers import CausalLM
-from workers.parallel import TensorParallel
+from workers.models.parallel import TensorParallel
 from workers.parallel_kv import KvRelay
 from workers.step_inputs import StepInputs
 

@@ -1,7 +1,7 @@
 """The other ranks of a tensor-parallel worker: child processes of rank 0, living and dying with it.
 
 Rank 0 (the worker's own process: the Ray actor, or an offline ``LLM``) starts ranks 1..N-1 with
-``RankGroup.start`` before it builds its model runner. Each child is ``python -m workers.rank_process``
+``RankGroup.start`` before it builds its model runner. Each child is ``python -m workers.rank_main``
 reading its spec as JSON on stdin (no pickle): its rank, the group's size, the engine config, the model
 directory and the rendezvous file. All ranks join one group through a ``FileStore`` in a directory
 only this user can read (the ranks share one node: the worker asks Ray for all of its ranks' devices,
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from cluster.config import EngineConfig, from_dict
-from workers.parallel import TensorParallel, build_groups
+from cluster.config import EngineConfig
+from workers.models.parallel import TensorParallel, build_groups
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class RankGroup:
                 if visible:
                     env["CUDA_VISIBLE_DEVICES"] = visible[rank]
                 child = subprocess.Popen(
-                    [sys.executable, "-m", "workers.rank_process"], stdin=subprocess.PIPE, env=env
+                    [sys.executable, "-m", "workers.rank_main"], stdin=subprocess.PIPE, env=env
                 )
                 children.append(child)
                 assert child.stdin is not None
@@ -191,7 +191,7 @@ def _join(
 
     def join() -> None:
         try:
-            result.append(_groups(store, 0, size, device))
+            result.append(join_groups(store, 0, size, device))
         except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
             errors.append(e)
 
@@ -214,7 +214,7 @@ def _join(
     return result[0]
 
 
-def _groups(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
+def join_groups(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
     """This rank's place in its worker's step groups and KV groups (see ``TensorParallel.kv``)."""
     group, host_group = build_groups(store, rank, size, device, JOIN_TIMEOUT_S)
     _set_timeout(group, host_group, GROUP_TIMEOUT_S)
@@ -247,7 +247,7 @@ def _kill(children: list[subprocess.Popen[bytes]]) -> None:
         child.wait(timeout=STOP_TIMEOUT_S)
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when its parent exits; exit now if the parent is already gone."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -255,45 +255,3 @@ def _die_with_parent(parent_pid: int) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         os._exit(1)
-
-
-def _run_or_exit(target: Callable[[], None]) -> None:
-    """A rank's second thread: if it dies, the rank exits (rank 0's watcher then fails the worker)."""
-    try:
-        target()
-    except BaseException:
-        logger.exception("the KV thread of this tensor-parallel rank died")
-        logging.shutdown()
-        os._exit(1)
-
-
-def main() -> None:
-    """A child rank: read the spec, join, build the runner, follow rank 0's steps until told to stop."""
-    spec = RankSpec(**json.loads(sys.stdin.read()))
-    _die_with_parent(spec.parent_pid)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s tp-rank-{spec.rank} %(levelname)s %(message)s"
-    )
-    torch.set_num_threads(spec.torch_threads)
-    import torch.distributed as dist
-
-    from workers.model_runner import ModelRunner
-    from workers.parallel_kv import KvFollower
-
-    config = from_dict(EngineConfig, spec.engine, "engine")
-    device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
-    store = dist.FileStore(spec.store_path, spec.size)
-    tp = _groups(store, spec.rank, spec.size, device)
-    runner = ModelRunner(config, spec.model_dir, tp)
-    logger.info("rank %d of %d ready", spec.rank, spec.size)
-    if tp.kv is not None:
-        kv = KvFollower(tp.kv, runner.kv_cache, tp.sharding(runner.arch))
-        threading.Thread(target=_run_or_exit, args=(kv.run,), name="tp-kv", daemon=True).start()
-    runner.follow()
-    logger.info("rank %d of %d stopped", spec.rank, spec.size)
-    logging.shutdown()
-    os._exit(0)  # NOTE: nothing left to flush; skips tearing down torch's state (seconds on a busy box)
-
-
-if __name__ == "__main__":
-    main()

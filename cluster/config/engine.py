@@ -87,7 +87,7 @@ class EngineConfig:
     structured_max_pending_compiles: int = 64
     structured_max_spec_chars: int = MAX_STRUCTURED_SPEC_CHARS
     structured_max_grammar_rules: int = MAX_GRAMMAR_RULES
-    # Ranks of one worker (Megatron-style tensor parallelism, workers/parallel.py): the model's heads,
+    # Ranks of one worker (Megatron-style tensor parallelism, workers/models/parallel.py): the model's heads,
     # MLP width and vocabulary split over this many processes on one node, one device each; set per pool
     # by PoolConfig.tensor_parallel_size (vLLM's --tensor-parallel-size).
     tensor_parallel_size: int = 1

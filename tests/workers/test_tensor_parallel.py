@@ -1,4 +1,4 @@
-"""Tensor parallelism inside one engine (workers/parallel.py, workers/rank_process.py): outputs at TP=2
+"""Tensor parallelism inside one engine (workers/models/parallel.py, workers/rank_process.py): outputs at TP=2
 and TP=4 against TP=1's, by the oracle's rule (tests/support/tp_oracle.py), on the bundled model and the
 four architectures' test checkpoints, over gloo on CPU; and the ranks as one unit (start, stop, death)."""
 
@@ -17,7 +17,7 @@ from tests.support.hf_models import ARCHS, make_random_hf_model
 from tests.support.tp_oracle import compare
 from workers.llm import LLM
 from workers.models.arch import ArchConfig
-from workers.parallel import Sharding
+from workers.models.parallel import Sharding
 
 _ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 8}
 

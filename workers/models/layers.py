@@ -20,7 +20,7 @@ from torch import nn
 from workers.attention.base import AttentionSpec
 from workers.forward_context import get_forward_context
 from workers.models.arch import ArchConfig
-from workers.parallel import TensorParallel, current
+from workers.models.parallel import TensorParallel, current
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -41,7 +41,7 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with HF's parameter names; ``out_sizes`` > 1 entries fuse several HF linears.
 
-    Under tensor parallelism (workers/parallel.py) ``out_sizes`` are this rank's and a checkpoint tensor
+    Under tensor parallelism (workers/models/parallel.py) ``out_sizes`` are this rank's and a checkpoint tensor
     is narrowed to this rank's part as it loads (``take``): ``rows``, one (start, length) per fused HF
     linear, for a column-parallel layer; ``cols`` (start, length) for a row-parallel one, whose partial
     outputs ``tp`` sums (the bias added once, after the sum). ``padded``: the rank's rows may run past

@@ -17,7 +17,7 @@ from cluster.hub import weight_files
 from workers.models import get_model_class
 from workers.models.arch import ArchConfig
 from workers.models.layers import PACKED_MODULES, CausalLM, Linear, RMSNorm, RotaryEmbedding
-from workers.parallel import SINGLE, Sharding, TensorParallel, building
+from workers.models.parallel import SINGLE, Sharding, TensorParallel, building
 
 # our fused module -> the HF modules it packs, in shard order
 _UNPACKED = {

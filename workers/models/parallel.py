@@ -21,12 +21,11 @@ import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # NOTE: workers.models imports this module (its layers read their shard here)
-    from workers.models.arch import ArchConfig
+from workers.models.arch import ArchConfig
 
 
 @dataclass(frozen=True)
