@@ -168,6 +168,7 @@ class KvReserve:
     fragmentation: int  # the allocator's rounding and splitting over the measured peaks
     nccl_buffers: int  # per NCCL pair (communicator) with the other pool
     transfer_staging: int  # the transfer side's staging ring on this GPU
+    tp_nccl_buffers: int = 0  # a tensor-parallel worker's two communicators (steps, KV relay) on this rank
 
     @property
     def total(self) -> int:
@@ -275,11 +276,15 @@ def plan_kv_budget(
     row_bytes: int,
     triton_modules: int = TRITON_MODULE_RESERVE_BYTES,
     fragmentation_fraction: float = FRAGMENTATION_FRACTION,
+    tensor_parallel_size: int = 1,
 ) -> KvBudget:
     """The KV budget from plain numbers: the card's ``total_bytes`` and ``free_bytes`` now (after the
     profile, its cache emptied), the measured peaks, ``num_graphs`` decode graphs to capture, the device's
     compute capability, the process environment (CUBLAS_WORKSPACE_CONFIG, CUBLASLT_WORKSPACE_SIZE,
-    NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS), the transfer footprint and the KV row size its staging is cut in."""
+    NCCL_BUFFSIZE, NCCL_MAX_NCHANNELS), the transfer footprint and the KV row size its staging is cut in.
+    A rank of a tensor-parallel worker (``tensor_parallel_size`` > 1) also keeps its two communicators'
+    buffers: each rank of a ring talks to two neighbours (one when there are two ranks), a pair's buffers
+    each."""
     # NOTE: the profile ran on the default stream, whose workspace it measured; the graphs are captured
     # on torch's capture stream, which takes its own. The transfer side's stream runs no matmul.
     num_matmul_streams = 1 if num_graphs else 0
@@ -293,6 +298,9 @@ def plan_kv_budget(
         fragmentation=math.ceil(fragmentation_fraction * (activation_peak + graph_pool)),
         nccl_buffers=transfer.num_nccl_pairs * nccl_bytes_per_pair(env),
         transfer_staging=transfer.num_staging_sides * staging_ring_bytes(row_bytes),
+        tp_nccl_buffers=(2 * min(2, tensor_parallel_size - 1) * nccl_bytes_per_pair(env))
+        if tensor_parallel_size > 1
+        else 0,
     )
     return KvBudget(total_bytes, total_bytes - free_bytes, gpu_memory_utilization, reserve)
 
@@ -330,6 +338,7 @@ def size_kv_cache_cuda(
         env=os.environ,
         transfer=transfer,
         row_bytes=runner.bytes_per_block // runner.arch.num_hidden_layers,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     num_blocks = budget.num_blocks(runner.bytes_per_block)
     logger.info("KV cache: %d blocks; %s", num_blocks, budget.describe())

@@ -236,3 +236,13 @@ def test_a_budget_below_zero_is_refused_naming_utilization_and_every_term() -> N
         "nccl_buffers 64.0 MiB, transfer_staging 16.0 MiB); KV -81.0 MiB; raise gpu_memory_utilization or "
         "lower max_num_batched_tokens / max_num_seqs / cuda_graph_max_batch_size"
     )
+
+
+def test_a_tensor_parallel_rank_keeps_its_two_communicators_buffers() -> None:
+    one = plan(tensor_parallel_size=1).reserve
+    two = plan(tensor_parallel_size=2).reserve
+    four = plan(tensor_parallel_size=4).reserve
+    assert one.tp_nccl_buffers == 0
+    assert two.tp_nccl_buffers == 2 * 64 * MIB  # steps + KV relay, one neighbour each
+    assert four.tp_nccl_buffers == 2 * 2 * 64 * MIB  # a ring: two neighbours each
+    assert four.total - one.total == four.tp_nccl_buffers
