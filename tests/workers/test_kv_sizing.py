@@ -233,8 +233,8 @@ def test_a_budget_below_zero_is_refused_naming_utilization_and_every_term() -> N
         "no room for a KV cache (2 blocks of 1.0 MiB at least): gpu_memory_utilization 0.5 of 1024.0 MiB "
         "allows 512.0 MiB; in use 512.0 MiB; reserve 81.0 MiB (activation_peak 1.0 MiB, graph_pool 0.0 MiB, "
         "graph_objects 0.0 MiB, cublas_workspace 0.0 MiB, triton_modules 0.0 MiB, fragmentation 0.0 MiB, "
-        "nccl_buffers 64.0 MiB, transfer_staging 16.0 MiB); KV -81.0 MiB; raise gpu_memory_utilization or "
-        "lower max_num_batched_tokens / max_num_seqs / cuda_graph_max_batch_size"
+        "nccl_buffers 64.0 MiB, transfer_staging 16.0 MiB, tp_nccl_buffers 0.0 MiB); KV -81.0 MiB; raise "
+        "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs / cuda_graph_max_batch_size"
     )
 
 
