@@ -8,15 +8,18 @@
 # Steps, in order, each under its own time cap (caps plus a 15 s kill grace each: 540 s, 9 minutes):
 #   1. env         20 s   carried wheels (.whl/, see README "GPU first contact") installed to /tmp/site;
 #                         nvidia-smi, python, torch, CUDA, Triton, transformers, which optional packages are there
-#   2. async       90 s   Gemma-2-2B throughput workload (bench/gpu_throughput.py), async scheduling (the CUDA
+#   2. async       85 s   Gemma-2-2B throughput workload (bench/gpu_throughput.py), async scheduling (the CUDA
 #                         default): out tok/s, kernels per step, host/device time per step, time over the floor
-#   3. tests      200 s   every `gpu`-marked test (pytest -m gpu: compiled Triton, bf16 agreement, CUDA graphs,
+#   3. tests      160 s   every `gpu`-marked test (pytest -m gpu: compiled Triton, bf16 agreement, CUDA graphs,
 #                         KV sizing, the CUDA IPC transfer between two processes on one GPU, the device digest)
 #   4. sync        70 s   the same workload with --no-async-scheduling
 #   5. digest      15 s   the transfer's device digest (bench/device_digest.py), GB/s against device copies
-#   6. profile     55 s   256 requests of the workload, async, under cProfile: where the host's time per step goes
+#   6. profile     45 s   256 requests of the workload, async, under cProfile: where the host's time per step goes
+#   7. tp          40 s   with 2+ GPUs: bench/tp_step.py --tp 1 2 (tensor parallelism over NCCL: ranks, step
+#                         broadcast, all-reduces, the LM head's gather; ms a step, outputs against TP=1);
+#                         one GPU: says so (NCCL refuses two ranks on one device)
 # A step that fails or runs past its cap is reported and the next one runs. Output: $OUT/summary.txt (the
-# table printed last), $OUT/{env,async,tests,sync,digest,profile}.log (seven files:
+# table printed last), $OUT/{env,async,tests,sync,digest,profile,tp}.log (eight files:
 # the device tool brings back at most eight).
 set -u
 cd "$(dirname "$0")/.."
@@ -78,11 +81,13 @@ if ((DRY_RUN)); then
     "$PY" -m pytest -q -m gpu --collect-only tests | tail -n 1 | tee -a "$SUMMARY"
 fi
 step env 20 bash "$0" --env-report
-step async 90 "$PY" "${GEMMA[@]}"
-step tests 200 "$PY" -m pytest -m gpu -q -rsP --continue-on-collection-errors --timeout 150 -p no:randomly tests
+step async 85 "$PY" "${GEMMA[@]}"
+step tests 160 "$PY" -m pytest -m gpu -q -rsP --continue-on-collection-errors --timeout 150 -p no:randomly tests
 step sync 70 "$PY" "${GEMMA[@]}" --no-async-scheduling
 step digest 15 "$PY" bench/device_digest.py
-step profile 55 "$PY" "${GEMMA[@]}" --num-requests 256 --profile-steps 2 --cprofile
+step profile 45 "$PY" "${GEMMA[@]}" --num-requests 256 --profile-steps 2 --cprofile
+step tp 40 bash -c 'if (( $(nvidia-smi -L | wc -l) >= 2 )); then '"$PY"' bench/tp_step.py --tp 1 2 --repeats 2;
+    else echo "one GPU: NCCL refuses two ranks on one device; tensor parallelism not run"; fi'
 if ((!DRY_RUN)); then
     echo "=== summary"
     cat "$SUMMARY"

@@ -39,7 +39,8 @@ def test_the_dry_run_collects_every_test_on_a_bare_machine_and_plans_under_nine_
     assert collected is not None, proc.stdout  # (pytest says ", N errors" before " in" when a file fails)
     assert int(collected[1]) >= 20  # the gpu tests, every one collected without Ray or cryptography
     plan = re.findall(r"^(\w+)\s+(\d+)s\s+would run: (.*)$", proc.stdout, re.MULTILINE)
-    assert [name for name, _, _ in plan] == ["env", "async", "tests", "sync", "digest", "profile"]
-    assert sum(int(cap) for _, cap, _ in plan) + 6 * 15 <= 9 * 60  # each cap plus its 15 s kill grace
+    assert [name for name, _, _ in plan] == ["env", "async", "tests", "sync", "digest", "profile", "tp"]
+    assert sum(int(cap) for _, cap, _ in plan) + 7 * 15 <= 9 * 60  # each cap plus its 15 s kill grace
     assert "-m gpu" in plan[2][2] and "--no-async-scheduling" in plan[3][2]
-    assert (tmp_path / "out" / "summary.txt").read_text().count("would run") == 6
+    assert "bench/tp_step.py --tp 1 2" in plan[6][2]
+    assert (tmp_path / "out" / "summary.txt").read_text().count("would run") == 7
