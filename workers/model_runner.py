@@ -496,7 +496,7 @@ class ModelRunner:
         prompt_copy = None
         if forward.prompt_rows is not None and inputs.prompt_rows is not None:
             prompt_copy = score_prompt_rows(
-                forward.prompt_rows, inputs.prompt_rows, self._prompt_logits, self.config.max_num_seqs
+                forward.prompt_rows, inputs.prompt_rows, self._row_logits, self.config.max_num_seqs
             )
             pending.prompt_copy = prompt_copy
         if forward.hidden_rows is not None:
@@ -522,7 +522,7 @@ class ModelRunner:
             if self.tp.is_parallel:
                 return SamplerOutput(self.model.argmax_logits(hidden_rows))
             return SamplerOutput(self.model.argmax_tokens(hidden_rows))
-        logits = self._prompt_logits(hidden_rows)
+        logits = self._row_logits(hidden_rows)
         if mask is not None:
             # NOTE: before the sampler, as vLLM does: greedy rows, the random race and the reported
             # logprobs all see only the tokens the grammar allows.
@@ -541,7 +541,7 @@ class ModelRunner:
         processors.apply(processed)
         return self.sampler(processed, params, generators, raw_logits=logits if asks_logprobs else None)
 
-    def _prompt_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+    def _row_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits of rows (final soft-cap included), no processor. Under tensor parallelism the
         rows are already the LM head's gathered output (``parallel_steps.head_rows``)."""
         if self.tp.is_parallel:

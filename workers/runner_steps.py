@@ -18,7 +18,8 @@ from workers.step_inputs import StepInputs
 class ForwardStep:
     """A step whose forward is enqueued and whose sampling is not (``ModelRunner.sample`` finishes it).
     hidden_rows: the hidden states of the rows to sample (None: the step samples nothing); prompt_rows:
-    those of the rows that score prompt tokens (None: none)."""
+    those of the rows that score prompt tokens (None: none). Under tensor parallelism both hold the LM
+    head's gathered output for those rows instead (``parallel_steps.head_rows``)."""
 
     inputs: StepInputs
     hidden_rows: torch.Tensor | None
