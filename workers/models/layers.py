@@ -306,7 +306,8 @@ def vocab_shard(arch: ArchConfig, tp: TensorParallel) -> tuple[int, tuple[int, i
     if not tp.is_parallel:
         return arch.vocab_size, None
     shard = tp.sharding(arch)
-    return shard.vocab_per_rank, (shard.vocab_start, shard.vocab_rows)
+    # NOTE: a rank past the vocabulary's end (more ranks than rows to share) holds no row of it
+    return shard.vocab_per_rank, (min(shard.vocab_start, arch.vocab_size), shard.vocab_rows)
 
 
 def vocab_embedding(arch: ArchConfig) -> Embedding:
