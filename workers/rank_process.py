@@ -85,6 +85,7 @@ class RankGroup:
         self._store_dir = store_dir
         self._closing = threading.Event()
         self._store: Any = None
+        self._threads = torch.get_num_threads()
 
     @classmethod
     def start(
@@ -97,6 +98,7 @@ class RankGroup:
         by ``JOIN_TIMEOUT_S``). If a rank exits before ``close``, a watcher thread records it in
         ``failure`` and calls the process's handler (``on_rank_death``)."""
         size = config.tensor_parallel_size
+        threads = torch.get_num_threads()  # NOTE: given back at close (an offline engine's process)
         if device.type == "cpu":
             # NOTE: the ranks share this process's cores: N ranks of all of them each oversubscribe them
             # (measured, bundled model, 16 running, 2 cores: 80 ms a step at TP=2 with 2 threads a rank,
@@ -135,8 +137,10 @@ class RankGroup:
         except BaseException:
             _kill(children)
             shutil.rmtree(store_dir, ignore_errors=True)
+            torch.set_num_threads(threads)
             raise
         ranks = cls(tp, children, store_dir)
+        ranks._threads = threads
         ranks._store = store  # NOTE: torch keeps calling into the store while the group lives
         for rank, child in enumerate(children, start=1):
             threading.Thread(
@@ -179,6 +183,7 @@ class RankGroup:
                 child.kill()
                 child.wait(timeout=STOP_TIMEOUT_S)
         shutil.rmtree(self._store_dir, ignore_errors=True)
+        torch.set_num_threads(self._threads)
 
 
 def _join(

@@ -99,7 +99,9 @@ def test_sampling_features_at_tp2_match_tp1() -> None:
 
 
 def test_a_rank_that_dies_fails_the_engine_and_close_leaves_no_process() -> None:
+    threads = torch.get_num_threads()
     llm = LLM("", tensor_parallel_size=2, detokenize_thread=False, **_ENGINE)
+    assert torch.get_num_threads() == max(1, threads // 2)  # NOTE: the ranks share this process's cores
     ranks = llm.engine.runner.ranks
     assert ranks is not None and len(ranks.pids) == 1
     pid = ranks.pids[0]
@@ -114,6 +116,7 @@ def test_a_rank_that_dies_fails_the_engine_and_close_leaves_no_process() -> None
         llm.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+    assert torch.get_num_threads() == threads  # given back
 
 
 def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> None:
