@@ -190,6 +190,8 @@ class ModelRunner:
             if tp.kv is None or not tp.is_driver
             else KvRelay(tp.kv, self.kv_cache, tp.sharding(self.arch))
         )
+        if self.kv_relay is not None and self.ranks is not None:
+            self.kv_relay.on_error = self.ranks.fail_if_a_rank_died
         self.max_model_len = config.max_model_len(self.arch.max_position_embeddings, self.num_blocks)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.block_tables = PersistentBlockTables(config.max_num_seqs, self.max_blocks_per_seq)

@@ -21,6 +21,8 @@ their own until rank 0 says stop (``KvRelay.close``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -86,6 +88,9 @@ class KvRelay(_KvRanks):
         self._owners = [Sharding(arch, r, tp.size) for r in range(tp.size)]
         self._lock = threading.Lock()
         self._closed = False
+        # called when an op's collective fails, before the error propagates: a dead rank fails the
+        # worker as a unit first (``RankGroup.fail_if_a_rank_died``), so no transfer reports it
+        self.on_error: Callable[[], None] | None = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -94,7 +99,7 @@ class KvRelay(_KvRanks):
 
     def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
         """Blocks ``index`` of ``layer`` with every head: ``[n, 2, bs, num_kv_heads, d]``."""
-        with self._lock:
+        with self._lock, self._failing():
             self._send_op(GATHER, layer, index)
             parts = self._gather_part(layer, index)
         out = torch.empty((len(index), *self.shape[2:]), dtype=self.kv.dtype, device=self.kv.device)
@@ -109,7 +114,7 @@ class KvRelay(_KvRanks):
     def scatter(self, layer: int, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` (``[n, 2, bs, num_kv_heads, d]``, every head) into blocks ``index`` of
         ``layer`` on every rank, each rank its own heads."""
-        with self._lock:
+        with self._lock, self._failing():
             self._send_op(SCATTER, layer, index)
             self._scatter_part(layer, index, rows.contiguous())
 
@@ -120,6 +125,15 @@ class KvRelay(_KvRanks):
                 return
             self._closed = True
             self.tp.broadcast(torch.tensor([STOP, 0, 0], dtype=torch.int64), host=True)
+
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception:
+            if self.on_error is not None:
+                self.on_error()
+            raise
 
     def _send_op(self, op: int, layer: int, index: torch.Tensor) -> None:
         if self._closed:

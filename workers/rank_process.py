@@ -159,6 +159,25 @@ class RankGroup:
         if handler is not None:
             handler(why)
 
+    def fail_if_a_rank_died(self, within_s: float = 2.0) -> None:
+        """After a collective failed: if a rank exited (waited for up to ``within_s``: the failure may
+        come a moment before the exit is seen), fail the worker as a unit now, before whatever failed
+        reports anything (the process's handler usually exits it). Returns when every rank lives."""
+        deadline = time.monotonic() + within_s
+        for rank, child in enumerate(self._children, start=1):
+            try:
+                code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            if self._closing.is_set():
+                return
+            why = f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}"
+            self.failure = why
+            handler = _death_handler
+            if handler is not None:
+                handler(why)
+            return
+
     @property
     def pids(self) -> list[int]:
         return [child.pid for child in self._children]

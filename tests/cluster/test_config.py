@@ -13,7 +13,10 @@ import pytest
 
 from cluster.config import ClusterConfig, EngineConfig, PoolConfig, RouterConfig, ServerConfig, from_dict
 
-ENGINE_KEYS = sorted(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+# NOTE: tensor_parallel_size is a pool's own key (pools.<pool>.tensor_parallel_size), not an engine option
+ENGINE_KEYS = sorted(
+    f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "tensor_parallel_size")
+)
 TOP_KEYS = [
     "engine",
     "log",

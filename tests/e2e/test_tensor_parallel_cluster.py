@@ -115,9 +115,11 @@ def test_kv_handed_off_between_tensor_parallel_sizes(prefill_tp: int, decode_tp:
         delivered = ray.get(cluster.actors["decode-0"].cached_kv.remote(prompt_ids), timeout=60)
         assert len(delivered) > 0 and delivered == _offline_kv(prefill_tp, prompt_ids)
         assert all(report is None for report in cluster.check_leaks(10).values())
-        stats = {s.worker_id: s for s in cluster.worker_stats()}
         # NOTE: 2 x 3 prompts, then the long one: every request's KV moved, none failed or was refused
-        assert stats["decode-0"].transfer.num_ok == 7
+        stats = wait_for(
+            lambda: (s := {s.worker_id: s for s in cluster.worker_stats()})["decode-0"].transfer.num_ok == 7 and s,
+            10, "the decode worker's heartbeat counting every handoff",
+        )  # fmt: skip
         assert (stats["decode-0"].transfer.num_failed, stats["decode-0"].transfer.num_rejected_chunks) == (
             0,
             0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.support.tp_oracle import compare
 from workers.llm import LLM
 from workers.models.arch import ArchConfig
 from workers.models.parallel import Sharding
+from workers.rank_process import on_rank_death
 
 _ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 8}
 
@@ -163,3 +165,25 @@ def _cached_blocks(llm: LLM, prompt: list[int]) -> list[int]:
     cache = manager.prefix_cache
     assert cache is not None
     return cache.lookup(hash_full_blocks(prompt, manager.block_size, 0, b""))
+
+
+def test_a_relay_op_that_fails_for_a_dead_rank_fails_the_worker_first() -> None:
+    """A transfer's relay op broken by a rank's death calls the process's rank-death handler before its
+    error propagates: a worker fails as a unit (and exits) instead of reporting a failed transfer."""
+    told: list[tuple[str, str]] = []  # (thread, why)
+    on_rank_death(lambda why: told.append((threading.current_thread().name, why)))
+    try:
+        with LLM("", tensor_parallel_size=2, detokenize_thread=False, **_ENGINE) as llm:
+            ranks, relay = llm.engine.runner.ranks, llm.engine.runner.kv_relay
+            assert ranks is not None and relay is not None
+            relay.gather(0, torch.tensor([1, 2]))  # NOTE: a live group serves it
+            assert told == []
+            ranks._children[0].kill()
+            ranks._children[0].wait(timeout=30)
+            with pytest.raises(RuntimeError):
+                relay.gather(0, torch.tensor([1, 2]))
+            # NOTE: told on the op's own thread (its rank watcher may tell too, on its thread)
+            assert threading.current_thread().name in {thread for thread, _ in told}
+            assert all("tensor-parallel rank 1" in why and "code -9" in why for _, why in told)
+    finally:
+        on_rank_death(None)
