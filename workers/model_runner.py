@@ -446,10 +446,20 @@ class ModelRunner:
         mask = mask_for(forward.sample_ids) if mask_for is not None and forward.sample_ids else None
         return self.sample(forward, mask)
 
-    @torch.inference_mode()
     def forward(self, out: SchedulerOutput) -> ForwardStep:
         """The first half of ``launch``: inputs and forward enqueued; ``sample`` must follow (before the
-        next step is launched: its placeholder tokens come from this step's sampled tokens)."""
+        next step is launched: its placeholder tokens come from this step's sampled tokens). A step of a
+        tensor-parallel worker whose collective failed for a dead rank fails the worker as a unit first."""
+        if self.ranks is None:
+            return self._forward(out)
+        try:
+            return self._forward(out)
+        except Exception:
+            self.ranks.fail_if_a_rank_died()
+            raise
+
+    @torch.inference_mode()
+    def _forward(self, out: SchedulerOutput) -> ForwardStep:
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
         if self.ranks is not None:
