@@ -189,6 +189,10 @@ def load_predictor(config: RouterConfig, engine: EngineConfig) -> Predictor | No
     uses the prompt-length rule). Raises ValueError when the profile is missing or invalid, or when
     ``admission: slo`` has no profile to predict with.
 
+    A worker of several ranks (``engine.tensor_parallel_size``, the prefill pool's) is predicted at that
+    size (``CostProfile.with_tensor_parallel``: ValueError for a measured profile of another size); a
+    decode pool of another size is predicted at the prefill pool's too (one profile a router).
+
     NOTE: never picked up implicitly: a calibration lying around must not change how a cluster routes."""
     path = profile_path(config)
     if path is None:
@@ -204,6 +208,8 @@ def load_predictor(config: RouterConfig, engine: EngineConfig) -> Predictor | No
             "router.cost_profile"
         )
     profile = CostProfile.load(path)
+    if engine.tensor_parallel_size > 1:
+        profile = profile.with_tensor_parallel(engine.tensor_parallel_size)
     tbt = config.tbt_slo_ms / 1e3 if config.tbt_slo_ms is not None else None
     return Predictor(profile, engine.max_num_batched_tokens, tbt)
 

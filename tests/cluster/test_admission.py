@@ -169,3 +169,18 @@ def test_admission_flags_over_the_yaml() -> None:
     )
     with pytest.raises(ValueError, match="admission must be one of"):
         build_config(parser.parse_args(["--admission", "always"]))
+
+
+def test_a_tensor_parallel_pool_is_predicted_at_its_size(tmp_path: Any) -> None:
+    from deploy.planner.profiles import HARDWARE, ModelShape, roofline_profile
+
+    roofline = roofline_profile(HARDWARE["h100"], ModelShape.from_config("bench/configs/llama-3-8b"))
+    path = tmp_path / "roofline.json"
+    roofline.save(path)
+    engine = EngineConfig(max_num_batched_tokens=256, tensor_parallel_size=2)
+    predictor = load_predictor(RouterConfig(cost_profile=str(path)), engine)
+    assert predictor == Predictor(roofline.with_tensor_parallel(2), 256, None)
+    assert predictor.profile != roofline
+    CONSTANT.save(path)  # a measured profile knows one size only: said at start, not mispredicted
+    with pytest.raises(ValueError, match="tensor"):
+        load_predictor(RouterConfig(cost_profile=str(path)), engine)
