@@ -11,8 +11,10 @@ the same calls, and the children follow rank 0's steps (``ModelRunner.follow``) 
 A worker is one unit:
   - a child dies with its parent: it asks the kernel for SIGKILL when rank 0 exits (PR_SET_PDEATHSIG),
     and checks rank 0 is still its parent after asking (rank 0 may have died before it asked);
-  - rank 0 learns at once that a child exited (a watcher thread per child calls ``on_death``): a worker
-    then fails as a whole (it says so and exits; Ray restarts it, and its new rank 0 starts new ranks);
+  - rank 0 learns at once that a child exited (a watcher thread per child calls the handler set with
+    ``on_rank_death``; a step's or a handoff's collective that failed for it calls it first,
+    ``fail_if_a_rank_died``): a worker then fails as a whole (``Guard.fatal``: it says so and exits; Ray
+    restarts it, and its new rank 0 starts new ranks);
   - a collective never waits forever: the group's timeout bounds it (a stopped, not dead, rank).
 On CUDA rank r sees only its own device (``CUDA_VISIBLE_DEVICES`` narrowed to the r-th of the worker's).
 """
@@ -41,7 +43,7 @@ from workers.models.parallel import TensorParallel, build_groups
 
 logger = logging.getLogger(__name__)
 
-# NOTE: a rank imports torch and joins before any model is built; a minute covers a loaded box
+# NOTE: a rank imports torch and joins before any model is built (seconds; two minutes covers a loaded box)
 JOIN_TIMEOUT_S = 120.0
 # NOTE: one collective of a step (or the start-up's model build on every rank, whose warm-up runs
 # collectives) waits at most this long for a stopped rank; a dead one fails it at once
@@ -69,7 +71,7 @@ _death_handler: Callable[[str], None] | None = None
 
 def on_rank_death(handler: Callable[[str], None] | None) -> None:
     """What this process does when one of its tensor-parallel ranks exits unasked (a worker: say so and
-    exit, ``EngineWorker``'s ``on_fatal``). None: only log it; the next step then fails."""
+    exit, its ``Guard.fatal``). None: only log it; the next step then fails, naming the rank."""
     global _death_handler
     _death_handler = handler
 
