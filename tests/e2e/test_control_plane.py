@@ -182,17 +182,19 @@ def test_a_dead_step_thread_fails_its_requests_fast_and_ray_restarts_the_worker(
 
             async def stream() -> tuple[float, BaseException | None]:
                 tokens: list[int] = []
-                injected = time.monotonic()
+                injected: float | None = None
                 try:
                     async for d in handle.agenerate(
                         prompt, SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
                     ):
                         tokens += d.token_ids
-                        if len(tokens) == 3:
+                        # NOTE: at least 3: a stream hands over every token it holds at once (a busy loop
+                        # may take several in one delta), so a count of exactly 3 may never be seen
+                        if len(tokens) >= 3 and injected is None:
                             handle.inject_fault("decode-0", "step")
                             injected = time.monotonic()
                 except WorkerFailedError as e:
-                    return time.monotonic() - injected, e
+                    return (-1.0 if injected is None else time.monotonic() - injected), e
                 return -1.0, None
 
             latency, error = asyncio.run(stream())
