@@ -310,8 +310,10 @@ def build_group(
     bind_host: str,
     timeout_s: float,
     device: torch.device | None = None,
+    size: int = 2,
 ) -> Any:
-    """A standalone two-rank group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``store`` (a
+    """A standalone group of ``size`` ranks (two: a pair's; a tensor-parallel worker's ranks build theirs
+    with it too) (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) over ``store`` (a
     ``dist.Store``: a pair's `LinkStore`; or the (host, port) of a TCPStore the bench tools host for the
     raw groups they build, never a cluster's), under ``prefix`` if one is given; returns once both ranks joined (gloo) or at once (nccl:
     lazily, on the first op). gloo's sockets listen on ``bind_host`` only. An nccl group first sets
@@ -331,12 +333,12 @@ def build_group(
         set_nccl_env_defaults()
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = timeout
-        return dist.ProcessGroupNCCL(client, rank, 2, nccl_options)
+        return dist.ProcessGroupNCCL(client, rank, size, nccl_options)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    options._threads = 1  # NOTE: gloo's threads run collectives; pairs only send and recv
-    return dist.ProcessGroupGloo(client, rank, 2, options)
+    options._threads = 1  # NOTE: gloo's threads run concurrent ops; a pair's and a rank's run one by one
+    return dist.ProcessGroupGloo(client, rank, size, options)
 
 
 def _same_workers(a: tuple[PeerId, PeerId], b: tuple[PeerId, PeerId]) -> bool:

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from cluster.config import EngineConfig
-from workers.models.parallel import TensorParallel, build_groups
+from transfer.pairs import build_group
+from workers.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -151,15 +152,7 @@ class RankGroup:
         return ranks
 
     def _watch(self, rank: int, child: subprocess.Popen[bytes]) -> None:
-        code = child.wait()
-        if self._closing.is_set():
-            return
-        why = f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}"
-        self.failure = why
-        logger.error("%s: this worker's ranks are one unit, so it fails as a whole", why)
-        handler = _death_handler
-        if handler is not None:
-            handler(why)
+        self._fail(rank, child, child.wait())
 
     def fail_if_a_rank_died(self, within_s: float = 2.0) -> None:
         """After a collective failed: if a rank exited (waited for up to ``within_s``: the failure may
@@ -171,14 +164,19 @@ class RankGroup:
                 code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 continue
-            if self._closing.is_set():
-                return
-            why = f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}"
-            self.failure = why
-            handler = _death_handler
-            if handler is not None:
-                handler(why)
+            self._fail(rank, child, code)
             return
+
+    def _fail(self, rank: int, child: subprocess.Popen[bytes], code: int) -> None:
+        """Rank ``rank`` exited unasked (not while closing): recorded, logged, the handler told."""
+        if self._closing.is_set():
+            return
+        why = f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}"
+        self.failure = why
+        logger.error("%s: this worker's ranks are one unit, so it fails as a whole", why)
+        handler = _death_handler
+        if handler is not None:
+            handler(why)
 
     @property
     def pids(self) -> list[int]:
@@ -241,13 +239,19 @@ def _join(
 
 
 def join_groups(store: Any, rank: int, size: int, device: torch.device) -> TensorParallel:
-    """This rank's place in its worker's step groups and KV groups (see ``TensorParallel.kv``)."""
-    group, host_group = build_groups(store, rank, size, device, JOIN_TIMEOUT_S)
-    _set_timeout(group, host_group, GROUP_TIMEOUT_S)
-    kv_group, kv_host_group = build_groups(store, rank, size, device, JOIN_TIMEOUT_S, prefix="kv-")
-    _set_timeout(kv_group, kv_host_group, GROUP_TIMEOUT_S)
-    kv = TensorParallel(rank, size, kv_group, kv_host_group)
-    return TensorParallel(rank, size, group, host_group, kv=kv)
+    """This rank's place in its worker's step groups and KV groups (see ``TensorParallel.kv``): each a
+    host (gloo) group and, on CUDA, a device (NCCL) group, built with ``transfer.pairs.build_group`` on
+    loopback (the ranks share one node); every collective bounded by ``GROUP_TIMEOUT_S``."""
+
+    def groups(prefix: str) -> tuple[Any, Any]:
+        host = build_group(store, f"{prefix}host", rank, "gloo", "127.0.0.1", GROUP_TIMEOUT_S, size=size)
+        if device.type != "cuda":
+            return host, host
+        device_group = build_group(store, f"{prefix}device", rank, "nccl", "", GROUP_TIMEOUT_S, device, size)
+        return device_group, host
+
+    kv = TensorParallel(rank, size, *groups("kv-"))
+    return TensorParallel(rank, size, *groups(""), kv=kv)
 
 
 def _visible_devices(size: int) -> list[str]:
@@ -256,14 +260,6 @@ def _visible_devices(size: int) -> list[str]:
     if len(devices) < size:
         raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; this process sees {len(devices)}")
     return devices[:size]
-
-
-def _set_timeout(group: Any, host_group: Any, timeout_s: float) -> None:
-    import datetime
-
-    for g in {id(group): group, id(host_group): host_group}.values():
-        if hasattr(g, "_set_default_timeout"):
-            g._set_default_timeout(datetime.timedelta(seconds=timeout_s))
 
 
 def _kill(children: list[subprocess.Popen[bytes]]) -> None:

@@ -55,6 +55,19 @@ def cluster() -> Iterator[Cluster]:
     handle.shutdown()
 
 
+def _check_batch(oai: openai.OpenAI, seed: int | None, reference: list[RequestOutput]) -> None:
+    """PROMPTS as one completions call (greedy without a seed, else sampled at 0.9 with it) against the
+    offline outputs, by the oracle's rule."""
+    temperature = 0.0 if seed is None else 0.9
+    batch = oai.completions.create(
+        model="pdserve-tiny", prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=temperature, seed=seed
+    )
+    for choice, ref in zip(batch.choices, reference, strict=True):
+        ids: list[int] = choice.model_extra["token_ids"]  # type: ignore[index]
+        assert len(ids) == MAX_TOKENS
+        check_tokens(ref, ids)
+
+
 def _offline(
     params: SamplingParams, tp: int = 1, config: str = "deploy/cpu-colocated.yaml"
 ) -> list[RequestOutput]:
@@ -95,18 +108,7 @@ def test_kv_handed_off_between_tensor_parallel_sizes(prefill_tp: int, decode_tp:
         with start_http(cluster) as server:
             oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
             for seed, reference in references.items():
-                temperature = 0.0 if seed is None else 0.9
-                batch = oai.completions.create(
-                    model="pdserve-tiny",
-                    prompt=PROMPTS,
-                    max_tokens=MAX_TOKENS,
-                    temperature=temperature,
-                    seed=seed,
-                )
-                for choice, ref in zip(batch.choices, reference, strict=True):
-                    ids: list[int] = choice.model_extra["token_ids"]  # type: ignore[index]
-                    assert len(ids) == MAX_TOKENS
-                    check_tokens(ref, ids)
+                _check_batch(oai, seed, reference)
             done = oai.completions.create(
                 model="pdserve-tiny", prompt=long_prompt, max_tokens=2, temperature=0
             )
@@ -135,17 +137,7 @@ def test_colocated_tp2_serves_what_one_rank_computes(cluster: Cluster) -> None:
             temperature = 0.0 if seed is None else 0.9
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, logprobs=3)
             reference = _offline(params)
-            batch = oai.completions.create(
-                model="pdserve-tiny",
-                prompt=PROMPTS,
-                max_tokens=MAX_TOKENS,
-                temperature=temperature,
-                seed=seed,
-            )
-            for choice, ref in zip(batch.choices, reference, strict=True):
-                ids: list[int] = choice.model_extra["token_ids"]  # type: ignore[index]
-                assert len(ids) == MAX_TOKENS
-                check_tokens(ref, ids)
+            _check_batch(oai, seed, reference)
             stream = oai.completions.create(
                 model="pdserve-tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=temperature,
                 seed=seed, stream=True,

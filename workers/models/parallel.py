@@ -17,7 +17,6 @@ layers read their shard from it when constructed and keep it for their collectiv
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,16 +142,9 @@ class TensorParallel:
         """Rank 0: ``[N, vocab_size]`` from every rank's ``[N, vocab_per_rank]``; the others: ``local``."""
         if self.size == 1:
             return local
-        import torch.distributed as dist
-
         local = local.contiguous()
-        outputs = [[torch.empty_like(local) for _ in range(self.size)]] if self.rank == 0 else []
-        options = dist.GatherOptions()
-        options.rootRank = 0
-        self.group.gather(outputs, [local], options).wait()
-        if self.rank != 0:
-            return local
-        return torch.cat(outputs[0], dim=-1)[:, :vocab_size]
+        parts = self.gather_parts(local)
+        return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else local
 
     def gather_parts(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Rank 0: every rank's ``local`` (same shape on every rank), in rank order; the others: []."""
@@ -204,26 +196,3 @@ def building(tp: TensorParallel) -> Iterator[TensorParallel]:
         yield tp
     finally:
         _current = previous
-
-
-def build_groups(
-    store: Any, rank: int, size: int, device: torch.device, timeout_s: float, prefix: str = ""
-) -> tuple[Any, Any]:
-    """(device group, host group) of ``size`` ranks over ``store`` (a ``dist.Store`` every rank opens: a
-    ``FileStore`` in a directory only this user can read, on one node), keyed under ``prefix`` (a worker
-    builds two sets: its steps' and its KV handoffs'). Returns once every rank joined (gloo); NCCL
-    connects on its first collective. gloo binds loopback: the ranks share one node."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    host = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}host", store), rank, size, options)
-    if device.type != "cuda":
-        return host, host
-    torch.cuda.set_device(device)
-    nccl_options = dist.ProcessGroupNCCL.Options()
-    nccl_options._timeout = timeout
-    device_store = dist.PrefixStore(f"{prefix}device", store)
-    return dist.ProcessGroupNCCL(device_store, rank, size, nccl_options), host
