@@ -451,7 +451,14 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0  # tokens looked up
-    prefix_cache_hits: int = 0  # tokens found
+    prefix_cache_hits: int = 0  # tokens found (either tier)
+    prefix_cache_host_hits: int = 0  # of those, tokens found in the host tier (loaded back)
+    num_host_blocks: int = 0  # the host tier's size in blocks (0: no tier)
+    num_host_blocks_used: int = 0  # host blocks holding a cached block
+    kv_offloaded_blocks: int = 0  # blocks copied device -> host
+    kv_loaded_blocks: int = 0  # blocks copied host -> device
+    kv_offloaded_bytes: int = 0  # bytes of those copies, summed over ranks
+    kv_loaded_bytes: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_running: int = 0
@@ -465,6 +472,19 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Fraction of usable KV blocks with a user."""
         return 1.0 - self.num_free_blocks / max(1, self.num_total_blocks)
+
+
+@dataclass
+class KvEventBatch:
+    """The net change of what one worker's KV tiers hold since its last batch (workers/kv_events.py):
+    ``(tier, block hash)`` pairs stored and removed; tier 0 is the device cache, 1 the host tier. A hash
+    is the chained content hash of a full block (cluster/block_hash.py)."""
+
+    stored: list[tuple[int, bytes]] = field(default_factory=list)
+    removed: list[tuple[int, bytes]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.stored) + len(self.removed)
 
 
 @dataclass

@@ -39,6 +39,13 @@ _VALUE_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--max-num-batched-tokens", "engine", "max_num_batched_tokens", int, "tokens in one step"),
     ("--block-size", "engine", "block_size", int, "tokens per KV block"),
     ("--num-kv-blocks", "engine", "num_kv_blocks", int, "KV blocks per worker (default: sized from memory)"),
+    (
+        "--kv-offload-gib",
+        "engine",
+        "kv_offload_gib",
+        float,
+        "host-memory KV tier per worker rank, GiB (0: off); YAML per pool: pools.<pool>.engine",
+    ),
     ("--gpu-memory-utilization", "engine", "gpu_memory_utilization", float, "fraction of GPU memory"),
     ("--attention-backend", "engine", "attention_backend", str, "torch | triton"),
     ("--device", "engine", "device", str, "auto | cpu | cuda"),

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.block_hash import BlockHash, hash_full_blocks
+from workers.kv_events import TIER_DEVICE, KvEventLog
 from workers.prefix_cache import PrefixCache
 from workers.request import Request
 
@@ -94,6 +95,18 @@ class KVCacheManager:
         # full-block hashes computed so far per request (also those not registered: duplicates)
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+
+    def subscribe_events(self) -> KvEventLog:
+        """Start recording what the tiers store and remove (workers/kv_events.py); the log's first batch
+        holds everything cached now. Idempotent."""
+        if self.prefix_cache is None:
+            raise RuntimeError("KV events need prefix caching (nothing is cached without it)")
+        if self.prefix_cache.events is None:
+            log = KvEventLog()
+            for block_hash in self.prefix_cache.hashes():
+                log.stored(TIER_DEVICE, block_hash)
+            self.prefix_cache.events = log
+        return self.prefix_cache.events
 
     def get_computed_blocks(self, request: Request, num_pending_tokens: int = 0) -> PrefixHit:
         """Longest cached prefix of the request's tokens, leaving >= 1 token to compute (for logits).

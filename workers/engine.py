@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import EngineConfig
-from cluster.protocol import EngineStats, ErrorCode, SamplingParams, TokenDelta
+from cluster.protocol import EngineStats, ErrorCode, KvEventBatch, SamplingParams, TokenDelta
 from cluster.tokenizer import Tokenizer
 from workers.async_scheduler import AsyncScheduler
 from workers.detokenizer import (
@@ -507,6 +507,13 @@ class Engine:
         return self.scheduler.kv.block_tables.get(request_id)
 
     # ---- observability -----------------------------------------------------------------------------
+    def take_kv_events(self) -> KvEventBatch:
+        """The block hashes this engine's KV tiers stored and removed since the last call (net; see
+        workers/kv_events.py). The first call subscribes: its batch holds everything cached then, and from
+        then on the engine records changes until it ends, so call it every step or so (a worker's step
+        thread does, for the router's index). Raises RuntimeError without prefix caching."""
+        return self.scheduler.kv.subscribe_events().take()
+
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens computed so far (prefix-cache hits excluded): ``stats()``'s, without the copy."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cluster.block_hash import BlockHash
+from workers.kv_events import TIER_DEVICE, KvEventLog
 
 
 class PrefixCache:
@@ -21,6 +22,7 @@ class PrefixCache:
         self._hash_of: dict[int, BlockHash] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.events: KvEventLog | None = None  # set by a subscriber (KVCacheManager.subscribe_events)
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -46,7 +48,12 @@ class PrefixCache:
             return False
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        if self.events is not None:
+            self.events.stored(TIER_DEVICE, block_hash)
         return True
+
+    def hashes(self) -> list[BlockHash]:
+        return list(self._block_of)
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
@@ -57,4 +64,6 @@ class PrefixCache:
         if block_hash is None:
             return False
         del self._block_of[block_hash]
+        if self.events is not None:
+            self.events.removed(TIER_DEVICE, block_hash)
         return True

@@ -58,6 +58,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Host-memory tier under the device prefix cache (workers/host_tier.py): blocks evicted from the
+    # device cache are kept in this many GiB of (pinned, on CUDA) host memory per rank and loaded back on
+    # a prefix hit; 0 turns it off (vLLM's kv_offloading_size, SGLang's hicache size).
+    kv_offload_gib: float = 0.0
     attention_backend: str = "torch"
     # CUDA graphs for decode-only steps (CUDA + triton backend): batch sizes 1, 2, 4, 8, 16, ... up to
     # min(max_num_seqs, cuda_graph_max_batch_size); enforce_eager turns them off.
@@ -115,6 +119,14 @@ class EngineConfig:
         require(
             1 <= self.tensor_parallel_size <= 64,
             f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}",
+        )
+        require(
+            0.0 <= self.kv_offload_gib <= 4096.0,
+            f"kv_offload_gib must be in [0, 4096], got {self.kv_offload_gib}",
+        )
+        require(
+            self.kv_offload_gib == 0.0 or self.enable_prefix_caching,
+            "kv_offload_gib needs enable_prefix_caching (the host tier holds prefix-cache blocks)",
         )
         require(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
         require(
