@@ -5,7 +5,8 @@ Two sources feed it:
 * the HTTP server calls the small observation API below (``observe_first_token``, ``observe_token_gap``,
   ``observe_finished``, ``observe_error``) as it sees token deltas;
 * a custom collector turns ``router.worker_stats()`` (a cached snapshot, cheap) into per-worker gauges
-  and counters at scrape time, so nothing polls the workers on the metrics path; another turns the
+  and counters at scrape time, so nothing polls the workers on the metrics path (the host KV tier's
+  among them: hits by tier, occupancy, blocks and bytes offloaded and loaded); another turns the
   router's routing decisions (``router.route_decisions()``) and the latest live advice into
   ``pdserve_route_decisions_total{mode,reason}`` and the ``pdserve_advice_*`` gauges.
 
@@ -163,6 +164,21 @@ class WorkerStatsCollector(Collector):
         ("pdserve_kv_cache_usage_ratio", "Fraction of usable KV blocks in use", lambda s: s.engine.kv_usage),
         ("pdserve_kv_cache_free_blocks", "Free KV blocks", lambda s: s.engine.num_free_blocks),
         ("pdserve_kv_cache_total_blocks", "Usable KV blocks", lambda s: s.engine.num_total_blocks),
+        (
+            "pdserve_kv_host_cache_total_blocks",
+            "Blocks of the worker's host-memory KV tier (0: no tier)",
+            lambda s: s.engine.num_host_blocks,
+        ),
+        (
+            "pdserve_kv_host_cache_used_blocks",
+            "Host-tier blocks holding a cached block",
+            lambda s: s.engine.num_host_blocks_used,
+        ),
+        (
+            "pdserve_kv_host_cache_usage_ratio",
+            "Fraction of the host tier's blocks holding a cached block (0 without a tier)",
+            lambda s: s.engine.num_host_blocks_used / max(1, s.engine.num_host_blocks),
+        ),
     )
     COUNTERS: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
         ("pdserve_preemptions", "Requests preempted (recompute)", lambda s: s.engine.num_preemptions),
@@ -173,8 +189,33 @@ class WorkerStatsCollector(Collector):
         ),
         (
             "pdserve_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache",
+            "Prompt tokens found in the prefix cache (either tier)",
             lambda s: s.engine.prefix_cache_hits,
+        ),
+        (
+            "pdserve_prefix_cache_host_hits",
+            "Prompt tokens found in the host tier (loaded back; included in pdserve_prefix_cache_hits)",
+            lambda s: s.engine.prefix_cache_host_hits,
+        ),
+        (
+            "pdserve_kv_offloaded_blocks",
+            "KV blocks copied device -> host tier",
+            lambda s: s.engine.kv_offloaded_blocks,
+        ),
+        (
+            "pdserve_kv_loaded_blocks",
+            "KV blocks copied host tier -> device",
+            lambda s: s.engine.kv_loaded_blocks,
+        ),
+        (
+            "pdserve_kv_offloaded_bytes",
+            "KV bytes copied device -> host tier (summed over ranks)",
+            lambda s: s.engine.kv_offloaded_bytes,
+        ),
+        (
+            "pdserve_kv_loaded_bytes",
+            "KV bytes copied host tier -> device (summed over ranks)",
+            lambda s: s.engine.kv_loaded_bytes,
         ),
         ("pdserve_kv_transfer_bytes", "KV bytes moved by this worker", lambda s: s.transfer.bytes_total),
         ("pdserve_kv_transfer_seconds", "Seconds spent moving KV", lambda s: s.transfer.seconds_total),

@@ -16,9 +16,17 @@ to what pdserve measures:
 - per worker (``model_name`` + ``engine`` = worker id): ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and its older name
   ``vllm:gpu_cache_usage_perc`` (a fraction, as vLLM's), ``vllm:num_preemptions_total``,
-  ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``.
+  ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (the device tier's hits: vLLM
+  counts its GPU cache there and a KV connector's hits apart);
+- per worker with a host KV tier (vLLM's names for its offloading connector, whose CPU tier is
+  pdserve's host tier): ``vllm:external_prefix_cache_queries_total`` / ``vllm:external_prefix_cache_hits_total``
+  (tokens looked up; tokens found in the host tier), ``vllm:kv_offload_store_bytes_total`` (device ->
+  host) and ``vllm:kv_offload_load_bytes_total`` (host -> device).
 
-Not exported (no pdserve meaning): speculative decoding, LoRA, spec-decode and multi-modal cache series.
+Not exported (no pdserve meaning): speculative decoding, LoRA, spec-decode and multi-modal cache series;
+``vllm:kv_offload_cpu_cache_usage_perc`` (vLLM's counts the CPU blocks pinned by transfers in flight,
+not the blocks held: pdserve's host-tier occupancy is ``pdserve_kv_host_cache_usage_ratio``); the
+deprecated ``vllm:kv_offload_total_bytes{transfer_type}`` (the store / load pair above replaced it).
 """
 
 from __future__ import annotations
@@ -192,10 +200,34 @@ def vllm_worker_metrics(stats: Sequence[WorkerStats], model_name: str) -> Iterat
             "Prefix cache queries (tokens)",
             lambda s: s.engine.prefix_cache_queries,
         ),
-        ("vllm:prefix_cache_hits", "Prefix cache hits (tokens)", lambda s: s.engine.prefix_cache_hits),
+        (
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits (tokens)",
+            lambda s: s.engine.prefix_cache_hits - s.engine.prefix_cache_host_hits,
+        ),
     )
     for name, doc, get in counters:
         counter = CounterMetricFamily(name, doc, labels=labels)
         for s in stats:
+            counter.add_metric([model_name, s.worker_id], float(get(s)))
+        yield counter
+    tiered = [s for s in stats if s.engine.num_host_blocks > 0]
+    tier_counters = (
+        (
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries (tokens)",
+            lambda s: s.engine.prefix_cache_queries,
+        ),
+        (
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits (tokens)",
+            lambda s: s.engine.prefix_cache_host_hits,
+        ),
+        ("vllm:kv_offload_store_bytes", "Bytes stored to offload", lambda s: s.engine.kv_offloaded_bytes),
+        ("vllm:kv_offload_load_bytes", "Bytes loaded from offload", lambda s: s.engine.kv_loaded_bytes),
+    )
+    for name, doc, get in tier_counters:
+        counter = CounterMetricFamily(name, doc, labels=labels)
+        for s in tiered:
             counter.add_metric([model_name, s.worker_id], float(get(s)))
         yield counter
