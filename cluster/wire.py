@@ -4,7 +4,7 @@ one tagged codec, strict decoding.
 Ops (``Op``, router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease,
 RouterLease.
 Events (``Event``, worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed,
-WorkerFailed, KeepAlive; and WorkerGone (the lifecycle plane's word on a worker, from the supervisor of
+WorkerFailed, KeepAlive, KvEvents; and WorkerGone (the lifecycle plane's word on a worker, from the supervisor of
 front-end replicas).
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
@@ -37,15 +37,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
 from cluster.frames import REASON_BAD_FIELD, REASON_UNKNOWN_TAG, FrameRejected, FrameSigner, FrameVerifier
-from cluster.protocol import ErrorCode, SamplingParams, TokenDelta, WorkerStats
+from cluster.protocol import ErrorCode, KvEventBatch, SamplingParams, TokenDelta, WorkerStats
 from cluster.wire_forms import FiniteFloat, form_of
 
 logger = logging.getLogger(__name__)
+
+# NOTE: a KvEvents frame's (tier, block hash) pairs, stored and removed together: ~20 bytes each on the
+# wire, so a full frame is ~80 KiB, far below the frame cap; a larger batch goes out in several frames
+MAX_KV_EVENTS_PER_FRAME = 4096
+KV_HASH_BYTES = 16  # cluster/block_hash.py's digest size
+KV_TIERS = 2  # tier 0: device, 1: host (workers/kv_events.py)
 
 ROUTER_ID = "router"  # the recipient name of frames addressed to the router (front-end replica 0)
 
@@ -244,6 +250,41 @@ class KeepAlive(WireMessage, frozen=True):
     request_id: str
 
 
+KvTier = Annotated[int, msgspec.Meta(ge=0, le=KV_TIERS - 1)]
+KvHash = Annotated[bytes, msgspec.Meta(min_length=KV_HASH_BYTES, max_length=KV_HASH_BYTES)]
+KvBlocks = Annotated[list[tuple[KvTier, KvHash]], msgspec.Meta(max_length=MAX_KV_EVENTS_PER_FRAME)]
+
+
+class KvEvents(WireMessage, frozen=True):
+    """What a worker's KV tiers stored and removed (``(tier, block hash)`` pairs, the net change since
+    its previous frame: workers/kv_events.py), for the router's exact prefix index
+    (cluster/router/kv_index.py). ``seq`` counts this incarnation's KvEvents frames from 0 with no gap, so
+    a router sees a lost frame (and then drops what it holds of the worker: it can no longer trust it).
+    Sent to every router. Decoding refuses a tier other than 0 or 1, a hash of any length but 16 bytes,
+    and more than ``MAX_KV_EVENTS_PER_FRAME`` pairs in either list (``kv_event_frames`` splits a batch)."""
+
+    TAG: ClassVar[str] = "kv_events"
+    worker_id: str
+    incarnation: str
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    stored: KvBlocks = []
+    removed: KvBlocks = []
+
+
+def kv_event_frames(worker_id: str, incarnation: str, first_seq: int, batch: KvEventBatch) -> list[KvEvents]:
+    """``batch`` as KvEvents frames of at most MAX_KV_EVENTS_PER_FRAME pairs (stored and removed
+    together), numbered from ``first_seq``; none for an empty batch. A batch's pairs are distinct (a net
+    change), so how they are split changes nothing a router ends up holding."""
+    pairs = [(True, p) for p in batch.stored] + [(False, p) for p in batch.removed]
+    frames: list[KvEvents] = []
+    for start in range(0, len(pairs), MAX_KV_EVENTS_PER_FRAME):
+        chunk = pairs[start : start + MAX_KV_EVENTS_PER_FRAME]
+        stored = [p for is_stored, p in chunk if is_stored]
+        removed = [p for is_stored, p in chunk if not is_stored]
+        frames.append(KvEvents(worker_id, incarnation, first_seq + len(frames), stored, removed))
+    return frames
+
+
 class WorkerGone(WireMessage, frozen=True):
     """The lifecycle plane's word on a worker (sent by the supervisor of front-end replicas, which runs
     Ray; a single router watches Ray itself): Ray cannot reach its actor any more, and ``pid`` is the
@@ -258,7 +299,17 @@ class WorkerGone(WireMessage, frozen=True):
 # NOTE: every signature that carries a message names one of these unions (what a handler receives is a
 # union it can match on exhaustively), never Any.
 Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease | RouterLease
-Event = Heartbeat | Deltas | Prefilled | Transferred | RequestFailed | WorkerFailed | KeepAlive | WorkerGone
+Event = (
+    Heartbeat
+    | Deltas
+    | Prefilled
+    | Transferred
+    | RequestFailed
+    | WorkerFailed
+    | KeepAlive
+    | KvEvents
+    | WorkerGone
+)
 OPS: tuple[type[Op], ...] = (
     Generate,
     PrepareDecode,
@@ -276,6 +327,7 @@ EVENTS: tuple[type[Event], ...] = (
     RequestFailed,
     WorkerFailed,
     KeepAlive,
+    KvEvents,
     WorkerGone,
 )
 

@@ -3,7 +3,7 @@ index), which router owns each request, and the routers' leases.
 
 Routing events: a request's events (its deltas, ``Prefilled``, ``Transferred``, ``RequestFailed``,
 ``KeepAlive``) go to the router that owns it, named by the op that brought it (``owner``, a router
-process's incarnation); a ``Heartbeat`` and ``WorkerFailed`` go to every router. A request of no known
+process's incarnation); a ``Heartbeat``, ``KvEvents`` and ``WorkerFailed`` go to every router. A request of no known
 owner (an op with ``owner`` "", as a single router's tests send) goes to the first router.
 
 Leases: a router renews its ``RouterLease`` every health interval. ``expired`` names the owners not
@@ -37,6 +37,7 @@ from cluster.wire import (
     Event,
     Heartbeat,
     KeepAlive,
+    KvEvents,
     Prefilled,
     RequestFailed,
     RouterLease,
@@ -92,7 +93,9 @@ class RouterLinks:
     def send(self, message: Event) -> list[str]:
         """Send ``message`` to the router(s) it is for; returns the ids of the requests whose events were
         dropped (their router is down or not reading)."""
-        if isinstance(message, (Heartbeat, WorkerFailed, WorkerGone)):  # NOTE: a worker sends no WorkerGone
+        # NOTE: a worker sends no WorkerGone; a KvEvents frame one router could not take is a gap in its
+        # sequence there, which that router's index sees and recovers from (cluster/router/kv_index.py)
+        if isinstance(message, (Heartbeat, KvEvents, WorkerFailed, WorkerGone)):
             for i in range(len(self.sockets)):
                 self.send_to(i, message)
             return []

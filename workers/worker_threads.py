@@ -6,7 +6,8 @@ the step thread; a bad frame is counted and dropped there, so nothing a peer sen
 Step thread: one loop turn drains the commands (blocking, bounded, only while the engine is idle), polls
 the role, steps the engine once (its output to the detokenizer stage, a held request's first token to
 the role), fails the requests whose grammar failed to compile, watches the detokenizer thread, frees the
-requests of routers whose lease ran out, publishes the stats and beats.
+requests of routers whose lease ran out, publishes the stats and beats, and sends what the KV tiers
+stored and removed (``KvEvents``, after the first beat: a router admits a worker by its heartbeat).
 Guard: if a guarded thread dies (or exits while the worker is not stopping), or the detokenizer thread
 fails or hangs, or a transfer thread is found dead, the worker says so once (log, stats unhealthy,
 ``WorkerFailed`` flushed to every router) and calls ``on_fatal``: by default the process exits, so Ray
@@ -203,6 +204,7 @@ class StepLoop:
             self._ops.check_leases()
             vitals.publish()
             vitals.beat()
+            vitals.send_kv_events()
             self._stats_line.maybe_log(vitals.stats)
 
     def _drain_commands(self, block: bool) -> None:

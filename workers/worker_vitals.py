@@ -5,6 +5,10 @@ the actor's ``stats()`` reads it from any thread without a lock); it carries the
 its steps (``StepSplit``) and the control and handshake frames this worker dropped, by reason.
 Heartbeat: every ``heartbeat_interval_s``, busy or idle, the step thread sends a ``Heartbeat`` with the
 latest snapshot; the router treats a worker whose beat is stale as unhealthy (SIGSTOP, a stuck step).
+KV events: at most every ``KV_EVENTS_INTERVAL_S``, the net change of what the engine's KV tiers hold
+(``Engine.take_kv_events``) goes to every router as ``KvEvents`` frames numbered from 0 for this process
+(cluster/wire.py; the routers' exact prefix index, cluster/router/kv_index.py); nothing when nothing
+changed, nothing at all without prefix caching.
 A dead transfer thread is found here, and raised (the step thread dies of it: workers/worker_threads.py).
 Leaks: checked on the step thread (engine, role, the detokenizer stage drained first).
 """
@@ -18,13 +22,16 @@ import time
 from collections.abc import Callable
 
 from cluster.protocol import StepSplit, TransferStats, WorkerStats
-from cluster.wire import Heartbeat, WorkerInfo
+from cluster.wire import Heartbeat, WorkerInfo, kv_event_frames
 from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
 from workers.role import Role
 from workers.worker_outbox import Outbox
 
 STAGE_DRAIN_S = 10.0  # bound on the detokenizer stage's catching up (leak check, shutdown)
+# NOTE: the index lags the tiers by up to this much (plus a loop turn); a frame per step instead would
+# double the frames a router reads from a busy worker (a Deltas frame a step already)
+KV_EVENTS_INTERVAL_S = 0.01
 
 
 class Vitals:
@@ -54,6 +61,9 @@ class Vitals:
         self.num_freed_for_router = 0  # requests freed because their router went (step thread)
         self._last_beat = 0.0
         self.stats = WorkerStats(info.worker_id, info.pool)
+        self.num_kv_event_frames = 0  # KvEvents frames sent: the next one's seq
+        self._publishes_kv_events = engine.config.enable_prefix_caching
+        self._last_kv_events = 0.0
 
     def publish(self) -> None:
         """A fresh snapshot of the stats (step thread)."""
@@ -92,6 +102,23 @@ class Vitals:
         if dead:
             raise RuntimeError(f"transfer thread(s) {dead} died")
         self._outbox.send(Heartbeat(self.info, self.stats))
+
+    def send_kv_events(self) -> None:
+        """What the KV tiers stored and removed since the last call, if due (step thread: the engine's
+        one user)."""
+        if not self._publishes_kv_events:
+            return
+        now = time.monotonic()
+        if now - self._last_kv_events < KV_EVENTS_INTERVAL_S:
+            return
+        self._last_kv_events = now
+        batch = self._engine.take_kv_events()
+        if not len(batch):
+            return
+        frames = kv_event_frames(self.info.worker_id, self.info.incarnation, self.num_kv_event_frames, batch)
+        self.num_kv_event_frames += len(frames)
+        for frame in frames:
+            self._outbox.send(frame)
 
     def role_threads(self) -> list[threading.Thread]:
         return self._role.threads() if self._role is not None else []

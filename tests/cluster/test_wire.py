@@ -42,6 +42,7 @@ from cluster.wire import (
     Generate,
     Heartbeat,
     KeepAlive,
+    KvEvents,
     PeerDead,
     Prefilled,
     PrepareDecode,
@@ -99,6 +100,7 @@ ALL_EVENTS = [
     RequestFailed("decode-0", "r1", ErrorCode.KV_TRANSFER_FAILED, "boom"),
     WorkerFailed("decode-0", "step thread died"),
     WorkerGone("decode-0", 4242, "RayActorError: The actor died unexpectedly"),
+    KvEvents("decode-0", "ab12", 3, [(0, b"\x01" * 16), (1, b"\x02" * 16)], [(0, b"\x03" * 16)]),
 ]
 
 
