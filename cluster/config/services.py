@@ -9,6 +9,7 @@ from cluster.config.checking import require
 
 ROUTER_MODES = ("disaggregated", "colocated", "conditional")
 ADMISSION_POLICIES = ("off", "slo")
+PREFIX_ROUTING = ("index", "affinity")
 TRANSFER_BACKENDS = ("auto", "gloo", "nccl")
 FAILURE_POLICIES = ("fail", "recompute")
 TRANSFER_INTEGRITY = ("mac", "digest", "off")
@@ -54,6 +55,13 @@ class RouterConfig:
     # prefix affinity: keep a prompt's first block on the same prefill worker unless that worker has
     # this many more outstanding prompt tokens than the least loaded one
     affinity_slack_tokens: int = 4096
+    # how a prompt's prefill (or colocated) worker is picked: "index" by what every worker's KV tiers
+    # report holding (KvEvents into cluster/router/kv_index.py), the fewest tokens left to compute plus
+    # the worker's queue; "affinity" by the guess above (kept to compare the two)
+    prefix_routing: str = "index"
+    # the index's bounds: block hashes per worker (~150 B each; past it the oldest go) and workers
+    kv_index_max_blocks_per_worker: int = 1 << 20
+    kv_index_max_workers: int = 1024
     # a request whose worker dies is dispatched again (prompt + tokens so far) at most this many times
     max_migrations: int = 3
     # with one pool empty, the other pool's workers serve whole requests
@@ -85,6 +93,12 @@ class RouterConfig:
             self.admission in ADMISSION_POLICIES,
             f"router admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}",
         )
+        require(
+            self.prefix_routing in PREFIX_ROUTING,
+            f"router prefix_routing must be one of {PREFIX_ROUTING}, got {self.prefix_routing!r}",
+        )
+        for name in ("kv_index_max_blocks_per_worker", "kv_index_max_workers"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("ttft_slo_ms", "tbt_slo_ms"):
             value = getattr(self, name)
             require(value is None or 0 < value < 1e9, f"{name} must be > 0 (milliseconds), got {value}")

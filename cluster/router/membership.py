@@ -17,7 +17,8 @@ hearing it (front-end replicas: a replica that died or was cut off, cluster/wire
 
 What the request path (cluster/router/router.py) calls: ``get``, ``healthy``, ``send``; what membership
 tells it back, through the hooks it was built with: a worker died (``on_death``: migrate its requests),
-and a worker is gone for good (``on_removed``: forget what the routing views hold of it).
+a worker is gone for good (``on_removed``: forget what the routing views hold of it), and a worker's
+state changed (``on_state``: the KV index drops a worker that is no longer healthy).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Membership:
         reject: Callable[[str], None],
         on_death: Callable[[WorkerRef, str], None],
         on_removed: Callable[[str], None],
+        on_state: Callable[[WorkerRef], None] | None = None,
         replica: int = 0,
     ) -> None:
         """``reject``: count a frame refused by reason (the router's ``rejected_frames``). ``replica``: this
@@ -139,6 +141,7 @@ class Membership:
         self._reject = reject
         self._on_death = on_death
         self._on_removed = on_removed
+        self._on_state = on_state
         self._workers: dict[str, WorkerRef] = {}
         self._first_info: WorkerInfo | None = None
         self._retired: set[str] = set()  # incarnations drained by scale-down: never re-admitted
@@ -398,6 +401,8 @@ class Membership:
         w.state, w.why = state, why
         if state == WorkerState.DEAD:
             w.died.set()
+        if self._on_state is not None:
+            self._on_state(w)
 
     def mark_dead(self, w: WorkerRef, why: str) -> None:
         """The worker is dead: its peers are told, then the request path moves its requests (on_death)."""

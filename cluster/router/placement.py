@@ -7,6 +7,14 @@ Ray), so tests and a simulation drive the same policy the router runs.
 * decode: the fewest requests (``busy``), then the most free KV blocks in its last stats;
 * colocated: the fewest requests (``busy``).
 
+With ``prefix_routing: index`` (the default) the prefill and colocated picks go by the router's exact
+index of the workers' KV tiers instead (cluster/router/kv_index.py; ``explain_by_index``): each worker's
+cost is the prompt tokens it would still compute, plus ``HOST_HIT_COST`` for each token it would copy
+back from its host tier, plus its queue (the prompt tokens routed there whose first token has not come
+back) and, for a colocated worker, ``REQUEST_COST_TOKENS`` for each request it runs (they share every
+step with the new prompt); the cheapest wins, ties to the fewer requests, then the worker id. A cached
+prefix thus draws a request to a busier worker as long as the tokens saved outweigh the extra queue.
+
 A worker's requests (``busy``) are the more of those this router routed there and those the worker
 last reported (running, waiting, waiting for KV): the report counts other routers' requests (front-end
 replicas balance by it without talking to each other), this router's count the ones routed since the
@@ -16,11 +24,19 @@ report.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from cluster.block_hash import ROOT_HASH, hash_block
 from cluster.protocol import ClusterUnavailableError, WorkerStats
+from cluster.router.kv_index import KvHit
+
+# NOTE: a token the host tier holds costs a quarter of computing it: it is copied back to the device
+# (PCIe, ~25 GB/s against a prefill's compute on the same bytes) before the step that uses it
+HOST_HIT_COST = 0.25
+DEVICE_HIT_COST = 0.0  # NOTE: a device hit is free: its blocks are shared as they are
+# NOTE: a request in a colocated worker's batch weighs like this many prompt tokens: it shares each step
+REQUEST_COST_TOKENS = 32
 
 
 class WorkerLoad(Protocol):
@@ -77,6 +93,49 @@ def explain_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_
     if preferred.num_prompt_tokens - least.num_prompt_tokens > affinity_slack_tokens:
         return least, "affinity_target_busy"
     return preferred, "prefix_affinity"
+
+
+def index_cost(w: WorkerLoad, hit: KvHit, num_tokens: int, request_cost_tokens: int) -> float:
+    """What placing a ``num_tokens`` prompt on ``w`` costs, in prompt tokens (module docstring)."""
+    device, host = hit.device_blocks * w.block_size, hit.host_blocks * w.block_size
+    compute = num_tokens - device - host
+    return (
+        compute
+        + DEVICE_HIT_COST * device
+        + HOST_HIT_COST * host
+        + w.num_prompt_tokens
+        + request_cost_tokens * busy(w)
+    )
+
+
+def hit_reason(hit: KvHit) -> str:
+    """The route reason that names a hit: any of it on the host tier, all of it on the device, none."""
+    if hit.host_blocks:
+        return "kv_index_host_hit"
+    return "kv_index_device_hit" if hit.device_blocks else "kv_index_miss"
+
+
+def explain_by_index(
+    workers: Sequence[W],
+    hit_of: Callable[[W], KvHit],
+    num_tokens: int,
+    pool: str,
+    request_cost_tokens: int = 0,
+) -> tuple[W, str, KvHit]:
+    """The cheapest worker by ``index_cost`` (``hit_of``: what the index says it holds of the prompt),
+    the reason naming its hit (``hit_reason``) and the hit."""
+    ws = require(workers, pool)
+    best: tuple[float, int, str] | None = None
+    choice: tuple[W, KvHit] | None = None
+    for w in ws:
+        hit = hit_of(w)
+        key = (index_cost(w, hit, num_tokens, request_cost_tokens), busy(w), w.worker_id)
+        if best is None or key < best:
+            best, choice = key, (w, hit)
+    if choice is None:  # NOTE: unreachable: require() refused an empty pool
+        raise ClusterUnavailableError(f"no healthy {pool} worker")
+    w, hit = choice
+    return w, hit_reason(hit), hit
 
 
 def pick_decode(workers: Sequence[W]) -> W:

@@ -56,6 +56,7 @@ from cluster.router.admission import SloAdmission, build_admission
 from cluster.router.events import EventSocket
 from cluster.router.flights import Flight, Flights
 from cluster.router.handoff import Handoffs
+from cluster.router.kv_index import KvIndex
 from cluster.router.membership import Membership, WorkerRef, WorkerState
 from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.routing import Pools, PrefixView, Route, decide
@@ -68,6 +69,7 @@ from cluster.wire import (
     Generate,
     Heartbeat,
     KeepAlive,
+    KvEvents,
     Op,
     Prefilled,
     RequestFailed,
@@ -108,6 +110,8 @@ class Router:
         if self.admission is not None and predictor is None:
             raise ValueError("router admission 'slo' needs a cost profile to predict TTFT with (predictor)")
         self.prefix_view = PrefixView()
+        # NOTE: fed whatever the policy (a benchmark compares hit rates under both); read only by "index"
+        self.kv_index = KvIndex(config.kv_index_max_blocks_per_worker, config.kv_index_max_workers)
         self.traffic = TrafficLog(config.advice_window_s)
         self._route_counts: dict[tuple[str, str], int] = {}
         self.served_model_name = served_model_name
@@ -124,6 +128,7 @@ class Router:
             reject=self._reject,
             on_death=self._on_worker_dead,
             on_removed=self._forget_worker,
+            on_state=self._on_worker_state,
             replica=replica,
         )
         self._handoffs = Handoffs(self.members, self.prefix_view)
@@ -288,6 +293,7 @@ class Router:
             self.config,
             predictor=self.predictor,
             view=self.prefix_view,
+            index=self.kv_index if self.config.prefix_routing == "index" else None,
             resume=bool(flight.token_ids),
         )
 
@@ -458,9 +464,16 @@ class Router:
         for flight in [f for f in self._flights if f.depends_on(w)]:
             self._migrate(flight, f"worker {w.worker_id} failed: {why}")
 
+    def _on_worker_state(self, w: WorkerRef) -> None:
+        """A worker no longer healthy (silent, dying, draining, dead): the KV index drops its entries,
+        which nothing can vouch for now (cluster/router/kv_index.py); a live one's next events refill it."""
+        if w.state != WorkerState.HEALTHY:
+            self.kv_index.forget(w.worker_id, w.info.incarnation)
+
     def _forget_worker(self, worker_id: str) -> None:
         """The worker is gone for good: the routing views forget it."""
         self.prefix_view.forget(worker_id)
+        self.kv_index.forget(worker_id)
         if self.admission is not None:
             self.admission.forget(worker_id)
 
@@ -479,6 +492,9 @@ class Router:
     def _on_event(self, event: Event) -> None:
         if isinstance(event, Heartbeat):
             self._on_heartbeat(event)
+            return
+        if isinstance(event, KvEvents):
+            self._on_kv_events(event)
             return
         w = self.members.get(event.worker_id)
         if w is None:
@@ -506,6 +522,8 @@ class Router:
                 flight = self._flights.current(event.request_id)
                 if flight is not None and flight.decode is w and flight.prefill is not None:
                     self._send(flight.prefill, ExtendLease(event.request_id))
+            case KvEvents():  # NOTE: handled above (a worker not admitted yet may send them)
+                self._on_kv_events(event)
             case _:
                 assert_never(event)
 
@@ -515,6 +533,18 @@ class Router:
             return
         step = self.predictor.step_now_s(w)
         self.admission.observe_steps(w.worker_id, w.last_beat, event.stats.engine.num_steps, step)
+
+    def _on_kv_events(self, event: KvEvents) -> None:
+        """Into the KV index, from a live process of an admitted worker only. NOTE: one not admitted yet
+        (its heartbeat is on its way, or a restarted replica has not met it) or a late frame of a dead
+        or replaced process is no forgery (the frame is signed): left out quietly, as the index loses
+        nothing but hits by it."""
+        w = self.members.get(event.worker_id)
+        if w is None or w.info.incarnation != event.incarnation:
+            return
+        if w.state not in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
+            return
+        self.kv_index.apply(event.worker_id, event.incarnation, event.seq, event.stored, event.removed)
 
     def _on_delta(self, w: WorkerRef, delta: TokenDelta) -> None:
         """A decode step's delta (the token path: one per running request per step)."""

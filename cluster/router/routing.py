@@ -9,6 +9,11 @@ cluster/router/placement.py's; this module adds the choice of path and the reaso
 
 Modes and reasons (a fixed set, so the metric's cardinality is bounded):
 
+* with ``prefix_routing: index`` (a ``KvIndex`` given), the prefill worker (disaggregated mode) and the
+  colocated worker are picked by the index against load (cluster/router/placement.py
+  ``explain_by_index``) and the reason names the hit there: ``kv_index_device_hit``,
+  ``kv_index_host_hit`` (some of it on the host tier) or ``kv_index_miss``; the hit's tokens are the
+  route's ``prefill_hit_tokens``. Without an index (``affinity``, the planner's twin) as below;
 * ``colocated``: one worker runs the request whole. ``least_loaded`` (colocated mode),
   ``resume_mid_stream`` (a migrated request that already streamed tokens), ``no_healthy_prefill_worker``
   / ``no_healthy_decode_worker`` (one pool is empty: the other runs it whole);
@@ -37,7 +42,16 @@ from typing import Generic, Protocol, TypeVar
 from cluster.block_hash import BlockHash, hash_full_blocks
 from cluster.config import RouterConfig
 from cluster.protocol import ClusterUnavailableError, RouteInfo
-from cluster.router.placement import WorkerLoad, busy, explain_prefill, pick_decode, pick_least_loaded
+from cluster.router.kv_index import KvHit, KvIndex
+from cluster.router.placement import (
+    REQUEST_COST_TOKENS,
+    WorkerLoad,
+    busy,
+    explain_by_index,
+    explain_prefill,
+    pick_decode,
+    pick_least_loaded,
+)
 from cluster.router.predict import Predictor, RouteEstimate
 
 MAX_DECODE_CANDIDATES = 8
@@ -139,17 +153,26 @@ def decide(
     *,
     predictor: Predictor | None = None,
     view: PrefixView | None = None,
+    index: KvIndex | None = None,
     resume: bool = False,
 ) -> Route[W]:
     """Where ``token_ids`` (the prompt; for a migrated request, prompt + tokens so far) go, and why.
-    ``resume``: the request already streamed tokens (it is finished whole on one worker). Raises
-    ClusterUnavailableError when no healthy worker can take it. Pure: counts and records nothing."""
+    ``resume``: the request already streamed tokens (it is finished whole on one worker). ``index``:
+    place by the workers' reported KV blocks (the module docstring); its hits replace the view's
+    estimates. Raises ClusterUnavailableError when no healthy worker can take it. Pure: counts and
+    records nothing."""
     n = len(token_ids)
     every = [*pools.prefill, *pools.decode, *pools.colocated]
     block_size = every[0].block_size if every else 1
-    hashes = hash_full_blocks(token_ids, block_size) if view is not None and n >= block_size else []
+    has_view = view is not None or index is not None
+    hashes = hash_full_blocks(token_ids, block_size) if has_view and n >= block_size else []
+
+    def kv_hit(w: W) -> KvHit:
+        return index.hit(w.worker_id, hashes, n, w.block_size) if index is not None else KvHit()
 
     def hit(w: W) -> int:
+        if index is not None:
+            return kv_hit(w).num_blocks * w.block_size
         return view.hit_tokens(w.worker_id, hashes, n, w.block_size) if view is not None else 0
 
     def ttft(w: W, cached: int) -> float | None:
@@ -175,6 +198,9 @@ def decide(
         return Route("disaggregated", reason, w, True, h, 0, predicted, tbt(d, joining), hashes, d.worker_id)
 
     if mode == "colocated":
+        if index is not None:
+            w, why, _ = explain_by_index(pools.colocated, kv_hit, n, "colocated", REQUEST_COST_TOKENS)
+            return whole("colocated", "resume_mid_stream" if resume else why, w)
         reason = "resume_mid_stream" if resume else "least_loaded"
         return whole("colocated", reason, _whole_worker(mode, pools, config))
     if resume or not pools.prefill or not pools.decode:
@@ -183,7 +209,10 @@ def decide(
         else:
             reason = "no_healthy_prefill_worker" if not pools.prefill else "no_healthy_decode_worker"
         return whole("colocated", reason, _whole_worker(mode, pools, config))
-    prefill, why = explain_prefill(pools.prefill, token_ids, config.affinity_slack_tokens)
+    if index is not None:
+        prefill, why, _ = explain_by_index(pools.prefill, kv_hit, n, "prefill")
+    else:
+        prefill, why = explain_prefill(pools.prefill, token_ids, config.affinity_slack_tokens)
     if mode == "disaggregated":
         return held(why, prefill)
     if predictor is None:

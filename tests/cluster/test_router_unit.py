@@ -121,7 +121,7 @@ def test_prefix_affinity_keeps_a_first_block_on_one_prefill_worker_within_the_sl
         await until(lambda: router.placement("r1")[1] is not None, "r1 handed off")
         assert await route("r5", [*PROMPT[:4], 93]) == preferred  # 5 - 2 <= 10
 
-    run(scenario, affinity_slack_tokens=10)
+    run(scenario, affinity_slack_tokens=10, prefix_routing="affinity")
 
 
 def test_modes_route_whole_requests_where_they_should() -> None:
