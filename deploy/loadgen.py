@@ -26,6 +26,7 @@ import asyncio
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -78,7 +79,8 @@ class Record:
     tbt_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     token_times: list[float] = field(default_factory=list)
-    server: dict[str, float] | None = None
+    server: dict[str, Any] | None = None
+    cached_tokens: int | None = None  # the server's usage, when asked for (``stream_completion``)
     error: str | None = None
 
 
@@ -123,34 +125,50 @@ async def run_scenario(
         start = time.perf_counter()
 
         async def one(prompt: list[int], max_tokens: int, offset: float) -> Record:
-            rec = Record(len(prompt), max_tokens)
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with sem:
-                rec.send_time = time.perf_counter() - start
-                try:
-                    stream = await client.completions.create(
-                        model=settings.model,
-                        prompt=prompt,
-                        max_tokens=max_tokens,
-                        temperature=settings.temperature,
-                        ignore_eos=settings.ignore_eos,
-                        stream=True,
-                    )
-                    async for delta in stream:
-                        rec.token_times.append(delta.arrival_time - start)
-                    r = stream.result
-                    rec.output_tokens, rec.ttft_s, rec.tbt_s, rec.e2e_s = (
-                        len(r.token_ids),
-                        r.ttft_s,
-                        r.tbt_s,
-                        r.e2e_s,
-                    )
-                    rec.server = asdict(r.timings) if r.timings else None
-                except APIError as e:
-                    rec.error = str(e)
+                rec, _ = await stream_completion(client, settings, prompt, max_tokens, start)
             bar.update(1)
             return rec
 
         records = await asyncio.gather(*(one(p, m, o) for (p, m), o in zip(dataset, offsets, strict=True)))
         bar.close()
         return list(records), time.perf_counter() - start
+
+
+async def stream_completion(
+    client: AsyncClient,
+    settings: ClientSettings,
+    prompt: list[int],
+    max_tokens: int,
+    start: float,
+    *,
+    include_usage: bool = False,
+) -> tuple[Record, list[int]]:
+    """Send one streaming completion of ``prompt`` now and time it at the client (``send_time`` and the
+    token times are seconds since ``start``, a ``time.perf_counter()``). Returns its record and the
+    output's token ids (those that came before an error, if one ended it). ``include_usage`` asks the
+    server for its usage chunk, whose cached prompt tokens go into ``Record.cached_tokens``."""
+    rec = Record(len(prompt), max_tokens, send_time=time.perf_counter() - start)
+    token_ids: list[int] = []
+    try:
+        stream = await client.completions.create(
+            model=settings.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=settings.temperature,
+            ignore_eos=settings.ignore_eos,
+            stream=True,
+            **({"stream_options": {"include_usage": True}} if include_usage else {}),
+        )
+        async for delta in stream:
+            rec.token_times.append(delta.arrival_time - start)
+            token_ids += delta.token_ids
+        r = stream.result
+        token_ids = r.token_ids
+        rec.output_tokens, rec.ttft_s, rec.tbt_s, rec.e2e_s = len(r.token_ids), r.ttft_s, r.tbt_s, r.e2e_s
+        rec.server = asdict(r.timings) if r.timings else None
+        rec.cached_tokens = r.usage.cached_tokens if r.usage is not None else None
+    except APIError as e:
+        rec.error = str(e)
+    return rec, token_ids

@@ -150,6 +150,7 @@ def test_pdserve_bench_runs_what_bench_registers(capsys: pytest.CaptureFixture[s
     imports nothing of bench/, which sits above it), and an unknown name is refused naming the known ones."""
     import bench.admission
     import bench.frontend
+    import bench.multiturn
     import bench.offline
     import bench.serve
     import bench.soak
@@ -159,6 +160,7 @@ def test_pdserve_bench_runs_what_bench_registers(capsys: pytest.CaptureFixture[s
     assert found == {
         "admission": bench.admission.main,
         "frontend": bench.frontend.main,
+        "multiturn": bench.multiturn.main,
         "offline": bench.offline.main,
         "serve": bench.serve.main,
         "soak": bench.soak.main,
@@ -167,7 +169,7 @@ def test_pdserve_bench_runs_what_bench_registers(capsys: pytest.CaptureFixture[s
         main(["bench", "nope"])
     assert (
         str(refused.value)
-        == "unknown benchmark 'nope'; registered: admission, frontend, offline, serve, soak"
+        == "unknown benchmark 'nope'; registered: admission, frontend, multiturn, offline, serve, soak"
     )
     with pytest.raises(SystemExit) as helped:
         main(["bench", "offline", "--help"])

@@ -1,0 +1,88 @@
+"""``pdserve bench multiturn`` at its smallest against the stub server: each turn's prompt is the history
+the server saw and produced plus the new message, turns are grouped by index, and the hit rates by tier
+come from the server's counters. Speed is not asserted (benchmarks print it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.multiturn import Turn, Workload, build_messages, main, summarize
+from cluster.http.app import create_app
+from deploy.loadgen import Record
+from tests.support.stub_router import VOCAB_SIZE, ServerThread, StubRouter, expected_tokens, make_tokenizer
+
+ARGS = ["--conversations", "2", "--turns", "3", "--system-prompt-len", "4", "--message-len", "5"]
+ARGS += ["--output-len", "3", "--think-time-s", "0", "--block-size", "4"]
+
+
+def test_each_turn_sends_the_history_and_the_report_groups_turns(tmp_path: Path) -> None:
+    router = StubRouter(max_model_len=64)
+    router.num_cached_tokens = 3
+    with ServerThread(create_app(router, make_tokenizer())) as s:
+        assert main(["--url", s.url, *ARGS, "--out", str(tmp_path)]) == 0
+    w = Workload(2, 3, 4, 5, 3, 0.0)
+    system, messages = build_messages(w, VOCAB_SIZE)
+    assert len(system) == 4 and all(10 <= t < VOCAB_SIZE // 4 for t in system)
+    sent = {tuple(call.prompt_token_ids): call.params for call in router.calls}
+    assert len(router.calls) == len(sent) == 6
+    for c in range(2):
+        history = system
+        for t in range(3):
+            prompt = history + messages[c][t]
+            params = sent[tuple(prompt)]  # the exact prompt was sent
+            assert params.max_tokens == 3 and params.ignore_eos
+            history = prompt + expected_tokens(prompt, params)  # the stub's answer, appended
+    result = json.loads((tmp_path / "server.json").read_text())
+    summary = result["summary"]
+    assert [(p["turn"], p["count"], p["errors"], p["prompt_len"]) for p in summary["per_turn"]] == [
+        (1, 2, 0, 9),
+        (2, 2, 0, 17),
+        (3, 2, 0, 25),
+    ]
+    # the stub reports 3 cached prompt tokens for every request
+    assert [p["cached_ratio"] for p in summary["per_turn"]] == [3 / 9, 3 / 17, 3 / 25]
+    assert sorted((r["conversation"], r["turn"], r["prompt_len"]) for r in result["turns"]) == [
+        (c, t, 9 + 8 * (t - 1)) for c in range(2) for t in (1, 2, 3)
+    ]
+    # 1 shared system block, then ceil(25 / 4) - 1 of each conversation; the stub's prefill-0 has 40
+    assert summary["kv"] == {
+        "block_size": 4,
+        "working_set_blocks": 13,
+        "prefill_pool": "prefill",
+        "device_blocks": 40,
+        "device_to_working_set": 40 / 13,
+        "host_blocks": 0,
+    }
+    assert summary["hits"]["device_hit_rate"] is None  # the stub's counters did not move
+    assert summary["same_prefill_worker_ratio"] is None  # the stub sends no route
+    table = (tmp_path / "comparison.md").read_text().splitlines()
+    assert table[2].startswith("| server | 6/6 |") and [line[:4] for line in table[-3:]] == [
+        "| 1 ",
+        "| 2 ",
+        "| 3 ",
+    ]
+
+
+def test_hit_rates_by_tier_and_stickiness_from_counters_and_routes() -> None:
+    w = Workload(1, 2, 0, 16, 4, 0.0)
+
+    def turn(t: int, worker: str) -> Turn:
+        return Turn(0, t, Record(16, 4, ttft_s=0.01 * t, output_tokens=4), worker, "colocated/least_loaded")
+
+    before = {"colocated": {"queries": 100.0, "hits": 10.0, "host_hits": 0.0, "device_blocks": 8.0}}
+    after = {
+        "colocated": {"queries": 300.0, "hits": 110.0, "host_hits": 40.0, "loaded_bytes": 65536.0},
+        "decode": {"queries": 5.0},
+    }
+    s = summarize([turn(1, "colocated-0"), turn(2, "colocated-0")], 1.0, before, after, w, 16)
+    assert s["hits"]["device_hit_rate"] == pytest.approx(60 / 200)
+    assert s["hits"]["host_hit_rate"] == pytest.approx(40 / 200)
+    assert s["hits"]["loaded_bytes"] == 65536.0
+    assert s["per_pool"]["decode"] == {"queries": 5.0}
+    assert s["routes"] == {"colocated/least_loaded": 2}
+    assert s["same_prefill_worker_ratio"] == 1.0
+    assert s["kv"]["working_set_blocks"] == 3  # ceil((2 * 16 + 4) / 16)
+    assert s["ttft_ms_later"]["p50"] == pytest.approx(20.0)
