@@ -195,7 +195,7 @@ def test_an_unattainable_slo_is_a_429_with_retry_after_and_nothing_is_queued(out
     assert choice["token_ids"] == [7]
     assert choice["pdserve_timings"]["route"] == {
         "mode": "colocated",
-        "reason": "least_loaded",
+        "reason": "kv_index_miss",  # NOTE: placed by the KV index (the default), which holds nothing
         "prefill_worker": WORKER,
         "decode_worker": WORKER,
         "prefill_hit_tokens": 0,
@@ -205,7 +205,7 @@ def test_an_unattainable_slo_is_a_429_with_retry_after_and_nothing_is_queued(out
     }
     metrics = out["metrics"]
     assert metric_line(metrics, "pdserve_route_decisions_total{") == (
-        'pdserve_route_decisions_total{mode="colocated",model_name="fake",reason="least_loaded"} 1.0'
+        'pdserve_route_decisions_total{mode="colocated",model_name="fake",reason="kv_index_miss"} 1.0'
     )
     assert metric_line(
         metrics, 'pdserve_request_errors_total{code="slo_unattainable",model_name="fake",status="429"}'
