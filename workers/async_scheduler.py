@@ -25,6 +25,7 @@ import time
 from collections import deque
 
 from cluster.config import EngineConfig
+from workers.host_tier import LoadRule
 from workers.request import Request, RequestStatus
 from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
 
@@ -40,8 +41,15 @@ class AsyncScheduler(Scheduler):
     ``num_discarded_tokens``: tokens sampled for requests that had ended meanwhile (the price of not
     knowing a stop one step ahead)."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
-        super().__init__(config, num_blocks, max_model_len)
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_host_blocks: int = 0,
+        load_rule: LoadRule | None = None,
+    ) -> None:
+        super().__init__(config, num_blocks, max_model_len, num_host_blocks, load_rule)
         self._in_flight: deque[_Flight] = deque()
         self.num_discarded_tokens = 0
 

@@ -6,16 +6,21 @@ Free queue order is eviction order: blocks at the front are reused first. A free
 cached content goes to the front (nothing is lost by reusing it); a freed cached block goes to the back,
 a request's blocks in reverse order so its tail is evicted before its head (a shorter prefix stays
 useful longer). Taking a cached block with ref count 0 (a prefix hit) pulls it out of the queue.
+
+With a host tier (``num_host_blocks``, workers/host_tier.py) an evicted cached block is offloaded to it
+instead of forgotten, and a lookup continues there past the device's hit; the copies of a step are
+taken with ``take_copies`` once it is scheduled.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from cluster.block_hash import BlockHash, hash_full_blocks
-from workers.kv_events import TIER_DEVICE, KvEventLog
+from workers.host_tier import HostTier, KvCopies, LoadRule
+from workers.kv_events import TIER_DEVICE, TIER_HOST, KvEventLog
 from workers.prefix_cache import PrefixCache
 from workers.request import Request
 
@@ -39,15 +44,18 @@ class BlockPool:
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
-    def allocate(self, num: int) -> list[int]:
-        """Take ``num`` blocks from the front of the free queue (evicting their cached content)."""
+    def allocate(self, num: int, on_evict: Callable[[int, BlockHash], None] | None = None) -> list[int]:
+        """Take ``num`` blocks from the front of the free queue, evicting their cached content
+        (``on_evict(block id, its hash)`` for each cached one, before it is reused)."""
         if num > len(self.free_queue):
             raise RuntimeError(f"allocate({num}) with only {len(self.free_queue)} free blocks")
         block_ids: list[int] = []
         for _ in range(num):
             block_id, _ = self.free_queue.popitem(last=False)
             if self.prefix_cache is not None:
-                self.prefix_cache.evict(block_id)
+                evicted = self.prefix_cache.evict(block_id)
+                if evicted is not None and on_evict is not None:
+                    on_evict(block_id, evicted)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -74,10 +82,18 @@ class BlockPool:
 
 @dataclass(frozen=True)
 class PrefixHit:
+    """A cached prefix: device blocks ``block_ids``, then blocks of the host tier (their hashes), which
+    ``allocate_slots`` loads into fresh device blocks."""
+
     block_ids: list[int]
+    host_hashes: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids) + len(self.host_hashes)
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.block_ids) * block_size
+        return self.num_blocks * block_size
 
 
 class KVCacheManager:
@@ -87,10 +103,22 @@ class KVCacheManager:
     scheduler frees on finish, abort and preemption, or later (``release``) for a held handoff.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_host_blocks: int = 0,
+        load_rule: LoadRule | None = None,
+    ) -> None:
         self.block_size = block_size
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
+        if num_host_blocks and self.prefix_cache is None:
+            raise ValueError("a host tier needs prefix caching (it holds prefix-cache blocks)")
+        self.host = HostTier(num_host_blocks) if num_host_blocks else None
+        self.load_rule = load_rule
+        self._copies = KvCopies()
         self.block_tables: dict[str, list[int]] = {}
         # full-block hashes computed so far per request (also those not registered: duplicates)
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -105,11 +133,18 @@ class KVCacheManager:
             log = KvEventLog()
             for block_hash in self.prefix_cache.hashes():
                 log.stored(TIER_DEVICE, block_hash)
+            if self.host is not None:
+                for block_hash in self.host.hashes():
+                    log.stored(TIER_HOST, block_hash)
+                self.host.events = log
             self.prefix_cache.events = log
         return self.prefix_cache.events
 
-    def get_computed_blocks(self, request: Request, num_pending_tokens: int = 0) -> PrefixHit:
-        """Longest cached prefix of the request's tokens, leaving >= 1 token to compute (for logits).
+    def get_computed_blocks(
+        self, request: Request, num_pending_tokens: int = 0, use_host: bool = True
+    ) -> PrefixHit:
+        """Longest cached prefix of the request's tokens, leaving >= 1 token to compute (for logits):
+        device blocks, then (``use_host`` and the load rule agreeing) host-tier blocks after them.
         ``num_pending_tokens``: tokens that will follow before anything is computed (a decode-side
         reservation made before its first token is known: that token is the one left to compute)."""
         if self.prefix_cache is None:
@@ -117,17 +152,28 @@ class KVCacheManager:
         hashes = self._request_hashes(request)
         max_blocks = (request.num_tokens + num_pending_tokens - 1) // self.block_size
         hit = self.prefix_cache.lookup(hashes[:max_blocks])
-        self.prefix_cache.record_query(request.num_tokens, len(hit) * self.block_size)
-        return PrefixHit(hit)
+        host_hashes: list[BlockHash] = []
+        is_worth = self.load_rule is None or self.load_rule.worth_loading()
+        if use_host and self.host is not None and len(hit) < max_blocks and is_worth:
+            rest = hashes[len(hit) : max_blocks]
+            host_hashes = rest[: len(self.host.lookup(rest))]
+        self.prefix_cache.record_query(request.num_tokens, (len(hit) + len(host_hashes)) * self.block_size)
+        return PrefixHit(hit, host_hashes)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None, can_offload: bool = True
+    ) -> bool:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens`` (plus the
-        prefix hit, for a request not yet holding blocks). False, with nothing changed, if blocks are short."""
+        prefix hit, for a request not yet holding blocks; its host part is loaded into the first fresh
+        blocks). False, with nothing changed, if blocks are short. ``can_offload``: evicted cached blocks
+        may go to the host tier; False where nothing copies them before they are written (a handoff's
+        reservation, written by the transfer): they are dropped."""
         table = self.block_tables.get(request.request_id)
         hit_ids = hit.block_ids if hit is not None else []
+        host_hashes = hit.host_hashes if hit is not None else []
         num_held = (len(table) if table is not None else 0) + len(hit_ids)
-        num_tokens = request.num_computed_tokens + len(hit_ids) * self.block_size + num_new_tokens
-        num_needed = -(-num_tokens // self.block_size) - num_held
+        num_tokens = request.num_computed_tokens + (len(hit_ids) + len(host_hashes)) * self.block_size
+        num_needed = -(-(num_tokens + num_new_tokens) // self.block_size) - num_held
         if num_needed <= 0 and not hit_ids:
             return True
         # a hit block with no users sits in the free queue: taking it uses up a free slot too
@@ -140,9 +186,39 @@ class KVCacheManager:
             self.pool.touch(hit_ids)
             table.extend(hit_ids)
             self._num_cached_blocks[request.request_id] = len(table)
+        host, cache = self.host, self.prefix_cache
+        # NOTE: pinned before anything is evicted: no offload of this batch overwrites the slots it loads
+        slots = host.take_hit(host_hashes) if host is not None and host_hashes else []
         if num_needed > 0:
-            table.extend(self.pool.allocate(num_needed))
+            on_evict = self._offload if can_offload and host is not None else None
+            fresh = self.pool.allocate(num_needed, on_evict)
+            if slots and host is not None and cache is not None:
+                for block_id, block_hash in zip(fresh, host_hashes, strict=False):
+                    cache.insert(block_id, block_hash)
+                self._copies.load_slots.extend(slots)
+                self._copies.load_blocks.extend(fresh[: len(slots)])
+                host.num_hit_tokens += len(slots) * self.block_size
+                self._num_cached_blocks[request.request_id] = len(table) + len(slots)
+            table.extend(fresh)
         return True
+
+    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
+        """A cached block is being reused: its bytes go to the host tier first (if a slot is had)."""
+        if self.host is None:
+            return
+        slot = self.host.store(block_hash)
+        if slot is not None:
+            self._copies.offload_blocks.append(block_id)
+            self._copies.offload_slots.append(slot)
+
+    def take_copies(self) -> KvCopies | None:
+        """The copies between the tiers decided since the last call (the runner runs them before the
+        step's forward), or None."""
+        if self.host is None or not self._copies:
+            return None
+        copies, self._copies = self._copies, KvCopies()
+        self.host.end_batch()
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens."""
@@ -194,5 +270,12 @@ class KVCacheManager:
             problems.append(f"blocks with users: {used[:16]}")
         if self.pool.num_free != self.pool.num_usable:
             problems.append(f"{self.pool.num_free} of {self.pool.num_usable} blocks free")
+        if self._copies:
+            problems.append("tier copies decided but never taken")
+        if self.host is not None:
+            try:
+                self.host.check()
+            except AssertionError as e:
+                problems.append(str(e))
         if problems:
             raise AssertionError("KV leak: " + "; ".join(problems))

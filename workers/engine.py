@@ -21,6 +21,7 @@ from workers.detokenizer import (
     detokenizes_on_step_thread,
     update_all,
 )
+from workers.host_tier import LoadRule
 from workers.model_runner import ForwardStep, ModelRunner, PendingStep
 from workers.request import Request, RequestStatus
 from workers.scheduler import SampledTokens, Scheduler, SchedulerOutput
@@ -83,7 +84,16 @@ class Engine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.max_model_len = self.runner.max_model_len  # EngineConfig.max_model_len, capped by the KV pool
         scheduler_class = AsyncScheduler if self.runner.is_async else Scheduler
-        self.scheduler = scheduler_class(config, self.runner.num_blocks, self.max_model_len)
+        host_kv = self.runner.host_kv
+        # the host tier's rule (workers/host_tier.py): measured copies (CPU) and forwards feed it
+        self.load_rule = None if host_kv is None else LoadRule(host_kv.bytes_per_block, config.block_size)
+        self.scheduler = scheduler_class(
+            config,
+            self.runner.num_blocks,
+            self.max_model_len,
+            0 if host_kv is None else host_kv.slots.shape[0],
+            self.load_rule,
+        )
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stage: DetokenizerStage | None = None  # see use_stage
@@ -95,6 +105,7 @@ class Engine:
             CompileLimits.from_config(config),
         )
         self._awaiting: dict[str, _AwaitingGrammar] = {}
+        self._copied = (0, 0.0)  # the host tier's copied bytes and seconds at the last measurement
         self._failed: list[RequestFailure] = []
         self._stats = EngineStats()
 
@@ -339,7 +350,10 @@ class Engine:
         t4 = time.perf_counter()
         self._count_launch(out)
         self._stats.num_generation_tokens += len(sampled)
-        self._count_times((t1 - t0) + (t3 - t2), t2 - t1 - self.runner.prepare_time_s, t4 - t3)
+        forward_s = t2 - t1 - self.runner.prepare_time_s
+        if self.load_rule is not None and out.num_prompt_tokens >= self.config.block_size:
+            self.load_rule.observe_forward(out.num_batched_tokens, forward_s)
+        self._count_times((t1 - t0) + (t3 - t2), forward_s, t4 - t3)
         return output
 
     def _step_async(self, scheduler: AsyncScheduler) -> StepOutput:
@@ -407,6 +421,12 @@ class Engine:
         )
 
     def _count_launch(self, out: SchedulerOutput) -> None:
+        if out.kv_copies and self.load_rule is not None and self.runner.host_kv is not None:
+            host_kv = self.runner.host_kv
+            self.load_rule.observe_copy(
+                host_kv.num_copied_bytes - self._copied[0], host_kv.copy_seconds - self._copied[1]
+            )
+            self._copied = (host_kv.num_copied_bytes, host_kv.copy_seconds)
         st = self._stats
         st.num_steps += 1
         st.num_mixed_steps += out.is_mixed
@@ -525,6 +545,14 @@ class Engine:
         if kv.prefix_cache is not None:
             st.prefix_cache_queries = kv.prefix_cache.num_query_tokens
             st.prefix_cache_hits = kv.prefix_cache.num_hit_tokens
+        host, host_kv = kv.host, self.runner.host_kv
+        if host is not None and host_kv is not None:
+            ranks = self.config.tensor_parallel_size
+            st.prefix_cache_host_hits = host.num_hit_tokens
+            st.num_host_blocks, st.num_host_blocks_used = host.num_slots, len(host)
+            st.kv_offloaded_blocks, st.kv_loaded_blocks = host.num_offloaded, host.num_loaded
+            st.kv_offloaded_bytes = host.num_offloaded * host_kv.bytes_per_block * ranks
+            st.kv_loaded_bytes = host.num_loaded * host_kv.bytes_per_block * ranks
         st.num_preemptions = self.scheduler.num_preemptions
         st.num_free_blocks = kv.pool.num_free
         st.num_total_blocks = kv.pool.num_usable

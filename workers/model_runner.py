@@ -31,6 +31,7 @@ from workers.cuda_graphs import (
     pick_graph_batch_size,
 )
 from workers.forward_context import ForwardContext, forward_context
+from workers.host_kv import HostKv
 from workers.host_memory import retain_freed_memory
 from workers.kv_sizing import ProfiledModel, size_kv_cache_cuda
 from workers.logits_processors import LogitsProcessors
@@ -184,6 +185,7 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self.host_kv = HostKv.create(self.kv_cache, config.kv_offload_gib)  # the host tier: this rank's heads
         # rank 0 of a tensor-parallel worker: every rank's heads, for KV handoffs (workers/parallel_kv.py)
         self.kv_relay = (
             None
@@ -294,20 +296,13 @@ class ModelRunner:
 
         Measured (bundled model, 2048-token budget, 2-core box; a fresh engine's prompts of 1024 and 1536
         tokens, then again): 87-93 / 130-142 ms, then 72 / 118-126 ms without it; 79-81 / 118-122 ms,
-        then 70-76 / 113-119 ms with it. Start-up takes ~0.15 s longer. (In ``pdserve plan validate``
-        long_prompts' first real run is always the slow one; this is a candidate cause, not yet
-        re-measured there.)"""
+        then 70-76 / 113-119 ms with it. Start-up takes ~0.15 s longer."""
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         if num_tokens < 2:
             return
         blocks = [0] * -(-num_tokens // self.block_size)
-        self._warm_up_step(
-            [
-                ScheduledRequest(
-                    "warm-up-prefill", [0] * num_tokens, 0, blocks, True, False, _PROFILE_PARAMS, 0
-                )
-            ]
-        )
+        self._warm_up_step([ScheduledRequest("warm-up-prefill", [0] * num_tokens, 0, blocks, True, False,
+                                             _PROFILE_PARAMS, 0)])  # fmt: skip
 
     def _warm_up_step(self, sched: list[ScheduledRequest]) -> torch.Tensor:
         """The forward and logits of a throwaway step, every token at slot -1 (nothing is written)."""
@@ -462,10 +457,13 @@ class ModelRunner:
     def _forward(self, out: SchedulerOutput) -> ForwardStep:
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out)
+        copies = out.kv_copies if self.host_kv is not None else None
         if self.ranks is not None:
             if self.ranks.failure is not None:
                 raise RuntimeError(self.ranks.failure)
-            broadcast_step(self.tp, inputs)
+            broadcast_step(self.tp, inputs, copies)
+        if copies and self.host_kv is not None:
+            self.host_kv.apply(self.kv_cache, copies)  # NOTE: before the forward writes an evicted block
         self.prepare_time_s = time.perf_counter() - t0
         events = None
         if self.forward_events is not None:
@@ -594,6 +592,8 @@ class ModelRunner:
         if self.tp.is_driver:
             raise RuntimeError("rank 0 drives the steps; only the other ranks follow")
         while (step := receive_step(self.tp, self.device, self.block_size)) is not None:
+            if step.copies and self.host_kv is not None:
+                self.host_kv.apply(self.kv_cache, step.copies)
             with self.forward_context(step.meta):
                 hidden = self.model(step.input_ids, step.positions)
             head_rows(self.model, hidden, step.sample_idx, step.prompt_idx)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from workers.attention import AttentionMetadata
+from workers.host_tier import KvCopies
 from workers.models.layers import CausalLM
 from workers.models.parallel import TensorParallel
 from workers.parallel_kv import KvRelay
@@ -29,7 +30,7 @@ class StepHeader:
 
     STEP: ClassVar[int] = 1
     STOP: ClassVar[int] = 2
-    SIZE: ClassVar[int] = 9
+    SIZE: ClassVar[int] = 11
 
     op: int
     num_tokens: int = 0
@@ -40,6 +41,8 @@ class StepHeader:
     num_decodes: int = 0
     max_query_len: int = 0
     max_seq_len: int = 0
+    num_offloads: int = 0  # copies between the tiers before the forward (workers/host_tier.py)
+    num_loads: int = 0
 
     def pack(self) -> torch.Tensor:
         return torch.tensor(dataclasses.astuple(self), dtype=torch.int64)
@@ -58,10 +61,12 @@ class FollowedStep:
     meta: AttentionMetadata
     sample_idx: torch.Tensor | None
     prompt_idx: torch.Tensor | None
+    copies: KvCopies | None = None
 
 
-def broadcast_step(tp: TensorParallel, inputs: StepInputs) -> None:
-    """Rank 0: ``inputs`` (an eager step's) to the other ranks."""
+def broadcast_step(tp: TensorParallel, inputs: StepInputs, copies: KvCopies | None = None) -> None:
+    """Rank 0: ``inputs`` (an eager step's) and the step's copies between the KV tiers (each rank copies
+    its own heads) to the other ranks."""
     meta = inputs.meta
     if meta is None:
         raise RuntimeError("a tensor-parallel step runs eagerly: it needs attention metadata")
@@ -78,6 +83,8 @@ def broadcast_step(tp: TensorParallel, inputs: StepInputs) -> None:
         num_decodes=meta.num_decodes,
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
+        num_offloads=len(copies.offload_blocks) if copies else 0,
+        num_loads=len(copies.load_blocks) if copies else 0,
     )
     tp.broadcast(header.pack(), host=True)
     parts = [
@@ -89,6 +96,11 @@ def broadcast_step(tp: TensorParallel, inputs: StepInputs) -> None:
         meta.block_tables.reshape(-1).long(),
     ]
     parts += [idx for idx in (sample_idx, prompt_idx) if idx is not None]
+    if copies:
+        lists = (copies.offload_blocks, copies.offload_slots, copies.load_slots, copies.load_blocks)
+        parts.append(
+            torch.tensor([i for ids in lists for i in ids], dtype=torch.int64, device=inputs.positions.device)
+        )
     tp.broadcast(torch.cat(parts))
 
 
@@ -127,10 +139,25 @@ def receive_step(tp: TensorParallel, device: torch.device, block_size: int) -> F
     if step.op != StepHeader.STEP:
         raise RuntimeError(f"unknown tensor-parallel op {step.op}")
     t, b = step.num_tokens, step.num_seqs
-    sizes = [t, t, t, b + 1, b, b * step.width, step.num_sample, step.num_prompt]
+    n_off, n_load = step.num_offloads, step.num_loads
+    sizes = [
+        t,
+        t,
+        t,
+        b + 1,
+        b,
+        b * step.width,
+        step.num_sample,
+        step.num_prompt,
+        n_off,
+        n_off,
+        n_load,
+        n_load,
+    ]
     packed = torch.empty(sum(sizes), dtype=torch.int64, device=device)
     tp.broadcast(packed)
-    ids, pos, slots, qsl, seq_lens, tables, sample_idx, prompt_idx = packed.split(sizes)
+    ids, pos, slots, qsl, seq_lens, tables, sample_idx, prompt_idx, *copy_parts = packed.split(sizes)
+    copies = KvCopies(*(part.tolist() for part in copy_parts)) if n_off or n_load else None
     qsl32, seq_lens32 = qsl.int(), seq_lens.int()
     meta = AttentionMetadata(
         slot_mapping=slots,
@@ -150,4 +177,5 @@ def receive_step(tp: TensorParallel, device: torch.device, block_size: int) -> F
         meta,
         sample_idx if step.num_sample else None,
         prompt_idx if step.num_prompt else None,
+        copies,
     )

@@ -58,12 +58,12 @@ class PrefixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
 
-    def evict(self, block_id: int) -> bool:
-        """Forget a block (it is being reused for other content). False if it was not cached."""
+    def evict(self, block_id: int) -> BlockHash | None:
+        """Forget a block (it is being reused for other content): its hash, or None if it was not cached."""
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is None:
-            return False
+            return None
         del self._block_of[block_hash]
         if self.events is not None:
             self.events.removed(TIER_DEVICE, block_hash)
-        return True
+        return block_hash

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from cluster.config import EngineConfig
 from cluster.protocol import SamplingParams, TokenLogprobs
 from workers.block_manager import KVCacheManager, PrefixHit
+from workers.host_tier import KvCopies, LoadRule
 from workers.request import Request, RequestStatus
 
 
@@ -56,6 +57,8 @@ class SchedulerOutput:
     num_sampling_seqs: int | None = None
     # the prompt chunks whose rows score the prompt (requests asking for prompt logprobs), if any
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # copies between the device cache and the host tier, run before the step's forward (host_tier.py)
+    kv_copies: KvCopies | None = None
 
     @property
     def num_single_token_seqs(self) -> int:
@@ -113,10 +116,19 @@ class SampledTokens:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+        num_host_blocks: int = 0,
+        load_rule: LoadRule | None = None,
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks, load_rule
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -142,9 +154,14 @@ class Scheduler:
             return None
         # NOTE: reserved before its first token is known (early decode admission), the request still
         # has that token to compute: every full prompt block may hit, as when the token is known.
-        hit = self.kv.get_computed_blocks(request, num_pending_tokens=0 if request.output_token_ids else 1)
+        # NOTE: device hits only, and evicted blocks dropped: the transfer writes the reserved blocks from
+        # its own thread, outside any step, so no copy between the tiers could run before it
+        hit = self.kv.get_computed_blocks(
+            request, num_pending_tokens=0 if request.output_token_ids else 1, use_host=False
+        )
         num_hit = len(hit.block_ids)
-        if not self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit * self.kv.block_size, hit):
+        num_new = request.num_prompt_tokens - num_hit * self.kv.block_size
+        if not self.kv.allocate_slots(request, num_new, hit, can_offload=False):
             self.kv.free(request.request_id)  # NOTE: the lookup's per-request hash state must not outlive it
             return None
         request.set_length_check(self.max_model_len)
@@ -270,6 +287,8 @@ class Scheduler:
             num_decode_seqs=num_decode_seqs,
             num_sampling_seqs=num_sampling,
             prompt_logprob_rows=prompt_rows,
+            # NOTE: copies are decided only where something is scheduled, so they never wait a step
+            kv_copies=kv.take_copies(),
         )
 
     @staticmethod

@@ -1,0 +1,223 @@
+"""The host-memory KV tier: exact slots, copies and LRU order in the bookkeeping; outputs, bytes, events
+and the leak invariant through the engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cluster.block_hash import hash_full_blocks
+from cluster.config import EngineConfig
+from cluster.protocol import SamplingParams
+from workers.block_manager import KVCacheManager
+from workers.engine import Engine
+from workers.host_kv import GIB, HostKv, num_host_slots
+from workers.host_tier import HostTier, KvCopies, LoadRule
+from workers.kv_events import TIER_DEVICE, TIER_HOST
+from workers.request import Request
+
+
+def req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4))
+
+
+# ---- bookkeeping ---------------------------------------------------------------------------------------
+def test_tier_takes_free_slots_then_evicts_its_least_recently_used_hash() -> None:
+    tier = HostTier(2)
+    assert tier.store(b"a") == 0
+    assert tier.store(b"b") == 1
+    assert tier.store(b"a") is None  # held already: made young, nothing to copy
+    assert tier.store(b"c") == 1  # b is now the oldest
+    assert tier.lookup([b"a", b"c", b"b"]) == [0, 1]
+    assert tier.hashes() == [b"a", b"c"]
+    tier.check()
+
+
+def test_a_slot_a_batch_loads_is_never_the_one_its_offloads_overwrite() -> None:
+    tier = HostTier(2)
+    tier.store(b"a")
+    tier.store(b"b")
+    assert tier.take_hit([b"b", b"a"]) == [1, 0]  # both pinned
+    assert tier.store(b"c") is None  # every slot pinned: the block is dropped
+    tier.end_batch()
+    assert tier.store(b"c") == 1  # b was made young first, then a: b is older
+    assert tier.hashes() == [b"a", b"c"]
+    tier.check()
+
+
+def test_manager_offloads_evicted_blocks_and_loads_a_host_hit_into_fresh_blocks() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=2, enable_prefix_caching=True, num_host_blocks=4)
+    a = req("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    assert kv.block_tables["a"] == [1, 2, 3]
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)
+    kv.free("a")  # cached blocks 1, 2 at the back (2 evicted first), block 3 at the front
+    assert kv.take_copies() is None
+    b = req("b", [9, 9, 9, 9, 9, 9, 9])
+    assert kv.allocate_slots(b, 7)  # 4 blocks: 3, 4, then the cached 2 and 1
+    assert kv.block_tables["b"] == [3, 4, 2, 1]
+    copies = kv.take_copies()
+    assert copies == KvCopies(offload_blocks=[2, 1], offload_slots=[0, 1])
+    kv.free("b")
+    again = req("c", [1, 2, 3, 4, 5, 6])
+    hit = kv.get_computed_blocks(again)
+    assert hit.block_ids == [] and hit.host_hashes == hash_full_blocks([1, 2, 3, 4], 2)
+    assert kv.allocate_slots(again, 2, hit)
+    # b's blocks are not cached (no computed tokens): 3 4 2 1 were freed to the front, tail first
+    assert kv.block_tables["c"] == [3, 4, 2]
+    assert kv.take_copies() == KvCopies(load_slots=[1, 0], load_blocks=[3, 4])
+    assert kv.prefix_cache is not None and kv.prefix_cache.lookup(hit.host_hashes) == [3, 4]
+    kv.free("c")
+    kv.check_no_leaks()
+
+
+def test_the_load_rule_compares_a_copy_with_a_recompute_per_block() -> None:
+    rule = LoadRule(bytes_per_block=1_000_000, block_size=16, copy_bytes_per_s=1e9)
+    assert rule.worth_loading()  # no forward measured yet
+    rule.observe_forward(num_tokens=1000, seconds=0.01)  # 10 us a token: 160 us a block > 1 ms? no
+    assert rule.prefill_s_per_token == pytest.approx(1e-5)
+    assert not rule.worth_loading()  # 1 ms to copy a block, 0.16 ms to recompute it
+    rule.observe_forward(num_tokens=10, seconds=0.1)  # 10 ms a token
+    assert rule.worth_loading()
+
+
+def test_the_budget_is_never_exceeded_and_a_budget_of_no_block_is_refused() -> None:
+    assert num_host_slots(0.0, 4096) == 0
+    assert num_host_slots(1.0, 3 << 20) == 341  # 341 * 3 MiB <= 1 GiB < 342 * 3 MiB
+    kv = torch.zeros((2, 8, 2, 4, 2, 8))
+    host = HostKv(kv, num_host_slots(0.0001, 2 * 2 * 4 * 2 * 8 * 4))
+    assert host.num_bytes <= 0.0001 * GIB < host.num_bytes + host.bytes_per_block
+    with pytest.raises(ValueError, match=r"kv_offload_gib \(1e-09\) holds no KV block"):
+        num_host_slots(1e-9, 4096)
+
+
+# ---- through the engine --------------------------------------------------------------------------------
+def _conversations(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(5, 400) for _ in range(48)]
+    return [system + [rng.randrange(5, 400) for _ in range(rng.randrange(30, 70))] for _ in range(n)]
+
+
+def _engine(**options: object) -> Engine:
+    config = EngineConfig(num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=256, **options)  # type: ignore[arg-type]
+    return Engine(config)
+
+
+def _run_turns(engine: Engine, params: SamplingParams, num_turns: int = 3) -> list[list[list[int]]]:
+    """Multi-turn: each turn's prompt is the history plus the last answer and a new message."""
+    histories = _conversations(1, 6)
+    outputs = []
+    for turn in range(num_turns):
+        for i, h in enumerate(histories):
+            engine.add_request(f"t{turn}-{i}", h, params)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+        answers = [got[f"t{turn}-{i}"] for i in range(len(histories))]
+        outputs.append(answers)
+        histories = [h + a + [7 + turn] * 12 for h, a in zip(histories, answers, strict=True)]
+    return outputs
+
+
+class _CheckedHostKv(HostKv):
+    """Checks that every block loaded back holds exactly the bytes it was offloaded with."""
+
+    def __init__(self, kv_cache: torch.Tensor, num_slots: int) -> None:
+        super().__init__(kv_cache, num_slots)
+        self.written: dict[int, torch.Tensor] = {}
+        self.num_checked = 0
+
+    def apply(self, kv_cache: torch.Tensor, copies: KvCopies) -> None:
+        for block, slot in zip(copies.offload_blocks, copies.offload_slots, strict=True):
+            self.written[slot] = kv_cache[:, block].clone()
+        super().apply(kv_cache, copies)
+        for slot, block in zip(copies.load_slots, copies.load_blocks, strict=True):
+            assert torch.equal(kv_cache[:, block], self.written[slot])
+            self.num_checked += 1
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_outputs_with_the_tier_equal_outputs_without_and_reloaded_bytes_are_the_originals(
+    is_async: bool, seeded: bool
+) -> None:
+    params = (
+        SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+        if seeded
+        else SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    )
+    plain = _engine(async_scheduling=is_async)
+    expected = _run_turns(plain, params)
+    plain.check_no_leaks()
+    tiered = _engine(async_scheduling=is_async, kv_offload_gib=0.002)
+    host_kv = tiered.runner.host_kv
+    assert host_kv is not None
+    checked = _CheckedHostKv(tiered.runner.kv_cache, host_kv.slots.shape[0])
+    tiered.runner.host_kv = checked
+    assert _run_turns(tiered, params) == expected
+    st, st0 = tiered.stats(), plain.stats()
+    assert st.kv_offloaded_blocks > 0 and st.kv_loaded_blocks > 0
+    assert checked.num_checked == st.kv_loaded_blocks
+    assert st.prefix_cache_host_hits == st.kv_loaded_blocks * 16
+    assert st.prefix_cache_hits > st0.prefix_cache_hits
+    assert st.kv_offloaded_bytes == st.kv_offloaded_blocks * checked.bytes_per_block
+    # fewer prompt tokens computed: a host hit is a block not recomputed
+    assert st.num_prompt_tokens < st0.num_prompt_tokens
+    tiered.check_no_leaks()
+
+
+def test_a_preempted_request_comes_back_from_the_host_tier_with_the_same_tokens() -> None:
+    def run(**options: object) -> tuple[dict[str, list[int]], Engine]:
+        engine = Engine(
+            EngineConfig(num_kv_blocks=14, max_num_seqs=4, max_num_batched_tokens=512, **options)  # type: ignore[arg-type]
+        )
+        for i, prompt in enumerate(_conversations(3, 4)):
+            params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=i)
+            engine.add_request(f"r{i}", prompt[:60], params)
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+        engine.check_no_leaks()
+        return got, engine
+
+    expected, plain = run()
+    got, tiered = run(kv_offload_gib=0.002)
+    assert got == expected
+    st = tiered.stats()
+    assert st.num_preemptions > 0
+    assert plain.stats().num_preemptions > 0
+    assert st.kv_loaded_blocks > 0  # a preempted request's blocks came back instead of being recomputed
+    assert st.num_prompt_tokens < plain.stats().num_prompt_tokens
+
+
+def test_kv_events_name_each_tier_and_the_first_batch_is_a_snapshot() -> None:
+    engine = _engine(kv_offload_gib=0.002)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    _run_turns(engine, params, num_turns=2)
+    first = engine.take_kv_events()
+    kv = engine.scheduler.kv
+    assert kv.prefix_cache is not None and kv.host is not None
+    assert sorted(first.stored) == sorted(
+        [(TIER_DEVICE, h) for h in kv.prefix_cache.hashes()] + [(TIER_HOST, h) for h in kv.host.hashes()]
+    )
+    assert first.removed == []
+    assert len(engine.take_kv_events()) == 0
+    device_before, host_before = set(kv.prefix_cache.hashes()), set(kv.host.hashes())
+    _run_turns(engine, params, num_turns=3)
+    batch = engine.take_kv_events()
+    device_after, host_after = set(kv.prefix_cache.hashes()), set(kv.host.hashes())
+
+    def net(tier: int, before: set[bytes], after: set[bytes]) -> None:
+        stored = {h for t, h in batch.stored if t == tier}
+        removed = {h for t, h in batch.removed if t == tier}
+        assert before - removed | stored == after
+        assert stored <= after and not removed & after
+
+    net(TIER_DEVICE, device_before, device_after)
+    net(TIER_HOST, host_before, host_after)
+    engine.check_no_leaks()

@@ -1,0 +1,165 @@
+"""The host-memory KV tier's bookkeeping: which block hashes its slots hold, in LRU order (no tensors:
+the runner's ``HostKv`` holds the bytes, workers/host_kv.py).
+
+One LRU over both tiers. The device prefix cache evicts its least recently freed cached block when it
+needs a block (workers/block_manager.py); with a tier, that block's bytes are first copied into a host
+slot (an *offload*), taking a free slot or the slot of the tier's least recently used hash. A prefix
+lookup that runs out of device blocks continues in the tier: the blocks found there are *loaded* into
+fresh device blocks, which join the device cache under their hashes. A block loaded back stays in the
+tier too (its next eviction from the device copies nothing), and a hit moves it to the tier's young end.
+
+Copies are decided while a step is scheduled and carried out by the runner before that step's forward
+(``KvCopies``: every offload, then every load; on CUDA enqueued on the step's stream, so they are
+ordered after the previous step's writes and before this step's, and the step thread never waits for
+them). A slot a load of the batch reads is pinned until the batch is taken, so no offload of the same
+batch overwrites it first.
+
+A preempted request's blocks go free with their hashes (the device cache keeps them, youngest), so
+under the pressure that preempted it they are offloaded rather than lost, and its return finds them in
+one tier or the other: a swap out and back instead of a recompute, whenever ``LoadRule`` says copying a
+block back costs less than computing its tokens (see there).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.block_hash import BlockHash
+from workers.kv_events import TIER_HOST, KvEventLog
+
+# A host link's copy rate when none was measured (CUDA copies are not timed: they run beside the step):
+# pinned memory over PCIe 4.0 x16 moves ~20-25 GB/s; the rule only needs the order of magnitude.
+NOMINAL_HOST_LINK_BYTES_PER_S = 20e9
+
+
+@dataclass
+class KvCopies:
+    """One step's copies between the tiers: device block ``offload_blocks[i]`` into host slot
+    ``offload_slots[i]`` (all of them first), then host slot ``load_slots[i]`` into device block
+    ``load_blocks[i]``."""
+
+    offload_blocks: list[int] = field(default_factory=list)
+    offload_slots: list[int] = field(default_factory=list)
+    load_slots: list[int] = field(default_factory=list)
+    load_blocks: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.offload_blocks or self.load_blocks)
+
+
+@dataclass
+class LoadRule:
+    """Whether a block found in the host tier is loaded back or its tokens recomputed.
+
+    Both costs grow with the number of blocks, so the choice is per block: load when
+    ``bytes_per_block / copy_bytes_per_s < block_size * prefill_s_per_token``. ``copy_bytes_per_s``
+    is what the runner measured for its copies (EMA; on CUDA the nominal host link, since copies are not
+    timed there); ``prefill_s_per_token`` is the engine's measured forward time per token of steps that
+    compute prompt tokens (EMA; an upper bound on a recomputed token's cost, as a step's fixed costs are
+    spread over its tokens). Until a forward is measured, blocks are loaded.
+    """
+
+    bytes_per_block: int
+    block_size: int
+    copy_bytes_per_s: float = NOMINAL_HOST_LINK_BYTES_PER_S
+    prefill_s_per_token: float | None = None
+
+    EMA: float = 0.2
+
+    def worth_loading(self) -> bool:
+        if self.prefill_s_per_token is None:
+            return True
+        return self.bytes_per_block / self.copy_bytes_per_s < self.block_size * self.prefill_s_per_token
+
+    def observe_copy(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes > 0 and seconds > 0:
+            self.copy_bytes_per_s += self.EMA * (num_bytes / seconds - self.copy_bytes_per_s)
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        per_token = seconds / num_tokens
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = per_token if old is None else old + self.EMA * (per_token - old)
+
+
+class HostTier:
+    """Host slots by block hash, least recently used first (see the module docstring)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a host tier needs >= 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self.events: KvEventLog | None = None  # set by a subscriber (KVCacheManager.subscribe_events)
+        self.num_offloaded = 0  # blocks copied in
+        self.num_loaded = 0  # blocks copied out
+        self.num_hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def hashes(self) -> list[BlockHash]:
+        return list(self._slot_of)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Slots of the longest prefix of ``hashes`` held here."""
+        slots: list[int] = []
+        for h in hashes:
+            slot = self._slot_of.get(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def take_hit(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The slots of ``hashes`` (all held), pinned for the copy batch being built and made young."""
+        slots = []
+        for h in hashes:
+            self._slot_of.move_to_end(h)
+            slot = self._slot_of[h]
+            self._pinned.add(slot)
+            slots.append(slot)
+        self.num_loaded += len(slots)
+        return slots
+
+    def store(self, block_hash: BlockHash) -> int | None:
+        """A slot to copy the block of ``block_hash`` into, or None: the tier holds it already (now
+        young), or every slot is pinned by this batch's loads (the block is dropped)."""
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+            return None
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = next((h for h, s in self._slot_of.items() if s not in self._pinned), None)
+            if victim is None:
+                return None
+            slot = self._slot_of.pop(victim)
+            if self.events is not None:
+                self.events.removed(TIER_HOST, victim)
+        self._slot_of[block_hash] = slot
+        if self.events is not None:
+            self.events.stored(TIER_HOST, block_hash)
+        self.num_offloaded += 1
+        return slot
+
+    def end_batch(self) -> None:
+        """The batch's copies were handed to the runner: its loads' slots are no longer pinned."""
+        self._pinned.clear()
+
+    def check(self) -> None:
+        """The tier's own invariant: every slot free or holding one hash, nothing pinned."""
+        held = list(self._slot_of.values())
+        if len(set(held)) != len(held) or set(held) & set(self._free_slots):
+            raise AssertionError("host tier: a slot holds two hashes, or is held and free")
+        if len(held) + len(self._free_slots) != self.num_slots:
+            raise AssertionError(
+                f"host tier: {len(held)} held + {len(self._free_slots)} free != {self.num_slots}"
+            )
+        if self._pinned:
+            raise AssertionError(f"host tier: slots pinned outside a step: {sorted(self._pinned)[:16]}")
