@@ -56,7 +56,9 @@ def test_each_turn_sends_the_history_and_the_report_groups_turns(tmp_path: Path)
         "device_to_working_set": 40 / 13,
         "host_blocks": 0,
     }
-    assert summary["hits"]["device_hit_rate"] is None  # the stub's counters did not move
+    # 3 of every prompt's tokens cached (the stub's usage), none loaded from a host tier
+    assert summary["hits"]["cached_ratio"] == 18 / 102 and summary["hits"]["host_hit_rate"] == 0.0
+    assert summary["hits"]["counters"]["device_hit_rate"] is None  # the stub's counters did not move
     assert summary["same_prefill_worker_ratio"] is None  # the stub sends no route
     table = (tmp_path / "comparison.md").read_text().splitlines()
     assert table[2].startswith("| server | 6/6 |") and [line[:4] for line in table[-3:]] == [
@@ -66,23 +68,29 @@ def test_each_turn_sends_the_history_and_the_report_groups_turns(tmp_path: Path)
     ]
 
 
-def test_hit_rates_by_tier_and_stickiness_from_counters_and_routes() -> None:
+def test_hit_rates_by_tier_and_stickiness_from_usage_counters_and_routes() -> None:
     w = Workload(1, 2, 0, 16, 4, 0.0)
-
-    def turn(t: int, worker: str) -> Turn:
-        return Turn(0, t, Record(16, 4, ttft_s=0.01 * t, output_tokens=4), worker, "colocated/least_loaded")
-
+    turns = [
+        Turn(0, 1, Record(16, 4, ttft_s=0.01, cached_tokens=0), "colocated-0", "colocated/kv_index_miss"),
+        Turn(
+            0, 2, Record(36, 4, ttft_s=0.02, cached_tokens=32), "colocated-0", "colocated/kv_index_host_hit"
+        ),
+    ]
     before = {"colocated": {"queries": 100.0, "hits": 10.0, "host_hits": 0.0, "device_blocks": 8.0}}
     after = {
-        "colocated": {"queries": 300.0, "hits": 110.0, "host_hits": 40.0, "loaded_bytes": 65536.0},
+        "colocated": {"queries": 300.0, "hits": 110.0, "host_hits": 16.0, "loaded_bytes": 65536.0},
         "decode": {"queries": 5.0},
     }
-    s = summarize([turn(1, "colocated-0"), turn(2, "colocated-0")], 1.0, before, after, w, 16)
-    assert s["hits"]["device_hit_rate"] == pytest.approx(60 / 200)
-    assert s["hits"]["host_hit_rate"] == pytest.approx(40 / 200)
-    assert s["hits"]["loaded_bytes"] == 65536.0
+    s = summarize(turns, 1.0, before, after, w, 16)
+    h = s["hits"]
+    # per request: 32 of 52 prompt tokens cached, 16 of them loaded from the host tier
+    assert (h["prompt_tokens"], h["cached_tokens"]) == (52, 32)
+    assert (h["cached_ratio"], h["device_hit_rate"], h["host_hit_rate"]) == (32 / 52, 16 / 52, 16 / 52)
+    assert h["loaded_bytes"] == 65536.0
+    # as the engine counts lookups: 200 tokens looked up, 100 found, 16 of them loaded
+    assert h["counters"] == {"queries": 200.0, "hits": 100.0, "device_hit_rate": 0.42, "host_hit_rate": 0.08}
     assert s["per_pool"]["decode"] == {"queries": 5.0}
-    assert s["routes"] == {"colocated/least_loaded": 2}
+    assert s["routes"] == {"colocated/kv_index_miss": 1, "colocated/kv_index_host_hit": 1}
     assert s["same_prefill_worker_ratio"] == 1.0
     assert s["kv"]["working_set_blocks"] == 3  # ceil((2 * 16 + 4) / 16)
     assert s["ttft_ms_later"]["p50"] == pytest.approx(20.0)
