@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from cluster.protocol import FinishReason, RouterError, WorkerFailedError
+from cluster.block_hash import hash_full_blocks
+from cluster.protocol import FinishReason, RouteInfo, RouterError, WorkerFailedError
+from cluster.router.kv_index import KvHit
 from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import (
     cluster_config,
@@ -139,6 +141,35 @@ def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(disagg: Cluster, wo
     assert_no_leaks(disagg)
 
 
+def test_a_repeated_prompt_goes_where_the_workers_kv_events_say_it_is_cached(disagg: Cluster) -> None:
+    """The prefill worker that ran a prompt reports its blocks (KvEvents); the router's index then holds
+    every full block of it there, on the device tier, and the same prompt again goes to that worker with
+    a device hit of every block the engine can use (its last token is always computed)."""
+    router = disagg.router
+    assert router is not None
+    prompt = [5 + (i * 13) % 500 for i in range(121)]  # 30 usable blocks of 4 tokens
+    hashes = hash_full_blocks(prompt, 4)
+
+    async def route_of(rid: str) -> RouteInfo:
+        route = None
+        async for delta in disagg.agenerate(prompt, greedy(2), request_id=rid):
+            if delta.timings is not None:
+                route = delta.timings.route
+        assert route is not None
+        return route
+
+    first = asyncio.run(route_of("kv-first"))
+    holder = first.prefill_worker
+    assert holder is not None
+    wait_for(lambda: router.kv_index.hit(holder, hashes, 121, 4) == KvHit(30, 0), 10, "the index")
+    second = asyncio.run(route_of("kv-second"))
+    assert (second.reason, second.prefill_worker, second.prefill_hit_tokens) == (
+        "kv_index_device_hit",
+        holder,
+        120,
+    )
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_transfer_failure_policy(model_dir: str, workload: Any, policy: str) -> None:
     """A lease that expires before the decode side asks makes every handoff fail for real. (Without
@@ -210,6 +241,14 @@ def test_killed_decode_worker_migrates_or_fails_only_its_requests(
                     break
                 await asyncio.sleep(0.005)
             assert set(placed.values()) == {"decode-0", "decode-1"}
+            # its KV tiers' events reached the router's index (received KV is cached there too)
+            victim = router.members.get("decode-0")
+            assert victim is not None
+            for _ in range(2000):  # bounded
+                if router.kv_index.num_blocks("decode-0"):
+                    break
+                await asyncio.sleep(0.005)
+            assert router.kv_index.incarnation("decode-0") == victim.info.incarnation
             handle.kill_worker("decode-0")
             results: dict[str, Any] = {}
             for rid, task in tasks.items():
@@ -231,6 +270,8 @@ def test_killed_decode_worker_migrates_or_fails_only_its_requests(
         assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 5
         assert router.is_healthy()
         assert [w.worker_id for w in router.workers if not w.healthy] == ["decode-0"]
+        # kill -9 under load: no tier entry of the dead process is left in the router's index
+        assert (router.kv_index.incarnation("decode-0"), router.kv_index.num_blocks("decode-0")) == (None, 0)
         handle.wait_until_quiet(timeout_s=30)
         assert handle.check_leaks() == {"prefill-0": None, "decode-1": None}
     finally:
