@@ -157,7 +157,6 @@ class KVCacheManager:
         if use_host and self.host is not None and len(hit) < max_blocks and is_worth:
             rest = hashes[len(hit) : max_blocks]
             host_hashes = rest[: len(self.host.lookup(rest))]
-        self.prefix_cache.record_query(request.num_tokens, (len(hit) + len(host_hashes)) * self.block_size)
         return PrefixHit(hit, host_hashes)
 
     def allocate_slots(
@@ -169,6 +168,7 @@ class KVCacheManager:
         may go to the host tier; False where nothing copies them before they are written (a handoff's
         reservation, written by the transfer): they are dropped."""
         table = self.block_tables.get(request.request_id)
+        host, cache = self.host, self.prefix_cache
         hit_ids = hit.block_ids if hit is not None else []
         host_hashes = hit.host_hashes if hit is not None else []
         num_held = (len(table) if table is not None else 0) + len(hit_ids)
@@ -180,13 +180,15 @@ class KVCacheManager:
         num_hit_free = sum(1 for b in hit_ids if self.pool.ref_counts[b] == 0)
         if max(num_needed, 0) + num_hit_free > self.pool.num_free:
             return False
+        if hit is not None and cache is not None:
+            # NOTE: counted when the lookup is used, not each time a waiting request is looked at again
+            cache.record_query(request.num_tokens, hit.num_tokens(self.block_size))
         if table is None:
             table = self.block_tables[request.request_id] = []
         if hit_ids:
             self.pool.touch(hit_ids)
             table.extend(hit_ids)
             self._num_cached_blocks[request.request_id] = len(table)
-        host, cache = self.host, self.prefix_cache
         # NOTE: pinned before anything is evicted: no offload of this batch overwrites the slots it loads
         slots = host.take_hit(host_hashes) if host is not None and host_hashes else []
         if num_needed > 0:

@@ -78,8 +78,9 @@ def test_hashes_are_chained_and_deterministic() -> None:
 def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     a = req("a", list(range(12)))  # exactly 3 full blocks
-    assert kv.get_computed_blocks(a).block_ids == []
-    assert kv.allocate_slots(a, 12)
+    miss = kv.get_computed_blocks(a)
+    assert miss.block_ids == []
+    assert kv.allocate_slots(a, 12, miss)
     assert kv.block_tables["a"] == [1, 2, 3]
     a.num_computed_tokens = 12
     kv.cache_full_blocks(a)
@@ -91,6 +92,7 @@ def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute() -> None:
     assert kv.block_tables["b"] == [1, 2, 4]
     assert [kv.pool.ref_counts[i] for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
     assert kv.prefix_cache is not None
+    # NOTE: a lookup counts once its blocks are taken (a waiting request is looked up again each step)
     assert (kv.prefix_cache.num_query_tokens, kv.prefix_cache.num_hit_tokens) == (24, 8)
     kv.free("a")
     kv.free("b")

@@ -19,6 +19,7 @@ from tests.support.tp_oracle import compare
 from workers.llm import LLM
 from workers.models.arch import ArchConfig
 from workers.models.parallel import Sharding
+from workers.parallel_kv import cached_kv
 from workers.rank_process import on_rank_death
 
 _ENGINE = {"num_kv_blocks": 96, "block_size": 8, "max_num_batched_tokens": 64, "max_num_seqs": 8}
@@ -187,3 +188,39 @@ def test_a_relay_op_that_fails_for_a_dead_rank_fails_the_worker_first() -> None:
             assert all("tensor-parallel rank 1" in why and "code -9" in why for _, why in told)
     finally:
         on_rank_death(None)
+
+
+def test_the_host_tier_at_tp2_loads_each_ranks_heads_back_as_tp1_does() -> None:
+    """A host tier under a TP=2 engine (each rank offloads and loads its own heads, the copies riding the
+    step broadcast): the same copies as at TP=1, outputs by the oracle's rule, and a conversation's
+    history, evicted to the tier and loaded back, holds TP=1's KV in every head."""
+    g = torch.Generator().manual_seed(4)
+    histories = [torch.randint(3, 1000, (40,), generator=g).tolist() for _ in range(4)]
+    engine = {**_ENGINE, "num_kv_blocks": 20, "kv_offload_gib": 0.002}
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    def run(tp: int) -> tuple[list, tuple[int, int], torch.Tensor]:  # type: ignore[type-arg]
+        with LLM("", tensor_parallel_size=tp, detokenize_thread=False, **engine) as llm:
+            turns = [h[:] for h in histories]
+            outputs = []
+            for _ in range(3):
+                out = llm.generate(turns, [params] * len(turns))
+                outputs += out
+                turns = [t + o.token_ids + [7] * 9 for t, o in zip(turns, out, strict=True)]
+            st = llm.engine.stats()
+            llm.engine.check_no_leaks()
+            # NOTE: the first history, asked again: its blocks are loaded back from the tier first
+            llm.generate([turns[0]], [params])
+            kv = llm.engine.runner
+            return (
+                outputs,
+                (st.kv_offloaded_blocks, st.kv_loaded_blocks),
+                cached_kv(kv, llm.engine.scheduler.kv, turns[0]),
+            )
+
+    reference, copies, ref_kv = run(1)
+    outputs, copies_tp, tp_kv = run(2)
+    assert copies[1] > 0 and copies_tp == copies
+    compare(reference, outputs)
+    assert ref_kv.shape == tp_kv.shape and ref_kv.shape[1] >= 6
+    assert torch.allclose(ref_kv, tp_kv, atol=1e-5)
