@@ -8,8 +8,8 @@ socket for every event coming back (cluster/router/events.py, read from the loop
 The router composes: cluster/router/membership.py (which workers there are and their states: admit,
 heartbeat, lifecycle, drain, death), cluster/router/flights.py (each request's state across its attempts),
 cluster/router/handoff.py (the decode side: early decode admission, the handoff), route decisions and
-their reasons (cluster/router/routing.py, over the placement policy of cluster/router/placement.py) and
-SLO-aware admission (cluster/router/admission.py).
+their reasons (cluster/router/routing.py, over the placement policy of cluster/router/placement.py and
+the workers' KV events in cluster/router/kv_index.py) and SLO-aware admission (cluster/router/admission.py).
 
 Migration: a request whose worker died is dispatched again, as prompt + the tokens already streamed, to
 a surviving path (``Generate.output_token_ids``: computed, not re-sampled, so greedy continues token for
@@ -20,8 +20,6 @@ With ``colocated_fallback``, workers of either pool serve whole requests when th
 Modes: ``disaggregated`` (prefill pool, then a decode pool), ``colocated`` (one pool does both),
 ``conditional`` (a decode worker prefills the request itself when the cost model predicts that cheaper;
 without a cost profile, when the prompt has at most ``conditional_max_prompt_tokens``).
-
-Early decode admission and the handoff to a decode worker: cluster/router/handoff.py.
 """
 
 from __future__ import annotations
@@ -82,6 +80,9 @@ from cluster.wire import (
 logger = logging.getLogger(__name__)
 
 
+_INDEXED_STATES = (WorkerState.HEALTHY, WorkerState.UNHEALTHY)  # whose KV events the index takes
+
+
 class Router:
     """See the module docstring. ``secret`` authenticates every control frame (cluster/frames.py).
 
@@ -110,7 +111,7 @@ class Router:
         if self.admission is not None and predictor is None:
             raise ValueError("router admission 'slo' needs a cost profile to predict TTFT with (predictor)")
         self.prefix_view = PrefixView()
-        # NOTE: fed whatever the policy (a benchmark compares hit rates under both); read only by "index"
+        # NOTE: fed under both policies (a benchmark compares them); read only by "index"
         self.kv_index = KvIndex(config.kv_index_max_blocks_per_worker, config.kv_index_max_workers)
         self.traffic = TrafficLog(config.advice_window_s)
         self._route_counts: dict[tuple[str, str], int] = {}
@@ -465,8 +466,7 @@ class Router:
             self._migrate(flight, f"worker {w.worker_id} failed: {why}")
 
     def _on_worker_state(self, w: WorkerRef) -> None:
-        """A worker no longer healthy (silent, dying, draining, dead): the KV index drops its entries,
-        which nothing can vouch for now (cluster/router/kv_index.py); a live one's next events refill it."""
+        """A worker not healthy: its KV index entries go (nothing vouches for them; kv_index.py)."""
         if w.state != WorkerState.HEALTHY:
             self.kv_index.forget(w.worker_id, w.info.incarnation)
 
@@ -522,8 +522,6 @@ class Router:
                 flight = self._flights.current(event.request_id)
                 if flight is not None and flight.decode is w and flight.prefill is not None:
                     self._send(flight.prefill, ExtendLease(event.request_id))
-            case KvEvents():  # NOTE: handled above (a worker not admitted yet may send them)
-                self._on_kv_events(event)
             case _:
                 assert_never(event)
 
@@ -535,14 +533,10 @@ class Router:
         self.admission.observe_steps(w.worker_id, w.last_beat, event.stats.engine.num_steps, step)
 
     def _on_kv_events(self, event: KvEvents) -> None:
-        """Into the KV index, from a live process of an admitted worker only. NOTE: one not admitted yet
-        (its heartbeat is on its way, or a restarted replica has not met it) or a late frame of a dead
-        or replaced process is no forgery (the frame is signed): left out quietly, as the index loses
-        nothing but hits by it."""
+        """Into the KV index, from a live process of an admitted worker only; a frame of one not admitted
+        yet or of a dead or replaced process is no forgery (signed): left out quietly (only hits lost)."""
         w = self.members.get(event.worker_id)
-        if w is None or w.info.incarnation != event.incarnation:
-            return
-        if w.state not in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
+        if w is None or w.info.incarnation != event.incarnation or w.state not in _INDEXED_STATES:
             return
         self.kv_index.apply(event.worker_id, event.incarnation, event.seq, event.stored, event.removed)
 
