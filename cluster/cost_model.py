@@ -300,6 +300,10 @@ class CostProfile:
     the loop holds the interpreter lock and a core the transfer thread needs (a mock cluster on the
     2-core box: 12 prompts of 3,072 tokens at once moved their KV at 0.56 GB/s, one at a time at 1.16);
     1.0 where a transfer runs on without it.
+    ``host_link_bytes_per_s``: one GPU's copies between its memory and the host's pinned memory, one
+    direction (PCIe): what the host KV tier's offloads and loads move at (``kv_offload_gib``); a mock
+    engine waits it out for the blocks' whole bytes (workers/host_kv.py ``PacedHostCopies``). 0.0: the
+    profile does not say (a mock's tier then copies every byte at the host's own speed).
     """
 
     name: str
@@ -327,6 +331,7 @@ class CostProfile:
     host_transfer_s: float = 0.0
     handoff_receive_token_s: float = 0.0
     spinning_transfer_scale: float = 1.0
+    host_link_bytes_per_s: float = 0.0
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -377,6 +382,15 @@ class CostProfile:
             if batch <= b1:
                 return j0 + (j1 - j0) * (batch - b0) / (b1 - b0)
         return points[-1][1]
+
+    def host_copy_s(self, nbytes: int) -> float:
+        """``nbytes`` between the GPU and host memory (the host tier's copies); ValueError when the profile
+        has no ``host_link_bytes_per_s``."""
+        if self.host_link_bytes_per_s <= 0:
+            raise ValueError(
+                f"cost profile {self.name!r} has no host_link_bytes_per_s: it cannot time host copies"
+            )
+        return nbytes / self.host_link_bytes_per_s
 
     def handoff_s(self, num_tokens: int) -> float:
         """KV transfer of ``num_tokens`` positions (those the decode side does not already hold)."""

@@ -5,7 +5,8 @@
 host reads the same file; ``--cost-profile PATH``: any profile (``pdserve plan calibrate``'s). Either one
 is both the mock's step time and the router's predictions, so what the router predicts is what the
 mock workers take. Its ``transfer`` is what a mock's KV handoff takes (transfer/paced_link.py): the GPU's
-link inside a node and, from ``--gpu``, its NIC between nodes.
+link inside a node and, from ``--gpu``, its NIC between nodes; its ``host_link_bytes_per_s`` what a mock's
+host KV tier copies take (``kv_offload_gib``; workers/host_kv.py ``PacedHostCopies``): the GPU's PCIe.
 """
 
 from __future__ import annotations

@@ -23,7 +23,14 @@ class Hardware:
 
     ``link_gb_per_s``: one direction between two GPUs of one node (NVLink; PCIe on an L4 box);
     ``nic_gb_per_s``: one GPU's share of the network between nodes (its NIC, one direction);
-    ``allreduce_latency_s``: the fixed cost of one small all-reduce inside a node (launch + link hops)."""
+    ``allreduce_latency_s``: the fixed cost of one small all-reduce inside a node (launch + link hops);
+    ``host_link_gb_per_s``: one GPU's copies to or from pinned host memory, one direction (the host KV
+    tier's offloads and loads).
+
+    NOTE: ``host_link_gb_per_s`` is 80% of the PCIe link's raw rate a direction (x16 lanes, 128b/130b:
+    Gen4 31.5 GB/s, Gen5 63 GB/s), about what CUDA's bandwidthTest reports for pinned copies of MiB-sized
+    buffers (a host tier block: 2 MiB of an 8B model, copied whole); not measured on these boxes. On
+    boards where two GPUs share a PCIe switch's uplink, it halves while both copy at once."""
 
     name: str
     matmul_tflops: float
@@ -36,11 +43,13 @@ class Hardware:
     link_latency_s: float = 1e-3  # handshake of one KV handoff
     nic_gb_per_s: float = 50.0  # 400 Gb/s InfiniBand / RoCE per GPU
     allreduce_latency_s: float = 10e-6
+    host_link_gb_per_s: float = 25.0  # PCIe Gen4 x16
 
 
 HARDWARE = {
-    "h100": Hardware("H100 SXM", 989.0, 3350.0, 80.0, 450.0),
-    "h200": Hardware("H200 SXM", 989.0, 4800.0, 141.0, 450.0),
+    # NOTE: H100 and H200 SXM reach the host over PCIe Gen5 x16
+    "h100": Hardware("H100 SXM", 989.0, 3350.0, 80.0, 450.0, host_link_gb_per_s=50.0),
+    "h200": Hardware("H200 SXM", 989.0, 4800.0, 141.0, 450.0, host_link_gb_per_s=50.0),
     "a100": Hardware("A100 SXM 80GB", 312.0, 2039.0, 80.0, 300.0, nic_gb_per_s=25.0),
     # NOTE: L4 boxes have no NVLink: GPUs talk over PCIe 4.0 x16 and a 100 GbE NIC
     "l4": Hardware("L4", 121.0, 300.0, 24.0, 32.0, nic_gb_per_s=12.5, allreduce_latency_s=30e-6),
@@ -152,7 +161,8 @@ def roofline_profile(hw: Hardware, model: ModelShape, tp: int = 1) -> CostProfil
         source=(
             f"roofline estimate: {hw.matmul_tflops:g} TFLOP/s x {hw.matmul_efficiency:g}, HBM "
             f"{hw.hbm_gb_per_s:g} GB/s x {hw.memory_efficiency:g}, link {hw.link_gb_per_s:g} GB/s, "
-            f"all-reduce latency {hw.allreduce_latency_s * 1e6:g} us; not calibrated on the device"
+            f"all-reduce latency {hw.allreduce_latency_s * 1e6:g} us, host link {hw.host_link_gb_per_s:g} GB/s; "
+            "not calibrated on the device"
         ),
         step=step,
         transfer=TransferCost(hw.link_latency_s, hw.link_gb_per_s * 1e9),
@@ -160,6 +170,7 @@ def roofline_profile(hw: Hardware, model: ModelShape, tp: int = 1) -> CostProfil
         hop_s=3e-4,
         http_s=1e-3,
         host_cpus=None,
+        host_link_bytes_per_s=hw.host_link_gb_per_s * 1e9,
     )
 
 
