@@ -42,6 +42,13 @@ from transfer.protocol import KVLayout, half_row_bytes
 SIGNATURE_BYTES = 8  # of each block's K and V: the word a mock forward writes first (workers/mock_runner.py)
 
 
+def sample_bytes_of(layout: KVLayout, sample_bytes: int) -> int:
+    """What a paced copy of `layout` moves of each block's K and V in a layer: `sample_bytes`, or 0 (all
+    of it) where a block's K is no longer than that or not whole words."""
+    half = half_row_bytes(layout)
+    return sample_bytes if sample_bytes < half and half % 8 == 0 else 0
+
+
 def endpoint_host(endpoint: str) -> str:
     """The host of a ``tcp://HOST:PORT`` endpoint (ValueError when it is not one)."""
     parts = urlsplit(endpoint)
@@ -69,8 +76,7 @@ class PacedLink:
     def sample_bytes_for(self, layout: KVLayout) -> int:
         """What a handoff of `layout` moves of each block's K and V in a layer: `sample_bytes`, or 0 (all
         of it) where a block's K is no longer than that or not whole words."""
-        half = half_row_bytes(layout)
-        return self.sample_bytes if self.sample_bytes < half and half % 8 == 0 else 0
+        return sample_bytes_of(layout, self.sample_bytes)
 
     def fraction(self, layout: KVLayout) -> Fraction:
         """The fraction of every block's bytes that moves."""

@@ -16,7 +16,8 @@ model; its forward, for one step:
 Its KV handoffs take the time of the profile's link (``paced_link``, transfer/paced_link.py): each moves
 the first word of every block's K and V in every layer (the signature of the block's first slot) over the
 real transfer path and waits out the rest of what the link predicts for the whole KV: NVLink inside a
-node, the NIC between.
+node, the NIC between. Its host KV tier's copies do the same at the profile's host link, PCIe
+(``paced_host_copies``, workers/host_kv.py).
 
 No weights are read (config.json and the tokenizer only), so a worker of an 8B model config starts in
 seconds on a CPU, with the memory of its KV cache (``num_kv_blocks``, or ``cpu_kv_cache_bytes``).
@@ -40,6 +41,7 @@ from transfer.channel import layout_of
 from transfer.paced_link import SIGNATURE_BYTES, PacedLink
 from workers.attention.base import AttentionMetadata
 from workers.forward_context import get_forward_context
+from workers.host_kv import PacedHostCopies
 from workers.models.arch import ArchConfig
 from workers.models.layers import CausalLM
 
@@ -271,6 +273,16 @@ def paced_link(model: nn.Module, kv_cache: torch.Tensor, host: str) -> PacedLink
     link = PacedLink(model.profile.transfer, host, SIGNATURE_BYTES)
     logger.info("mock engine: %s", link.describe(layout_of(kv_cache)))
     return link
+
+
+def paced_host_copies(model: nn.Module) -> PacedHostCopies | None:
+    """How a worker whose model is ``model`` copies between its KV tiers (workers/host_kv.py): a mock whose
+    cost profile names a host link moves the first word of each block's K and V per layer and waits that
+    link's time for the whole blocks; None (every byte, at this host's speed) for a real model or a mock
+    whose profile says nothing of a host link."""
+    if not isinstance(model, MockModel) or model.profile is None or model.profile.host_link_bytes_per_s <= 0:
+        return None
+    return PacedHostCopies(model.profile, SIGNATURE_BYTES)
 
 
 def build_mock_model(config: EngineConfig, arch: ArchConfig, model_dir: str) -> MockModel:

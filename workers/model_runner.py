@@ -35,7 +35,7 @@ from workers.host_kv import HostKv
 from workers.host_memory import retain_freed_memory
 from workers.kv_sizing import ProfiledModel, size_kv_cache_cuda
 from workers.logits_processors import LogitsProcessors
-from workers.mock_runner import build_mock_model
+from workers.mock_runner import build_mock_model, paced_host_copies
 from workers.models.arch import ArchConfig
 from workers.models.loader import build_random_model, load_model
 from workers.models.parallel import SINGLE, Sharding, TensorParallel
@@ -185,7 +185,8 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.host_kv = HostKv.create(self.kv_cache, config.kv_offload_gib)  # the host tier: this rank's heads
+        # the host tier: this rank's heads (a mock's copies paced at its profile's host link)
+        self.host_kv = HostKv.create(self.kv_cache, config.kv_offload_gib, paced_host_copies(self.model))
         # rank 0 of a tensor-parallel worker: every rank's heads, for KV handoffs (workers/parallel_kv.py)
         self.kv_relay = (
             None
