@@ -244,31 +244,27 @@ def summarize(
 
 
 def hit_rates(ok: list[Turn], counted: dict[str, float]) -> dict[str, Any]:
-    """Prompt tokens found in each tier, over the prompt tokens of the turns that completed.
+    """Prompt tokens found in each tier over the tokens looked up, as the prefilling pool's counters say
+    (``counted``: their change over the run), and the cached prompt tokens each request's usage reports.
 
-    The cached tokens are each request's own (its usage: both tiers, once per request); the host
-    tier's are the engine's count of tokens loaded back. NOTE: the engine's queries and hits count a
-    lookup each time a waiting request is tried (again and again while it waits for blocks) and take its
-    host-tier part as a hit before the load happens, so hits over queries drift when blocks are short;
-    those rates are kept too (``counters``), as the dashboard shows them.
+    NOTE: the engine counts a lookup each time a waiting request is tried (again while it waits for
+    blocks, with its host-tier part as a hit before the load), and host hits once loaded: under block
+    pressure the counters' rates drift from per-request ones. The usage is per request but is the last
+    worker's: in a disaggregated cluster the decode worker's cache (what the handoff did not move), not
+    the prefill worker's.
     """
     with_usage = [t.record for t in ok if t.record.cached_tokens is not None]
     prompt_tokens = sum(r.prompt_len for r in with_usage)
     cached = sum(r.cached_tokens or 0 for r in with_usage)
-    host = counted.get("host_hits", 0.0)
-    queries = counted.get("queries", 0.0)
+    queries, hits, host = (counted.get(k, 0.0) for k in ("queries", "hits", "host_hits"))
     return {
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "cached_ratio": cached / prompt_tokens if prompt_tokens else None,
-        "device_hit_rate": (cached - host) / prompt_tokens if prompt_tokens else None,
-        "host_hit_rate": host / prompt_tokens if prompt_tokens else None,
-        **{k: v for k, v in counted.items() if k not in ("queries", "hits")},
-        "counters": {
-            "queries": queries,
-            "hits": counted.get("hits", 0.0),
-            "device_hit_rate": (counted.get("hits", 0.0) - host) / queries if queries else None,
-            "host_hit_rate": host / queries if queries else None,
+        **counted,
+        "device_hit_rate": (hits - host) / queries if queries else None,
+        "host_hit_rate": host / queries if queries else None,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached,
+            "cached_ratio": cached / prompt_tokens if prompt_tokens else None,
         },
     }
 
@@ -282,11 +278,10 @@ def print_summary(label: str, s: dict[str, Any]) -> None:
             f"   turn {p['turn']:2d} ({p['prompt_len']:5d} tokens): {p['count']:3d} ok, TTFT p50 "
             f"{_fmt(q['p50'])} p90 {_fmt(q['p90'])} ms, cached {cached}"
         )
-    h, c = s["hits"], s["hits"]["counters"]
+    h = s["hits"]
     print(
-        f"   prompt tokens cached {_pct(h['cached_ratio'])}: device {_pct(h['device_hit_rate'])}, host "
-        f"{_pct(h['host_hit_rate'])} (the {s['kv']['prefill_pool']} pool's counters, per lookup: device "
-        f"{_pct(c['device_hit_rate'])}, host {_pct(c['host_hit_rate'])}); offloaded "
+        f"   prefix hits of the {s['kv']['prefill_pool']} pool: device {_pct(h['device_hit_rate'])}, host "
+        f"{_pct(h['host_hit_rate'])} (usage: {_pct(h['usage']['cached_ratio'])} cached); offloaded "
         f"{h.get('offloaded_bytes', 0) / 2**20:.1f} MiB, loaded {h.get('loaded_bytes', 0) / 2**20:.1f} MiB, "
         f"preemptions {h.get('preemptions', 0):.0f}; routes {s['routes']}",
         flush=True,
@@ -304,13 +299,13 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         "device hit",
         "host hit",
     ]
-    head += ["offloaded MiB", "loaded MiB", "device KV / working set", "same prefill worker"]
+    head += ["usage cached", "offloaded MiB", "loaded MiB", "device KV / working set", "same prefill worker"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, s in results.items():
         h, kv = s["hits"], s["kv"]
         cells = [label, f"{s['num_ok']}/{s['num_requests']}", _fmt(s["ttft_ms_turn1"]["p50"])]
         cells += [_fmt(s["ttft_ms_later"]["p50"]), _fmt(s["ttft_ms_later"]["p90"])]
-        cells += [_pct(h["device_hit_rate"]), _pct(h["host_hit_rate"])]
+        cells += [_pct(h["device_hit_rate"]), _pct(h["host_hit_rate"]), _pct(h["usage"]["cached_ratio"])]
         cells += [f"{h.get('offloaded_bytes', 0) / 2**20:.1f}", f"{h.get('loaded_bytes', 0) / 2**20:.1f}"]
         cells += [f"{kv['device_blocks']} / {kv['working_set_blocks']} ({kv['device_to_working_set']:.0%})"]
         cells += [_pct(s["same_prefill_worker_ratio"])]

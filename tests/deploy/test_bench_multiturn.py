@@ -56,9 +56,9 @@ def test_each_turn_sends_the_history_and_the_report_groups_turns(tmp_path: Path)
         "device_to_working_set": 40 / 13,
         "host_blocks": 0,
     }
-    # 3 of every prompt's tokens cached (the stub's usage), none loaded from a host tier
-    assert summary["hits"]["cached_ratio"] == 18 / 102 and summary["hits"]["host_hit_rate"] == 0.0
-    assert summary["hits"]["counters"]["device_hit_rate"] is None  # the stub's counters did not move
+    # 3 of every prompt's tokens cached (the stub's usage); the stub's counters did not move
+    assert summary["hits"]["usage"] == {"prompt_tokens": 102, "cached_tokens": 18, "cached_ratio": 18 / 102}
+    assert summary["hits"]["device_hit_rate"] is None and summary["hits"]["queries"] == 0.0
     assert summary["same_prefill_worker_ratio"] is None  # the stub sends no route
     table = (tmp_path / "comparison.md").read_text().splitlines()
     assert table[2].startswith("| server | 6/6 |") and [line[:4] for line in table[-3:]] == [
@@ -83,12 +83,11 @@ def test_hit_rates_by_tier_and_stickiness_from_usage_counters_and_routes() -> No
     }
     s = summarize(turns, 1.0, before, after, w, 16)
     h = s["hits"]
-    # per request: 32 of 52 prompt tokens cached, 16 of them loaded from the host tier
-    assert (h["prompt_tokens"], h["cached_tokens"]) == (52, 32)
-    assert (h["cached_ratio"], h["device_hit_rate"], h["host_hit_rate"]) == (32 / 52, 16 / 52, 16 / 52)
-    assert h["loaded_bytes"] == 65536.0
-    # as the engine counts lookups: 200 tokens looked up, 100 found, 16 of them loaded
-    assert h["counters"] == {"queries": 200.0, "hits": 100.0, "device_hit_rate": 0.42, "host_hit_rate": 0.08}
+    # as the prefill pool's counters moved: 200 tokens looked up, 100 found, 16 of them in the host tier
+    assert (h["queries"], h["hits"], h["host_hits"], h["loaded_bytes"]) == (200.0, 100.0, 16.0, 65536.0)
+    assert (h["device_hit_rate"], h["host_hit_rate"]) == (0.42, 0.08)
+    # per request (usage): 32 of 52 prompt tokens cached
+    assert h["usage"] == {"prompt_tokens": 52, "cached_tokens": 32, "cached_ratio": 32 / 52}
     assert s["per_pool"]["decode"] == {"queries": 5.0}
     assert s["routes"] == {"colocated/kv_index_miss": 1, "colocated/kv_index_host_hit": 1}
     assert s["same_prefill_worker_ratio"] == 1.0
