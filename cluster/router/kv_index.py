@@ -148,9 +148,15 @@ class KvIndex:
                 out[worker_id] = h
         return out
 
-    def num_blocks(self, worker_id: str) -> int:
+    def num_blocks(self, worker_id: str, tier: int | None = None) -> int:
+        """Entries of ``worker_id`` (those ``tier`` holds, when given)."""
         w = self._workers.get(worker_id)
-        return 0 if w is None else len(w.tiers)
+        if w is None:
+            return 0
+        if tier is None:
+            return len(w.tiers)
+        bit = 1 << tier
+        return sum(1 for bits in w.tiers.values() if bits & bit)
 
     def incarnation(self, worker_id: str) -> str | None:
         w = self._workers.get(worker_id)

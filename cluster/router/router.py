@@ -53,7 +53,7 @@ from cluster.protocol import (
 from cluster.router.admission import SloAdmission, build_admission
 from cluster.router.events import EventSocket
 from cluster.router.flights import Flight, Flights
-from cluster.router.handoff import Handoffs
+from cluster.router.handoff import FailedTransfers, Handoffs
 from cluster.router.kv_index import KvIndex
 from cluster.router.membership import Membership, WorkerRef, WorkerState
 from cluster.router.predict import Predictor, TrafficLog
@@ -133,6 +133,7 @@ class Router:
             replica=replica,
         )
         self._handoffs = Handoffs(self.members, self.prefix_view)
+        self._failed_transfers = FailedTransfers(config.health_timeout_s, self._migrate, self._fail)
         self._loops: list[asyncio.Task[None]] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -460,6 +461,7 @@ class Router:
     # ---- what membership tells the request path -------------------------------------------------------
     def _on_worker_dead(self, w: WorkerRef, why: str) -> None:
         """``w`` died (its peers were told): its requests move on."""
+        self._failed_transfers.on_dead(w)
         for flight in [f for f in self._flights if f.decode is w and f.is_early_decode]:
             flight.drop_early_decode()  # NOTE: its prefill goes on; the handoff picks another worker
         for flight in [f for f in self._flights if f.depends_on(w)]:
@@ -527,6 +529,8 @@ class Router:
 
     def _on_heartbeat(self, event: Heartbeat) -> None:
         w = self.members.on_heartbeat(event)
+        if w is not None and len(self._failed_transfers):
+            self._failed_transfers.on_heartbeat(w)
         if w is None or self.admission is None or self.predictor is None or w.pool == "prefill":
             return
         step = self.predictor.step_now_s(w)
@@ -587,13 +591,8 @@ class Router:
         flight = self._flights.of(w, event.request_id)
         if flight is None:
             return
-        prefill = flight.prefill
-        if (
-            event.code == ErrorCode.KV_TRANSFER_FAILED
-            and prefill is not None
-            and prefill.state == WorkerState.DEAD
-        ):
-            # NOTE: the KV's owner died mid-transfer: not the request's fault, so it moves on
-            self._migrate(flight, f"KV source {prefill.worker_id} died mid-transfer")
+        error = router_error(event.code, event.message)
+        if event.code == ErrorCode.KV_TRANSFER_FAILED and flight.prefill is not None:
+            self._failed_transfers.on_failed(flight, flight.prefill, error)  # NOTE: its source may be dead
             return
-        self._fail(flight, router_error(event.code, event.message))
+        self._fail(flight, error)

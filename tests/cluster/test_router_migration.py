@@ -257,6 +257,9 @@ def test_worker_failures_of_a_request_map_to_errors_or_a_migration() -> None:
         kv = Stream(router, "kv", [2])
         await prefilled(fakes, kv, "prefill-0", 7)
         await fakes.send(RequestFailed("decode-0", "kv", ErrorCode.KV_TRANSFER_FAILED, "checksum"))
+        # NOTE: its source beats twice after the failure: alive, so the failure is the request's
+        await fakes.beat("prefill-0")
+        await fakes.beat("prefill-0")
         error = await kv.next()
         assert isinstance(error, KVTransferFailedError) and str(error) == "checksum"
         assert await fakes.op("prefill-0") == Abort("kv")

@@ -1,7 +1,8 @@
-"""The host KV tier in a disaggregated CPU cluster (local Ray, gloo): two turns of conversations whose
-working set is several times the device KV, with aborts, handoffs and decode-side preemptions; outputs
-equal the offline engine's without a tier, the tiers were used on both sides, and no block of either
-tier leaks on either worker."""
+"""The host KV tier in a disaggregated CPU cluster (local Ray, gloo): turns of conversations whose working
+set is several times the device KV, with aborts, handoffs, decode-side preemptions and a prefill worker
+killed -9 under load (its requests migrate); outputs equal the offline engine's without a tier, the tiers
+were used on both sides, the router's index keeps nothing of the dead process, and no block of either
+tier leaks on any worker."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from deploy.launch import Cluster, build_cluster
 from tests.support.cluster_utils import cluster_config, collect, greedy
 from tests.support.hf_models import make_random_hf_model
+from workers.kv_events import TIER_HOST
 from workers.llm import LLM
 
 ray = pytest.importorskip("ray")  # NOTE: these tests start a Ray cluster; a bare GPU machine has none
@@ -37,12 +39,14 @@ def _first_turns() -> list[list[int]]:
     ]
 
 
-def test_two_turns_through_both_tiers_equal_the_offline_engine_and_leak_nothing(model_dir: str) -> None:
-    engine = {"num_kv_blocks": 48, "kv_offload_gib": 0.01}
+@pytest.mark.loaded  # NOTE: a kill -9 under load is decisive only on a busy box (make test-faults too)
+def test_turns_through_both_tiers_and_a_killed_worker_equal_the_offline_engine_and_leak_nothing(
+    model_dir: str,
+) -> None:
+    # NOTE: the engine section merges into cluster_config's: 63 usable blocks of 4 tokens a worker, and
+    # the conversations' working set is ~8 x 40 blocks
     handle: Cluster = build_cluster(
-        cluster_config(
-            model_dir, prefill={"engine": engine}, decode={"engine": {**engine, "num_kv_blocks": 64}}
-        )
+        cluster_config(model_dir, engine={"num_kv_blocks": 64, "kv_offload_gib": 0.01})
     )
     try:
         first = _first_turns()
@@ -83,5 +87,35 @@ def test_two_turns_through_both_tiers_equal_the_offline_engine_and_leak_nothing(
         assert prefill.prefix_cache_host_hits == prefill.kv_loaded_blocks * 4
         assert decode.num_preemptions > 0 and decode.kv_offloaded_blocks > 0
         assert handle.check_leaks() == {"prefill-0": None, "decode-0": None}
+
+        # turn 3, and kill -9 of the prefill worker under it: its requests migrate (run whole on the decode
+        # worker, from its own tiers) and finish exactly; the router's index had its host tier's entries
+        # and keeps none of the dead process
+        router = handle.router
+        assert router is not None
+        assert router.kv_index.num_blocks("prefill-0", TIER_HOST) > 0
+        third = [p + a + [21 + i] * 9 for i, (p, a) in enumerate(zip(second, answers_2, strict=True))]
+
+        async def killed_turn() -> list[list[int]]:
+            tasks = [
+                asyncio.create_task(collect(handle, p, greedy(MAX_TOKENS), f"t3-{i}"))
+                for i, p in enumerate(third)
+            ]
+            for _ in range(2000):  # bounded: until a few are placed
+                if sum(router.placement(f"t3-{i}")[0] is not None for i in range(len(third))) >= 3:
+                    break
+                await asyncio.sleep(0.005)
+            handle.kill_worker("prefill-0")
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout=120))
+
+        answers_3 = asyncio.run(killed_turn())
+        with LLM(model_dir, device="cpu", block_size=4, num_kv_blocks=512, detokenize_thread=False) as llm:
+            assert answers_3 == [o.token_ids for o in llm.generate(third, greedy(MAX_TOKENS))]
+        assert (router.kv_index.incarnation("prefill-0"), router.kv_index.num_blocks("prefill-0")) == (
+            None,
+            0,
+        )
+        handle.wait_until_quiet(timeout_s=30)
+        assert handle.check_leaks() == {"decode-0": None}
     finally:
         handle.shutdown()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.block_hash import hash_full_blocks
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, ModelConfig
 from cluster.protocol import SamplingParams
 from workers.block_manager import KVCacheManager
 from workers.engine import Engine
@@ -221,3 +221,23 @@ def test_kv_events_name_each_tier_and_the_first_batch_is_a_snapshot() -> None:
     net(TIER_DEVICE, device_before, device_after)
     net(TIER_HOST, host_before, host_after)
     engine.check_no_leaks()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("is_async", [False, True])
+def test_on_cuda_the_tier_copies_in_stream_order_and_outputs_equal_without_it(is_async: bool) -> None:
+    """On CUDA the copies are enqueued on the step's stream into pinned slots and the host never waits:
+    outputs (float32, greedy) equal the tier-less engine's, and each reloaded block holds exactly the
+    bytes it was offloaded with."""
+    options: dict[str, object] = {"device": "cuda", "async_scheduling": is_async}
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    expected = _run_turns(_engine(model=ModelConfig(dtype="float32"), **options), params)
+    tiered = _engine(model=ModelConfig(dtype="float32"), kv_offload_gib=0.002, **options)
+    host_kv = tiered.runner.host_kv
+    assert host_kv is not None and host_kv.slots.is_pinned()
+    checked = _CheckedHostKv(tiered.runner.kv_cache, host_kv.slots.shape[0])
+    tiered.runner.host_kv = checked
+    assert _run_turns(tiered, params) == expected
+    assert checked.num_checked == tiered.stats().kv_loaded_blocks > 0
+    tiered.check_no_leaks()
