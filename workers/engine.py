@@ -91,7 +91,7 @@ class Engine:
             config,
             self.runner.num_blocks,
             self.max_model_len,
-            0 if host_kv is None else host_kv.slots.shape[0],
+            0 if host_kv is None else host_kv.num_slots,
             self.load_rule,
         )
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
