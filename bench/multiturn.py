@@ -239,6 +239,7 @@ def summarize(
         "hits": hit_rates(ok, tier),
         "per_pool": delta,
         "routes": dict(Counter(t.route for t in ok if t.route)),
+        "prefill_workers": dict(sorted(Counter(t.prefill_worker for t in ok if t.prefill_worker).items())),
         "same_prefill_worker_ratio": len(same) / len(follows) if follows else None,
     }
 
@@ -283,7 +284,8 @@ def print_summary(label: str, s: dict[str, Any]) -> None:
         f"   prefix hits of the {s['kv']['prefill_pool']} pool: device {_pct(h['device_hit_rate'])}, host "
         f"{_pct(h['host_hit_rate'])} (usage: {_pct(h['usage']['cached_ratio'])} cached); offloaded "
         f"{h.get('offloaded_bytes', 0) / 2**20:.1f} MiB, loaded {h.get('loaded_bytes', 0) / 2**20:.1f} MiB, "
-        f"preemptions {h.get('preemptions', 0):.0f}; routes {s['routes']}",
+        f"preemptions {h.get('preemptions', 0):.0f}; routes {s['routes']}, prefill workers "
+        f"{s['prefill_workers']}",
         flush=True,
     )
 

@@ -59,7 +59,7 @@ def test_each_turn_sends_the_history_and_the_report_groups_turns(tmp_path: Path)
     # 3 of every prompt's tokens cached (the stub's usage); the stub's counters did not move
     assert summary["hits"]["usage"] == {"prompt_tokens": 102, "cached_tokens": 18, "cached_ratio": 18 / 102}
     assert summary["hits"]["device_hit_rate"] is None and summary["hits"]["queries"] == 0.0
-    assert summary["same_prefill_worker_ratio"] is None  # the stub sends no route
+    assert summary["same_prefill_worker_ratio"] is None and summary["prefill_workers"] == {}  # no route
     table = (tmp_path / "comparison.md").read_text().splitlines()
     assert table[2].startswith("| server | 6/6 |") and [line[:4] for line in table[-3:]] == [
         "| 1 ",
@@ -90,6 +90,6 @@ def test_hit_rates_by_tier_and_stickiness_from_usage_counters_and_routes() -> No
     assert h["usage"] == {"prompt_tokens": 52, "cached_tokens": 32, "cached_ratio": 32 / 52}
     assert s["per_pool"]["decode"] == {"queries": 5.0}
     assert s["routes"] == {"colocated/kv_index_miss": 1, "colocated/kv_index_host_hit": 1}
-    assert s["same_prefill_worker_ratio"] == 1.0
+    assert s["same_prefill_worker_ratio"] == 1.0 and s["prefill_workers"] == {"colocated-0": 2}
     assert s["kv"]["working_set_blocks"] == 3  # ceil((2 * 16 + 4) / 16)
     assert s["ttft_ms_later"]["p50"] == pytest.approx(20.0)
