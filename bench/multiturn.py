@@ -248,11 +248,9 @@ def hit_rates(ok: list[Turn], counted: dict[str, float]) -> dict[str, Any]:
     """Prompt tokens found in each tier over the tokens looked up, as the prefilling pool's counters say
     (``counted``: their change over the run), and the cached prompt tokens each request's usage reports.
 
-    NOTE: the engine counts a lookup each time a waiting request is tried (again while it waits for
-    blocks, with its host-tier part as a hit before the load), and host hits once loaded: under block
-    pressure the counters' rates drift from per-request ones. The usage is per request but is the last
-    worker's: in a disaggregated cluster the decode worker's cache (what the handoff did not move), not
-    the prefill worker's.
+    NOTE: the engine counts a lookup when its blocks are taken, again when a preempted request returns.
+    The usage is per request but is the last worker's: in a disaggregated cluster the decode worker's
+    cache (what the handoff did not move), not the prefill worker's.
     """
     with_usage = [t.record for t in ok if t.record.cached_tokens is not None]
     prompt_tokens = sum(r.prompt_len for r in with_usage)
