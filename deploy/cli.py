@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print figures (see bench/)")
     bench.add_argument(
-        "bench", help="offline, serve, soak, admission, frontend (the pdserve.benchmarks entry points)"
+        "bench",
+        help="offline, serve, soak, admission, frontend, multiturn (the pdserve.benchmarks entry points)",
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)

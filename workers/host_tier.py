@@ -22,9 +22,10 @@ block back costs less than computing its tokens (see there).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from cluster.block_hash import BlockHash
 from workers.kv_events import TIER_HOST, KvEventLog
@@ -54,35 +55,60 @@ class LoadRule:
     """Whether a block found in the host tier is loaded back or its tokens recomputed.
 
     Both costs grow with the number of blocks, so the choice is per block: load when
-    ``bytes_per_block / copy_bytes_per_s < block_size * prefill_s_per_token``. ``copy_bytes_per_s``
-    is what the runner measured for its copies (EMA; on CUDA the nominal host link, since copies are not
-    timed there); ``prefill_s_per_token`` is the engine's measured forward time per token of steps that
-    compute prompt tokens (EMA; an upper bound on a recomputed token's cost, as a step's fixed costs are
-    spread over its tokens). Until a forward is measured, blocks are loaded.
+    ``bytes_per_block / copy_bytes_per_s < block_size * prefill_s_per_token``.
+
+    - ``copy_bytes_per_s``: the rate the runner measured for its copies (the first measurement, then an
+      EMA; on CUDA the nominal host link, since copies run beside the host and are not timed).
+    - ``prefill_s_per_token``: a recomputed token's marginal cost: the least-squares slope of the forward
+      time of recent steps that computed prompt tokens over their tokens, so a step's fixed costs
+      (launches, the host's share, a mock's per-step overhead) are not spread over its tokens (which would
+      make recomputing look dearer than it is); the mean time per token while the steps are too alike in
+      size for a slope (or noise makes it <= 0). Until a forward is measured, blocks are loaded.
     """
 
     bytes_per_block: int
     block_size: int
     copy_bytes_per_s: float = NOMINAL_HOST_LINK_BYTES_PER_S
-    prefill_s_per_token: float | None = None
+    is_copy_measured: bool = False
+    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=64))
 
-    EMA: float = 0.2
+    EMA: ClassVar[float] = 0.2
+    MIN_STEPS_FOR_SLOPE: ClassVar[int] = 4
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        steps = self.steps
+        if not steps:
+            return None
+        n = len(steps)
+        mean_x = sum(x for x, _ in steps) / n
+        mean_y = sum(y for _, y in steps) / n
+        var = sum((x - mean_x) ** 2 for x, _ in steps)
+        sizes = [x for x, _ in steps]
+        if n >= self.MIN_STEPS_FOR_SLOPE and var > 0 and max(sizes) >= 2 * min(sizes):
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in steps) / var
+            if slope > 0:
+                return slope
+        return mean_y / mean_x
 
     def worth_loading(self) -> bool:
-        if self.prefill_s_per_token is None:
+        per_token = self.prefill_s_per_token
+        if per_token is None:
             return True
-        return self.bytes_per_block / self.copy_bytes_per_s < self.block_size * self.prefill_s_per_token
+        return self.bytes_per_block / self.copy_bytes_per_s < self.block_size * per_token
 
     def observe_copy(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
-            self.copy_bytes_per_s += self.EMA * (num_bytes / seconds - self.copy_bytes_per_s)
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        rate = num_bytes / seconds
+        if self.is_copy_measured:
+            self.copy_bytes_per_s += self.EMA * (rate - self.copy_bytes_per_s)
+        else:
+            self.copy_bytes_per_s, self.is_copy_measured = rate, True
 
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        per_token = seconds / num_tokens
-        old = self.prefill_s_per_token
-        self.prefill_s_per_token = per_token if old is None else old + self.EMA * (per_token - old)
+        if num_tokens > 0 and seconds > 0:
+            self.steps.append((num_tokens, seconds))
 
 
 class HostTier:

@@ -75,13 +75,33 @@ def test_manager_offloads_evicted_blocks_and_loads_a_host_hit_into_fresh_blocks(
 
 
 def test_the_load_rule_compares_a_copy_with_a_recompute_per_block() -> None:
-    rule = LoadRule(bytes_per_block=1_000_000, block_size=16, copy_bytes_per_s=1e9)
+    rule = LoadRule(bytes_per_block=1_000_000, block_size=16)
     assert rule.worth_loading()  # no forward measured yet
-    rule.observe_forward(num_tokens=1000, seconds=0.01)  # 10 us a token: 160 us a block > 1 ms? no
+    rule.observe_copy(1_000_000, 0.001)  # the first measurement replaces the nominal rate
+    assert rule.copy_bytes_per_s == pytest.approx(1e9)
+    rule.observe_forward(num_tokens=1000, seconds=0.01)  # 10 us a token
     assert rule.prefill_s_per_token == pytest.approx(1e-5)
     assert not rule.worth_loading()  # 1 ms to copy a block, 0.16 ms to recompute it
-    rule.observe_forward(num_tokens=10, seconds=0.1)  # 10 ms a token
+    rule.observe_forward(num_tokens=10, seconds=0.1)  # too few steps for a slope: the mean, ~109 us
+    assert rule.prefill_s_per_token == pytest.approx(0.11 / 1010)
     assert rule.worth_loading()
+    rule.observe_copy(1_000_000, 0.0005)  # then an EMA
+    assert rule.copy_bytes_per_s == pytest.approx(1e9 + 0.2 * (2e9 - 1e9))
+
+
+def test_the_load_rule_weighs_a_tokens_marginal_cost_not_a_steps_fixed_one() -> None:
+    """Steps of 100 to 800 prompt tokens, each 10 ms of fixed cost + 1 us a token: spread over the tokens
+    a token would look 28 us dear and loading a block (100 us) worth it; its marginal cost is 1 us."""
+    rule = LoadRule(bytes_per_block=100_000, block_size=16, copy_bytes_per_s=1e9)
+    for n in (100, 200, 400, 800):
+        rule.observe_forward(n, 0.010 + n * 1e-6)
+    assert rule.prefill_s_per_token == pytest.approx(1e-6)
+    assert not rule.worth_loading()  # 16 us to recompute a block, 100 us to copy it
+    alike = LoadRule(bytes_per_block=100_000, block_size=16, copy_bytes_per_s=1e9)
+    for _ in range(4):
+        alike.observe_forward(100, 0.0101)  # no spread of sizes: the mean
+    assert alike.prefill_s_per_token == pytest.approx(0.0101 / 100)
+    assert alike.worth_loading()
 
 
 def test_the_budget_is_never_exceeded_and_a_budget_of_no_block_is_refused() -> None:
