@@ -110,8 +110,10 @@ class PrefixPulls:
     # ---- holder -----------------------------------------------------------------------------------------
     def on_offer(self, op: OfferPrefix) -> None:
         ctx, kv = self.ctx, self.ctx.engine.scheduler.kv
-        if self.sender is None or op.pull_id in self._holds:
-            ctx.send(PrefixOffered(ctx.worker_id, op.pull_id, 0, error="no pull sender or a duplicate id"))
+        if (
+            self.sender is None or op.pull_id in kv.block_tables
+        ):  # NOTE: an id in use (the router's are random)
+            ctx.send(PrefixOffered(ctx.worker_id, op.pull_id, 0, error="no pull sender or an id in use"))
             return
         block_ids = kv.hold_prefix(op.pull_id, op.token_ids)
         if not block_ids:
@@ -132,8 +134,8 @@ class PrefixPulls:
     # ---- puller -----------------------------------------------------------------------------------------
     def on_fetch(self, op: FetchPrefix) -> None:
         ctx, kv = self.ctx, self.ctx.engine.scheduler.kv
-        if self.receiver is None or op.pull_id in self._fetches:
-            self._answer(op.pull_id, 0, 0, "no pull receiver or a duplicate id")
+        if self.receiver is None or op.pull_id in kv.block_tables:
+            self._answer(op.pull_id, 0, 0, "no pull receiver or an id in use")
             return
         try:
             handoff = KVHandoff.from_bytes(op.handoff)
