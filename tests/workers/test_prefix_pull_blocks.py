@@ -28,7 +28,7 @@ def test_hold_takes_the_cached_device_prefix_until_freed() -> None:
     kv = KVCacheManager(8, BS, enable_prefix_caching=True)
     tokens = list(range(14))  # 3 full blocks and 2 tokens
     assert cached(kv, tokens) == [1, 2, 3, 4]
-    assert kv.hold_prefix("h", tokens + [99, 98]) == [1, 2, 3]
+    assert kv.hold_prefix("h", [*tokens, 99, 98]) == [1, 2, 3]
     assert kv.pool.ref_counts[1:5] == [1, 1, 1, 0]
     with pytest.raises(RuntimeError, match="holds blocks already"):
         kv.hold_prefix("h", tokens)
