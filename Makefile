@@ -57,7 +57,7 @@ FAULT_TESTS := tests/e2e/test_elastic.py tests/e2e/test_control_plane.py tests/e
 	tests/e2e/test_cluster.py::test_a_dead_prefill_worker_while_the_decode_side_is_reserved_migrates_and_leaks_nothing \
 	tests/e2e/test_tensor_parallel_cluster.py::test_kill_9_of_rank_1_of_the_decode_worker_fails_it_as_a_unit_and_loses_no_stream \
 	tests/workers/test_tensor_parallel.py::test_a_rank_that_dies_fails_the_engine_and_close_leaves_no_process \
-	tests/e2e/test_host_tier_cluster.py tests/cluster/test_failed_transfers.py
+	tests/e2e/test_host_tier_cluster.py tests/cluster/test_failed_transfers.py tests/e2e/test_prefix_pulls.py
 
 test-faults: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/pytest -q --durations=15 --loaded $(FAULT_TESTS)

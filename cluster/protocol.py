@@ -545,6 +545,7 @@ class WorkerStats:
     steps: the step thread's steps, split by whether a KV transfer finished beside them.
     num_freed_for_router: requests this worker freed because the router that owned them went silent past
     its lease or was replaced by a restarted one (front-end replicas, workers/router_links.py).
+    num_pulled_*: prefix blocks pulled from other workers' caches into this one.
     """
 
     worker_id: str
@@ -557,6 +558,9 @@ class WorkerStats:
     broken_peers: list[str] = field(default_factory=list)
     steps: StepSplit = field(default_factory=StepSplit)
     num_freed_for_router: int = 0
+    num_pulled_blocks: int = 0  # prefix blocks this worker pulled from others (workers/prefix_pulls.py)
+    num_pulled_bytes: int = 0
+    num_pull_failures: int = 0  # pulls that failed or found nothing to take (the prompt computed as usual)
 
 
 def peer_name(worker_id: str, incarnation: str) -> str:

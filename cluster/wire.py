@@ -2,9 +2,9 @@
 one tagged codec, strict decoding.
 
 Ops (``Op``, router -> worker): Generate, PrepareDecode, DecodeHandoff, Abort, PeerDead, ExtendLease,
-RouterLease.
+RouterLease, OfferPrefix, FetchPrefix.
 Events (``Event``, worker -> router): Heartbeat, Deltas, Prefilled, Transferred, RequestFailed,
-WorkerFailed, KeepAlive, KvEvents; and WorkerGone (the lifecycle plane's word on a worker, from the supervisor of
+WorkerFailed, KeepAlive, KvEvents, PrefixOffered, PrefixFetched; and WorkerGone (the lifecycle plane's word on a worker, from the supervisor of
 front-end replicas).
 
 Membership is by heartbeat: a worker's first Heartbeat (it carries the worker's static ``WorkerInfo``)
@@ -101,6 +101,7 @@ class WorkerInfo(WireMessage, frozen=True):
     pid: int
     cpu_cores: list[int] = []  # the process's CPU affinity
     kv_endpoint: str = ""  # a prefill worker's KV-sender handshake socket (ZMQ ROUTER); "" elsewhere
+    pull_endpoint: str = ""  # the handshake socket of the KV sender that serves prefix pulls; "" none
     model_fingerprint: str = ""  # cluster.hub.model_fingerprint: the checkpoint, whatever its path here
     gc_frozen_objects: int = 0  # objects the start-up moved out of the collector's scans (gc.freeze)
 
@@ -181,6 +182,28 @@ class RouterLease(WireMessage, frozen=True):
     incarnation: str
     replica: int
     lease_s: FiniteFloat
+
+
+class OfferPrefix(WireMessage, frozen=True):
+    """Prefix pull, holder side (workers/prefix_pulls.py): hold the device blocks of the longest cached
+    full-block prefix of ``token_ids`` and offer them to the pull sender; answered by PrefixOffered. An
+    Abort of ``pull_id`` lets go of an offer not fetched; the offer's lease (to ``deadline``) bounds it."""
+
+    TAG: ClassVar[str] = "offer_prefix"
+    pull_id: str
+    token_ids: list[int]
+    deadline: FiniteFloat  # time.time() seconds
+
+
+class FetchPrefix(WireMessage, frozen=True):
+    """Prefix pull, puller side: reserve blocks for the offered prefix blocks this worker lacks, fetch
+    them (``handoff``: the holder's KVHandoff) and cache them; answered by PrefixFetched."""
+
+    TAG: ClassVar[str] = "fetch_prefix"
+    pull_id: str
+    token_ids: list[int]
+    handoff: bytes
+    deadline: FiniteFloat
 
 
 # ---- events: worker -> router ------------------------------------------------------------------------
@@ -285,6 +308,28 @@ def kv_event_frames(worker_id: str, incarnation: str, first_seq: int, batch: KvE
     return frames
 
 
+class PrefixOffered(WireMessage, frozen=True):
+    """The holder's answer to OfferPrefix: ``num_blocks`` held and offered (``handoff``), or ``error``."""
+
+    TAG: ClassVar[str] = "prefix_offered"
+    worker_id: str
+    pull_id: str
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)]
+    handoff: bytes = b""
+    error: str = ""
+
+
+class PrefixFetched(WireMessage, frozen=True):
+    """The puller's answer to FetchPrefix: ``num_blocks`` pulled (``nbytes``) and cached, or ``error``."""
+
+    TAG: ClassVar[str] = "prefix_fetched"
+    worker_id: str
+    pull_id: str
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    error: str = ""
+
+
 class WorkerGone(WireMessage, frozen=True):
     """The lifecycle plane's word on a worker (sent by the supervisor of front-end replicas, which runs
     Ray; a single router watches Ray itself): Ray cannot reach its actor any more, and ``pid`` is the
@@ -298,7 +343,17 @@ class WorkerGone(WireMessage, frozen=True):
 
 # NOTE: every signature that carries a message names one of these unions (what a handler receives is a
 # union it can match on exhaustively), never Any.
-Op = Generate | PrepareDecode | DecodeHandoff | Abort | PeerDead | ExtendLease | RouterLease
+Op = (
+    Generate
+    | PrepareDecode
+    | DecodeHandoff
+    | Abort
+    | PeerDead
+    | ExtendLease
+    | RouterLease
+    | OfferPrefix
+    | FetchPrefix
+)
 Event = (
     Heartbeat
     | Deltas
@@ -309,6 +364,8 @@ Event = (
     | KeepAlive
     | KvEvents
     | WorkerGone
+    | PrefixOffered
+    | PrefixFetched
 )
 OPS: tuple[type[Op], ...] = (
     Generate,
@@ -318,6 +375,8 @@ OPS: tuple[type[Op], ...] = (
     PeerDead,
     ExtendLease,
     RouterLease,
+    OfferPrefix,
+    FetchPrefix,
 )
 EVENTS: tuple[type[Event], ...] = (
     Heartbeat,
@@ -329,6 +388,8 @@ EVENTS: tuple[type[Event], ...] = (
     KeepAlive,
     KvEvents,
     WorkerGone,
+    PrefixOffered,
+    PrefixFetched,
 )
 
 

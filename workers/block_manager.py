@@ -255,6 +255,58 @@ class KVCacheManager:
             hashes.extend(hash_full_blocks(tokens, self.block_size, 0, parent))
         return hashes
 
+    # ---- prefix pulls (workers/prefix_pulls.py) ----------------------------------------------------------
+    def _prefix_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        num_full = len(token_ids) // self.block_size
+        return hash_full_blocks(list(token_ids[: num_full * self.block_size]), self.block_size)
+
+    def hold_prefix(self, hold_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Holder side of a pull: the device blocks of the longest cached full-block prefix of
+        ``token_ids``, each with one more user under the pseudo block table ``hold_id`` (so nothing evicts
+        them) until ``free(hold_id)``. An empty hold takes no table."""
+        if hold_id in self.block_tables:
+            raise RuntimeError(f"hold_prefix({hold_id!r}): the id holds blocks already")
+        if self.prefix_cache is None:
+            return []
+        block_ids = self.prefix_cache.lookup(self._prefix_hashes(token_ids))
+        if block_ids:
+            self.pool.touch(block_ids)
+            self.block_tables[hold_id] = list(block_ids)
+        return block_ids
+
+    def reserve_prefix(
+        self, pull_id: str, token_ids: Sequence[int], num_blocks: int
+    ) -> tuple[list[int], int] | None:
+        """Puller side: blocks for the first ``num_blocks`` full blocks of ``token_ids`` under the pseudo
+        table ``pull_id``: (the table, how many leading blocks this cache already holds; the rest are
+        fresh, for the transfer to write). None (nothing taken) when nothing is missing or blocks are
+        short. Evicted cached blocks are dropped, not offloaded (the transfer writes the fresh blocks
+        outside any step). Then ``commit_prefix`` or ``free``."""
+        if pull_id in self.block_tables:
+            raise RuntimeError(f"reserve_prefix({pull_id!r}): the id holds blocks already")
+        hashes = self._prefix_hashes(token_ids)[:num_blocks]
+        if self.prefix_cache is None or len(hashes) < num_blocks:
+            return None
+        hit = self.prefix_cache.lookup(hashes)
+        num_fresh = num_blocks - len(hit)
+        num_hit_free = sum(1 for b in hit if self.pool.ref_counts[b] == 0)
+        if num_fresh <= 0 or num_fresh + num_hit_free > self.pool.num_free:
+            return None
+        self.pool.touch(hit)
+        table = self.block_tables[pull_id] = hit + self.pool.allocate(num_fresh)
+        self._hashes[pull_id] = hashes
+        self._num_cached_blocks[pull_id] = len(hit)
+        return list(table), len(hit)
+
+    def commit_prefix(self, pull_id: str) -> None:
+        """The pulled blocks are written: they join the prefix cache under their hashes (a hash cached
+        meanwhile under another block keeps that one), then the pseudo table goes: cached, no user."""
+        table, hashes = self.block_tables[pull_id], self._hashes[pull_id]
+        if self.prefix_cache is not None:
+            for i in range(self._num_cached_blocks[pull_id], len(table)):
+                self.prefix_cache.insert(table[i], hashes[i])
+        self.free(pull_id)
+
     @property
     def usage(self) -> float:
         """Fraction of usable blocks with at least one user."""

@@ -39,6 +39,8 @@ from cluster.wire import (
     KeepAlive,
     KvEvents,
     Prefilled,
+    PrefixFetched,
+    PrefixOffered,
     RequestFailed,
     RouterLease,
     Transferred,
@@ -95,7 +97,9 @@ class RouterLinks:
         dropped (their router is down or not reading)."""
         # NOTE: a worker sends no WorkerGone; a KvEvents frame one router could not take is a gap in its
         # sequence there, which that router's index sees and recovers from (cluster/router/kv_index.py)
-        if isinstance(message, (Heartbeat, KvEvents, WorkerFailed, WorkerGone)):
+        # (a prefix pull's answer, PrefixOffered / PrefixFetched, has no owner here: every router gets it,
+        # and those that did not start the pull ignore it)
+        if isinstance(message, (Heartbeat, KvEvents, WorkerFailed, WorkerGone, PrefixOffered, PrefixFetched)):
             for i in range(len(self.sockets)):
                 self.send_to(i, message)
             return []

@@ -57,6 +57,7 @@ from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
 from workers.parallel_kv import cached_kv
 from workers.prefill_role import PrefillRole
+from workers.prefix_pulls import PrefixPulls
 from workers.rank_process import on_rank_death
 from workers.role import Role, WorkerContext
 from workers.stats_log import StatsLine
@@ -167,6 +168,11 @@ class EngineWorker:
         self.role: Role | None = _make_role(pool, context)
         if self.role is not None:
             self.role.start()
+        # NOTE: prefix pulls (workers/prefix_pulls.py): any worker that moves KV holds; a prefill one pulls
+        self.pulls: PrefixPulls | None = None
+        if self.role is not None and control.moves_kv:
+            self.pulls = PrefixPulls(context, can_pull=pool == "prefill")
+            self.pulls.start()
         # NOTE: with the engine, role and sockets built, before the inbound and step threads start
         frozen = freeze_startup_heap() if freeze_heap else 0
         self.info = self._make_info(incarnation, frozen)
@@ -189,10 +195,17 @@ class EngineWorker:
             control.heartbeat_interval_s,
             self._guard.is_healthy,
             self._decoder.rejected,
+            self.pulls,
         )
         self._vitals.publish()
         ops = OpHandler(
-            pool, self.engine, self.role, self._outbox, self._vitals, self._decoder.verifier.reject
+            pool,
+            self.engine,
+            self.role,
+            self._outbox,
+            self._vitals,
+            self._decoder.verifier.reject,
+            self.pulls,
         )
         inbound = InboundLoop(self._pull, self._decoder, self._commands.put, self._stop, self._inbound_fault)
         step = StepLoop(
@@ -238,6 +251,7 @@ class EngineWorker:
             pid=os.getpid(),
             cpu_cores=sorted(os.sched_getaffinity(0)),
             kv_endpoint=self.role.kv_endpoint() if self.role is not None else "",
+            pull_endpoint=self.pulls.endpoint if self.pulls is not None else "",
             model_fingerprint=model_fingerprint(e.model_dir),
             gc_frozen_objects=gc_frozen_objects,
         )
@@ -245,6 +259,7 @@ class EngineWorker:
     def _more_threads(self) -> list[threading.Thread]:
         """The threads beside the guarded ones that the worker's health needs alive."""
         threads = self.role.threads() if self.role is not None else []
+        threads += self.pulls.threads() if self.pulls is not None else []
         if self._stage is not None:
             threads.append(self._stage.thread)
         return threads
@@ -310,6 +325,8 @@ class EngineWorker:
             self._stage.close(STAGE_DRAIN_S)
         if self.role is not None:
             self.role.close()
+        if self.pulls is not None:
+            self.pulls.close()
         self._pull.close(linger=0)
         self._outbox.close()
         self._ctx.term()

@@ -5,7 +5,9 @@ and the routers' leases.
 Ops: ``Generate`` adds a request to the engine (``hold``: a prefill worker keeps its KV for a handoff);
 ``PrepareDecode`` / ``DecodeHandoff`` go to a decode worker's role (elsewhere the first is a hint to
 ignore, the second fails the request); ``Abort`` frees a request wherever it is (the role first: it may
-have to wait for a transfer in flight); ``PeerDead`` and ``ExtendLease`` go to the role; ``RouterLease``
+have to wait for a transfer in flight; a prefix pull's id goes to ``PrefixPulls``); ``PeerDead`` and
+``ExtendLease`` go to the role; ``OfferPrefix`` / ``FetchPrefix`` (and their transfers' callbacks) to
+``PrefixPulls`` (workers/prefix_pulls.py); ``RouterLease``
 renews a router's lease (and frees the requests of the incarnation it replaces in its slot). An op that
 brings a request from a router holding no lease here (a replaced replica's op that came late) is refused
 and counted ``stale_owner``: nobody would hear its events.
@@ -25,13 +27,18 @@ from cluster.wire import (
     DecodeHandoff,
     Event,
     ExtendLease,
+    FetchPrefix,
     Generate,
+    OfferPrefix,
     PeerDead,
+    PrefixFetched,
+    PrefixOffered,
     PrepareDecode,
     RequestFailed,
     RouterLease,
 )
 from workers.engine import Engine
+from workers.prefix_pulls import PrefixPulls
 from workers.role import Role
 from workers.structured_compile import CompileFailed
 from workers.worker_outbox import Outbox
@@ -64,8 +71,10 @@ class OpHandler:
         outbox: Outbox,
         vitals: Vitals,
         reject: Callable[[str], None],
+        pulls: PrefixPulls | None = None,
     ) -> None:
         self.pool = pool
+        self._pulls = pulls
         self._engine = engine
         self._role = role
         self._outbox = outbox
@@ -82,6 +91,8 @@ class OpHandler:
             self._reject("stale_owner")
             return
         role = self._role
+        if self._pulls is not None and self._pulls.handle(cmd):
+            return
         match cmd:
             case Generate():
                 self._on_generate(cmd)
@@ -108,9 +119,19 @@ class OpHandler:
             case PeerDead():
                 if role is not None:
                     role.on_peer_dead(cmd)
+                if self._pulls is not None:
+                    self._pulls.on_peer_dead(cmd)
             case ExtendLease(request_id=request_id):
                 if role is not None:
                     role.on_extend_lease(request_id)
+            case OfferPrefix():  # NOTE: a worker that moves no KV (PrefixPulls takes them elsewhere)
+                self._outbox.send(
+                    PrefixOffered(self._outbox.worker_id, cmd.pull_id, 0, error="no pulls here")
+                )
+            case FetchPrefix():
+                self._outbox.send(
+                    PrefixFetched(self._outbox.worker_id, cmd.pull_id, 0, error="no pulls here")
+                )
             case LeakCheck(result=result):
                 result.set_result(self._vitals.leak_report())
             case InjectedFault(kind=kind):
@@ -121,6 +142,8 @@ class OpHandler:
                 raise RuntimeError(f"{self._outbox.worker_id}: unexpected command {type(cmd).__name__}")
 
     def abort(self, request_id: str) -> None:
+        if self._pulls is not None and self._pulls.on_abort(request_id):
+            return
         if self._role is None or not self._role.on_abort(request_id):
             self._engine.abort(request_id)
 

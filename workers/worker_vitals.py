@@ -25,6 +25,7 @@ from cluster.protocol import StepSplit, TransferStats, WorkerStats
 from cluster.wire import Heartbeat, WorkerInfo, kv_event_frames
 from workers.detokenizer import DetokenizerStage
 from workers.engine import Engine
+from workers.prefix_pulls import PrefixPulls
 from workers.role import Role
 from workers.worker_outbox import Outbox
 
@@ -48,8 +49,10 @@ class Vitals:
         heartbeat_interval_s: float,
         is_healthy: Callable[[], bool],
         rejected: Callable[[], dict[str, int]],
+        pulls: PrefixPulls | None = None,
     ) -> None:
         self.info = info
+        self._pulls = pulls
         self._engine = engine
         self._role = role
         self._stage = stage
@@ -67,7 +70,7 @@ class Vitals:
 
     def publish(self) -> None:
         """A fresh snapshot of the stats (step thread)."""
-        role = self._role
+        role, pulls = self._role, self._pulls
         self.stats = WorkerStats(
             worker_id=self.info.worker_id,
             pool=self.info.pool,
@@ -79,6 +82,9 @@ class Vitals:
             broken_peers=role.broken_peers() if role is not None else [],
             steps=dataclasses.replace(self.steps),
             num_freed_for_router=self.num_freed_for_router,
+            num_pulled_blocks=pulls.num_pulled_blocks if pulls is not None else 0,
+            num_pulled_bytes=pulls.num_pulled_bytes if pulls is not None else 0,
+            num_pull_failures=pulls.num_pull_failures if pulls is not None else 0,
         )
 
     def mark_unhealthy(self) -> None:
@@ -90,6 +96,8 @@ class Vitals:
         counts = collections.Counter(self._rejected())
         if self._role is not None:
             counts.update(self._role.rejected_frames())
+        if self._pulls is not None:
+            counts.update(self._pulls.rejected_frames())
         return dict(counts)
 
     def beat(self) -> None:
@@ -121,7 +129,8 @@ class Vitals:
             self._outbox.send(frame)
 
     def role_threads(self) -> list[threading.Thread]:
-        return self._role.threads() if self._role is not None else []
+        threads = self._role.threads() if self._role is not None else []
+        return threads + (self._pulls.threads() if self._pulls is not None else [])
 
     def leak_report(self) -> str | None:
         """Leak invariant (step thread): None if clean, else what leaked."""
@@ -129,6 +138,8 @@ class Vitals:
             self._engine.check_no_leaks()
             if self._role is not None:
                 self._role.check_leaks()
+            if self._pulls is not None:
+                self._pulls.check_leaks()
             if self._stage is not None:
                 try:  # NOTE: the final deltas it still holds free their state
                     self._stage.flush(STAGE_DRAIN_S)

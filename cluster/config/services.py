@@ -86,6 +86,11 @@ class RouterConfig:
     # a worker frees the requests of a router (a front-end replica) it has not heard from this long:
     # the router renews it every health_interval_s, so it must be well above that
     router_lease_s: float = 10.0
+    # prefix pulls (cluster/router/pulls.py): the prefill worker pulls the device blocks of a prompt's
+    # prefix another worker holds when they are at least this many more than its own (0: off) and, with a
+    # cost profile, their transfer beats their prefill; the prompt waits at most pull_timeout_s for it
+    pull_min_blocks: int = 8
+    pull_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         require(self.mode in ROUTER_MODES, f"router mode must be one of {ROUTER_MODES}, got {self.mode!r}")
@@ -106,6 +111,8 @@ class RouterConfig:
         require(self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         require(self.max_pending_requests >= 1, "max_pending_requests must be >= 1")
         require(self.health_interval_s > 0, "health_interval_s must be > 0")
+        require(self.pull_min_blocks >= 0, f"pull_min_blocks must be >= 0, got {self.pull_min_blocks}")
+        require(self.pull_timeout_s > 0, f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
         require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
         require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         require(

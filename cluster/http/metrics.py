@@ -217,6 +217,21 @@ class WorkerStatsCollector(Collector):
             "KV bytes copied host tier -> device (summed over ranks)",
             lambda s: s.engine.kv_loaded_bytes,
         ),
+        (
+            "pdserve_kv_pulled_blocks",
+            "Prefix KV blocks pulled from another worker's cache instead of recomputed",
+            lambda s: s.num_pulled_blocks,
+        ),
+        (
+            "pdserve_kv_pulled_bytes",
+            "Prefix KV bytes pulled from other workers",
+            lambda s: s.num_pulled_bytes,
+        ),
+        (
+            "pdserve_kv_pull_failures",
+            "Prefix pulls that failed or found nothing to take (the prompt computed as usual)",
+            lambda s: s.num_pull_failures,
+        ),
         ("pdserve_kv_transfer_bytes", "KV bytes moved by this worker", lambda s: s.transfer.bytes_total),
         ("pdserve_kv_transfer_seconds", "Seconds spent moving KV", lambda s: s.transfer.seconds_total),
         ("pdserve_kv_transfers", "KV handoffs completed", lambda s: s.transfer.num_ok),

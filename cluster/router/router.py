@@ -9,7 +9,8 @@ The router composes: cluster/router/membership.py (which workers there are and t
 heartbeat, lifecycle, drain, death), cluster/router/flights.py (each request's state across its attempts),
 cluster/router/handoff.py (the decode side: early decode admission, the handoff), route decisions and
 their reasons (cluster/router/routing.py, over the placement policy of cluster/router/placement.py and
-the workers' KV events in cluster/router/kv_index.py) and SLO-aware admission (cluster/router/admission.py).
+the workers' KV events in cluster/router/kv_index.py), prefix pulls between workers
+(cluster/router/pulls.py) and SLO-aware admission (cluster/router/admission.py).
 
 Migration: a request whose worker died is dispatched again, as prompt + the tokens already streamed, to
 a surviving path (``Generate.output_token_ids``: computed, not re-sampled, so greedy continues token for
@@ -57,6 +58,7 @@ from cluster.router.handoff import FailedTransfers, Handoffs
 from cluster.router.kv_index import KvIndex
 from cluster.router.membership import Membership, WorkerRef, WorkerState
 from cluster.router.predict import Predictor, TrafficLog
+from cluster.router.pulls import Pulls
 from cluster.router.routing import Pools, PrefixView, Route, decide
 from cluster.router.stream import OutputListener, RequestStream
 from cluster.wire import (
@@ -70,6 +72,8 @@ from cluster.wire import (
     KvEvents,
     Op,
     Prefilled,
+    PrefixFetched,
+    PrefixOffered,
     RequestFailed,
     Transferred,
     WireEncoder,
@@ -134,6 +138,7 @@ class Router:
         )
         self._handoffs = Handoffs(self.members, self.prefix_view)
         self._failed_transfers = FailedTransfers(config.health_timeout_s, self._migrate, self._fail)
+        self.pulls = Pulls(config, self.members, self.kv_index, predictor, self._send_generate, self._fail)
         self._loops: list[asyncio.Task[None]] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -325,7 +330,8 @@ class Router:
         self.prefix_view.record(w.worker_id, route.block_hashes, w.info.num_blocks)
         num_tokens = len(flight.req.prompt_token_ids) + len(flight.token_ids)
         flight.assign(w, "prefill" if route.hold else "decode", num_tokens)
-        self._send_generate(flight, w, hold=route.hold)
+        if not self.pulls.start(flight, route, flight.req.prompt_token_ids + flight.token_ids):
+            self._send_generate(flight, w, hold=route.hold)  # NOTE: else once the prefix pull ends
         if route.hold and self.config.early_decode_admission and flight.req.params.max_tokens > 1:
             self._handoffs.admit_early(flight, w)
 
@@ -466,6 +472,7 @@ class Router:
             flight.drop_early_decode()  # NOTE: its prefill goes on; the handoff picks another worker
         for flight in [f for f in self._flights if f.depends_on(w)]:
             self._migrate(flight, f"worker {w.worker_id} failed: {why}")
+        self.pulls.on_dead(w)  # NOTE: after the migrations: a moved flight gets nothing from its old pull
 
     def _on_worker_state(self, w: WorkerRef) -> None:
         """A worker not healthy: its KV index entries go (nothing vouches for them; kv_index.py)."""
@@ -520,6 +527,8 @@ class Router:
                     flight.transfer_s = event.seconds
             case WorkerGone():
                 self.members.on_gone(event)
+            case PrefixOffered() | PrefixFetched():
+                self.pulls.on_answer(w, event)
             case KeepAlive():
                 flight = self._flights.current(event.request_id)
                 if flight is not None and flight.decode is w and flight.prefill is not None:
@@ -573,19 +582,10 @@ class Router:
         taken) and the consumer finds the error after the output its stream holds."""
         stream = flight.stream
         num_bytes, limit = stream.num_unread_bytes, stream.max_unread_bytes
-        logger.warning(
-            "router: aborted %s: its consumer left %d bytes untaken (stream_buffer_bytes %s)",
-            flight.req.request_id,
-            num_bytes,
-            limit,
-        )
-        self._fail(
-            flight,
-            RequestAbortedError(
-                f"stream_stalled: the caller left {num_bytes} bytes of this request's output untaken "
-                f"(stream_buffer_bytes {limit}); generation aborted"
-            ),
-        )
+        what = "router: aborted %s: its consumer left %d bytes untaken (stream_buffer_bytes %s)"
+        logger.warning(what, flight.req.request_id, num_bytes, limit)
+        why = f"stream_stalled: the caller left {num_bytes} bytes of this request's output untaken "
+        self._fail(flight, RequestAbortedError(why + f"(stream_buffer_bytes {limit}); generation aborted"))
 
     def _on_request_failed(self, w: WorkerRef, event: RequestFailed) -> None:
         flight = self._flights.of(w, event.request_id)

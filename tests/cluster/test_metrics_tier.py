@@ -30,6 +30,9 @@ TIERED = WorkerStats(
         num_free_blocks=16,
         num_total_blocks=64,
     ),
+    num_pulled_blocks=6,
+    num_pulled_bytes=6 * BLOCK_BYTES,
+    num_pull_failures=1,
 )
 PLAIN = WorkerStats(
     "decode-0",
@@ -63,6 +66,11 @@ def test_tier_series_per_worker_are_exact() -> None:
     assert got[("pdserve_kv_offloaded_bytes_total", PREFILL)] == 1310720.0
     assert got[("pdserve_kv_loaded_bytes_total", PREFILL)] == 327680.0
     assert got[("pdserve_kv_offloaded_bytes_total", DECODE)] == 0.0
+    # prefix pulls from other workers (cluster/router/pulls.py)
+    assert got[("pdserve_kv_pulled_blocks_total", PREFILL)] == 6.0
+    assert got[("pdserve_kv_pulled_bytes_total", PREFILL)] == 196608.0
+    assert got[("pdserve_kv_pull_failures_total", PREFILL)] == 1.0
+    assert got[("pdserve_kv_pulled_blocks_total", DECODE)] == 0.0
 
 
 def test_counters_are_counters_and_gauges_gauges() -> None:
@@ -73,6 +81,9 @@ def test_counters_are_counters_and_gauges_gauges() -> None:
         "pdserve_kv_loaded_blocks",
         "pdserve_kv_offloaded_bytes",
         "pdserve_kv_loaded_bytes",
+        "pdserve_kv_pulled_blocks",
+        "pdserve_kv_pulled_bytes",
+        "pdserve_kv_pull_failures",
     ):
         assert types[name] == "counter", name
     for name in (

@@ -39,12 +39,16 @@ from cluster.wire import (
     DecodeHandoff,
     Deltas,
     ExtendLease,
+    FetchPrefix,
     Generate,
     Heartbeat,
     KeepAlive,
     KvEvents,
+    OfferPrefix,
     PeerDead,
     Prefilled,
+    PrefixFetched,
+    PrefixOffered,
     PrepareDecode,
     RequestFailed,
     RouterLease,
@@ -90,6 +94,8 @@ ALL_OPS = [
     PeerDead("prefill-0"),
     ExtendLease("r1"),
     RouterLease("0a1b2c3d4e5f6a7b", 1, 10.0),
+    OfferPrefix("pull-1", [1, 2, 3, 4], 1e9),
+    FetchPrefix("pull-1", [1, 2, 3, 4], b"\x81\xa1a\x01", 1e9),
 ]
 ALL_EVENTS = [
     Heartbeat(INFO, STATS),
@@ -101,6 +107,8 @@ ALL_EVENTS = [
     WorkerFailed("decode-0", "step thread died"),
     WorkerGone("decode-0", 4242, "RayActorError: The actor died unexpectedly"),
     KvEvents("decode-0", "ab12", 3, [(0, b"\x01" * 16), (1, b"\x02" * 16)], [(0, b"\x03" * 16)]),
+    PrefixOffered("decode-0", "pull-1", 3, b"handoff"),
+    PrefixFetched("prefill-0", "pull-1", 0, error="blocks short"),
 ]
 
 

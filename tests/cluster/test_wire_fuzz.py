@@ -12,7 +12,7 @@ secret and writing msgpack by hand could): the new decoder reads every copy of a
 refuses one whose earlier copy has the wrong type (the old one kept the last copy only), and it takes a
 map whose copies put it past 4096 entries (the old unpack called it malformed).
 
-Messages newer than the oracle (``KvEvents``) have no twin there: both decoders here leave them out, and
+Messages newer than the oracle (``KvEvents``, the prefix pulls') have no twin there: both decoders here leave them out, and
 their own strict decoding is checked in tests/cluster/test_kv_events_wire.py.
 """
 
@@ -44,18 +44,22 @@ from cluster.protocol import (
     TokenLogprobs,
 )
 from cluster.wire import (
-    OPS,
     ROUTER_ID,
     Deltas,
+    FetchPrefix,
     Generate,
     KvEvents,
+    OfferPrefix,
     Prefilled,
+    PrefixFetched,
+    PrefixOffered,
     WireDecoder,
     WireEncoder,
 )
 from tests.cluster.test_wire import ALL_EVENTS, ALL_OPS, SECRET
 
-NEWER_THAN_THE_ORACLE: tuple[type, ...] = (KvEvents,)
+NEWER_THAN_THE_ORACLE: tuple[type, ...] = (KvEvents, OfferPrefix, FetchPrefix, PrefixOffered, PrefixFetched)
+OPS = tuple(cls for cls in wire.OPS if cls not in NEWER_THAN_THE_ORACLE)
 EVENTS = tuple(cls for cls in wire.EVENTS if cls not in NEWER_THAN_THE_ORACLE)
 
 # NOTE: CI has 2 cores and a budget: a few hundred examples a test, the same ones every run
@@ -94,7 +98,9 @@ MORE_MESSAGES = [
     ),
     Deltas("w", [TokenDelta("a", [1], "x"), TokenDelta("b", [2, 3], "", finish_reason=FinishReason.STOP)]),
 ]
-MESSAGES = ALL_OPS + [m for m in ALL_EVENTS if type(m) in EVENTS] + MORE_MESSAGES
+MESSAGES = (
+    [m for m in ALL_OPS if type(m) in OPS] + [m for m in ALL_EVENTS if type(m) in EVENTS] + MORE_MESSAGES
+)
 
 
 def plain(value: Any) -> Any:
