@@ -73,7 +73,8 @@ def test_second_pass_hits_both_prefix_caches_and_moves_only_uncached_blocks(
     def recorded(ctx: WorkerContext) -> PairChannel | None:
         channel = make_channel(ctx)
         assert channel is not None  # every worker of a disaggregated cluster can move KV
-        channels[ctx.worker_id] = channel
+        # NOTE: a worker's first channel is its handoff role's; its prefix pulls build their own after it
+        channels.setdefault(ctx.worker_id, channel)
         return channel
 
     monkeypatch.setattr(WorkerContext, "channel", recorded)

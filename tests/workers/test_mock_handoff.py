@@ -76,7 +76,9 @@ def test_a_mock_handoff_moves_each_blocks_signature_and_waits_out_the_links_time
             "time: 20 ms + bytes at 1 GB/s inside a node, 0.1 GB/s between nodes (a peer at another address "
             "than 127.0.0.1)"
         )
-        assert said == [line, line]  # the prefill worker's sender, the decode worker's receiver
+        # the prefill worker's sender, the decode worker's receiver, and each worker's prefix pulls
+        # (workers/prefix_pulls.py: one link for its pull sender and, on the prefill worker, receiver)
+        assert said == [line] * 4
 
         (deltas,) = cluster.generate([PROMPT], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)])
         assert [t for d in deltas for t in d.token_ids] == rule.continuation(PROMPT, MAX_TOKENS)
