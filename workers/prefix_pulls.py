@@ -90,7 +90,8 @@ class PrefixPulls:
         if not self.can_pull:
             return
         channel = ctx.channel()
-        assert channel is not None
+        if channel is None:  # NOTE: cannot be: this worker moves KV (its sender has a channel)
+            raise RuntimeError(f"{ctx.worker_id}: no KV channel for the pull receiver")
         self._channels.append(channel)
         self.receiver = KVReceiver(
             kv,
@@ -110,9 +111,8 @@ class PrefixPulls:
     # ---- holder -----------------------------------------------------------------------------------------
     def on_offer(self, op: OfferPrefix) -> None:
         ctx, kv = self.ctx, self.ctx.engine.scheduler.kv
-        if (
-            self.sender is None or op.pull_id in kv.block_tables
-        ):  # NOTE: an id in use (the router's are random)
+        # NOTE: an id in use is refused (the router's are random)
+        if self.sender is None or op.pull_id in kv.block_tables:
             ctx.send(PrefixOffered(ctx.worker_id, op.pull_id, 0, error="no pull sender or an id in use"))
             return
         block_ids = kv.hold_prefix(op.pull_id, op.token_ids)
