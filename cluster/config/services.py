@@ -88,8 +88,10 @@ class RouterConfig:
     router_lease_s: float = 10.0
     # prefix pulls (cluster/router/pulls.py): the prefill worker pulls the device blocks of a prompt's
     # prefix another worker holds when they are at least this many more than its own (0: off) and, with a
-    # cost profile, their transfer beats their prefill; the prompt waits at most pull_timeout_s for it
-    pull_min_blocks: int = 8
+    # cost profile, their transfer beats their prefill; the prompt waits at most pull_timeout_s for it.
+    # NOTE: off by default: measured (bench/results/multiturn-mock-2026-11-29.md), the rule does not weigh
+    # a pull's control hops, and beside a host tier pulls cost more TTFT than they save
+    pull_min_blocks: int = 0
     pull_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
