@@ -199,7 +199,6 @@ class KVCacheManager:
                     cache.insert(block_id, block_hash)
                 self._copies.load_slots.extend(slots)
                 self._copies.load_blocks.extend(fresh[: len(slots)])
-                host.num_hit_tokens += len(slots) * self.block_size
                 self._num_cached_blocks[request.request_id] = len(table) + len(slots)
             table.extend(fresh)
         return True

@@ -548,7 +548,7 @@ class Engine:
         host, host_kv = kv.host, self.runner.host_kv
         if host is not None and host_kv is not None:
             ranks = self.config.tensor_parallel_size
-            st.prefix_cache_host_hits = host.num_hit_tokens
+            st.prefix_cache_host_hits = host.num_loaded * self.config.block_size  # a hit is a load
             st.num_host_blocks, st.num_host_blocks_used = host.num_slots, len(host)
             st.kv_offloaded_blocks, st.kv_loaded_blocks = host.num_offloaded, host.num_loaded
             st.kv_offloaded_bytes = host.num_offloaded * host_kv.bytes_per_block * ranks

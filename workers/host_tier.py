@@ -124,7 +124,6 @@ class HostTier:
         self.events: KvEventLog | None = None  # set by a subscriber (KVCacheManager.subscribe_events)
         self.num_offloaded = 0  # blocks copied in
         self.num_loaded = 0  # blocks copied out
-        self.num_hit_tokens = 0
 
     def __len__(self) -> int:
         return len(self._slot_of)
