@@ -79,7 +79,9 @@ class WorkerRef:
     stats: WorkerStats | None = None
     last_beat: float = field(default_factory=time.monotonic)
     num_assigned: int = 0  # requests the router routed here that are not over
-    num_prompt_tokens: int = 0  # prompt tokens routed here whose first token has not come back
+    num_prompt_tokens: int = (
+        0  # prefill work routed here whose first token has not come back (Route.queued_tokens)
+    )
     num_queued_prompts: int = 0  # the requests those tokens belong to
     died: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set once its state is dead
 

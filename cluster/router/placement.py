@@ -10,8 +10,9 @@ Ray), so tests and a simulation drive the same policy the router runs.
 With ``prefix_routing: index`` (the default) the prefill and colocated picks go by the router's exact
 index of the workers' KV tiers instead (cluster/router/kv_index.py; ``explain_by_index``): each worker's
 cost is the prompt tokens it would still compute, plus ``HOST_HIT_COST`` for each token it would copy
-back from its host tier, plus its queue (the prompt tokens routed there whose first token has not come
-back) and, for a colocated worker, ``REQUEST_COST_TOKENS`` for each request it runs (they share every
+back from its host tier, plus its queue (the same work of every prompt routed there whose first token
+has not come back: a queued prompt's hit is not work, so a worker that holds the conversations it is
+sent does not look busier than it is) and, for a colocated worker, ``REQUEST_COST_TOKENS`` for each request it runs (they share every
 step with the new prompt); the cheapest wins, ties to the fewer requests, then the worker id. A cached
 prefix thus draws a request to a busier worker as long as the tokens saved outweigh the extra queue.
 
@@ -24,6 +25,7 @@ report.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -95,17 +97,22 @@ def explain_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_
     return preferred, "prefix_affinity"
 
 
+def prompt_work(hit: KvHit, num_tokens: int, block_size: int) -> float:
+    """The prefill work of a ``num_tokens`` prompt on a worker holding ``hit`` of it, in prompt tokens:
+    those it computes, plus the copies back of its host-tier hit (``HOST_HIT_COST`` each)."""
+    device, host = hit.device_blocks * block_size, hit.host_blocks * block_size
+    return num_tokens - device - host + DEVICE_HIT_COST * device + HOST_HIT_COST * host
+
+
+def queued_work(hit: KvHit, num_tokens: int, block_size: int) -> int:
+    """``prompt_work`` as the worker's queue counts it (``num_prompt_tokens``): whole tokens, at least one
+    (the engine always computes a prompt's last token)."""
+    return max(1, math.ceil(prompt_work(hit, num_tokens, block_size)))
+
+
 def index_cost(w: WorkerLoad, hit: KvHit, num_tokens: int, request_cost_tokens: int) -> float:
     """What placing a ``num_tokens`` prompt on ``w`` costs, in prompt tokens (module docstring)."""
-    device, host = hit.device_blocks * w.block_size, hit.host_blocks * w.block_size
-    compute = num_tokens - device - host
-    return (
-        compute
-        + DEVICE_HIT_COST * device
-        + HOST_HIT_COST * host
-        + w.num_prompt_tokens
-        + request_cost_tokens * busy(w)
-    )
+    return prompt_work(hit, num_tokens, w.block_size) + w.num_prompt_tokens + request_cost_tokens * busy(w)
 
 
 def hit_reason(hit: KvHit) -> str:

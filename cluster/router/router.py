@@ -329,7 +329,8 @@ class Router:
         flight.route, flight.block_hashes = route.info(), route.block_hashes
         self.prefix_view.record(w.worker_id, route.block_hashes, w.info.num_blocks)
         num_tokens = len(flight.req.prompt_token_ids) + len(flight.token_ids)
-        flight.assign(w, "prefill" if route.hold else "decode", num_tokens)
+        queued = num_tokens if route.queued_tokens is None else route.queued_tokens
+        flight.assign(w, "prefill" if route.hold else "decode", queued)
         if not self.pulls.start(flight, route, flight.req.prompt_token_ids + flight.token_ids):
             self._send_generate(flight, w, hold=route.hold)  # NOTE: else once the prefix pull ends
         if route.hold and self.config.early_decode_admission and flight.req.params.max_tokens > 1:

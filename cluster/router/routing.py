@@ -51,6 +51,7 @@ from cluster.router.placement import (
     explain_prefill,
     pick_decode,
     pick_least_loaded,
+    queued_work,
 )
 from cluster.router.predict import Predictor, RouteEstimate
 
@@ -121,6 +122,9 @@ class Route(Generic[W]):
     predicted_tbt_s: float | None = None
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False, compare=False)
     tbt_worker_id: str | None = None  # whose decode step predicted_tbt_s is (the handoff's likely target)
+    # the prefill work it queues on ``worker`` (placement.py queued_work: the tokens it computes there
+    # and its host-tier copies) when the index saw that worker's hit; None: the whole prompt
+    queued_tokens: int | None = None
 
     def info(self) -> RouteInfo:
         wid = self.worker.worker_id
@@ -181,21 +185,36 @@ def decide(
     def tbt(d: W, num_joining: int = 0) -> float | None:
         return predictor.tbt_s(d, n, num_joining) if predictor is not None else None
 
+    def work_of(w: W) -> int | None:
+        return queued_work(kv_hit(w), n, w.block_size) if index is not None else None
+
     def whole(route_mode: str, reason: str, w: W) -> Route[W]:
         h = hit(w)
-        return Route(route_mode, reason, w, False, h, h, ttft(w, h), tbt(w), hashes, w.worker_id)
+        return Route(route_mode, reason, w, False, h, h, ttft(w, h), tbt(w), hashes, w.worker_id, work_of(w))
 
     def held(reason: str, w: W, ttft_s: float | None = None) -> Route[W]:
         h = hit(w)
         if predictor is None:
-            return Route("disaggregated", reason, w, True, h, 0, None, None, hashes)
+            return Route("disaggregated", reason, w, True, h, 0, None, None, hashes, None, work_of(w))
         # NOTE: the decode side is picked at the handoff; pick_decode's choice now stands in for it, with
         # the prompts queued on the prefill pool shared out over the decode pool joining it first
         queued = sum(p.num_queued_prompts for p in pools.prefill)
         joining = -(-queued // len(pools.decode))
         predicted = ttft(w, h) if ttft_s is None else ttft_s
         d = pick_decode(pools.decode)
-        return Route("disaggregated", reason, w, True, h, 0, predicted, tbt(d, joining), hashes, d.worker_id)
+        return Route(
+            "disaggregated",
+            reason,
+            w,
+            True,
+            h,
+            0,
+            predicted,
+            tbt(d, joining),
+            hashes,
+            d.worker_id,
+            work_of(w),
+        )
 
     if mode == "colocated":
         if index is not None:
@@ -244,6 +263,7 @@ def decide(
             tbt(d),
             hashes,
             d.worker_id,
+            work_of(d),
         )
     if remote is None:  # NOTE: unreachable: every candidate is either local or remote
         raise RuntimeError("conditional routing found no route")

@@ -66,9 +66,13 @@ def test_a_host_hit_costs_more_than_a_device_hit_and_less_than_a_miss() -> None:
     route = decide("disaggregated", PROMPT, Pools([a, b, c], [d]), CONFIG, index=ix)
     assert (route.reason, route.worker, route.prefill_hit_tokens) == ("kv_index_host_hit", b, 64)
     assert HOST_HIT_COST * 48 + 1 < 65 - 32  # b: 1 + 12 = 13 against a: 33
+    assert route.queued_tokens == 13  # what b's queue counts: its work, not the 65 tokens
     b.num_prompt_tokens = 21  # 34 > 33
     route = decide("disaggregated", PROMPT, Pools([a, b, c], [d]), CONFIG, index=ix)
     assert (route.reason, route.worker, route.prefill_hit_tokens) == ("kv_index_device_hit", a, 32)
+    assert route.queued_tokens == 33
+    route = decide("disaggregated", PROMPT, Pools([a, b, c], [d]), CONFIG)  # no index: the whole prompt
+    assert route.queued_tokens is None
 
 
 def test_a_prompt_shorter_than_a_block_is_a_miss_on_the_least_loaded_worker() -> None:

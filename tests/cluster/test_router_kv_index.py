@@ -35,17 +35,29 @@ def test_a_prefix_held_on_a_busier_worker_draws_the_request_there_by_the_index()
         await fakes.add("prefill-a", "prefill")
         await fakes.add("prefill-b", "prefill")
         await fakes.add("decode-0", "decode")
-        # both idle and empty: a tie, to the id; prefill-a then has 8 prompt tokens queued
-        assert await route(router, fakes, "r0", list(range(900, 908))) == ("prefill-a", "kv_index_miss", 0)
+
+        def queued() -> tuple[int, int]:
+            a, b = (
+                next(w for w in router.workers if w.worker_id == wid) for wid in ("prefill-a", "prefill-b")
+            )
+            return a.num_prompt_tokens, b.num_prompt_tokens
+
+        # both idle and empty: a tie, to the id; prefill-a then has 24 prompt tokens queued
+        assert await route(router, fakes, "r0", list(range(900, 924))) == ("prefill-a", "kv_index_miss", 0)
         await fakes.send(stored("prefill-a", "i0", 0, HASHES))
         await until(lambda: router.kv_index.num_blocks("prefill-a") == 4, "prefill-a's blocks indexed")
-        # prefill-a: 1 token to compute + 8 queued = 9 against prefill-b's 17
-        assert await route(router, fakes, "r1", PROMPT) == ("prefill-a", "kv_index_device_hit", 16)
-        # prefill-a now has 25 queued: 26 against 17
-        assert await route(router, fakes, "r2", PROMPT) == ("prefill-b", "kv_index_miss", 0)
+        # prefill-a: 1 token to compute + 24 queued = 25 against prefill-b's 17: the busier holder loses
+        assert await route(router, fakes, "r1", PROMPT) == ("prefill-b", "kv_index_miss", 0)
+        assert queued() == (24, 17)
+        # 25 against 17 + 17: the holder wins, and its queue grows by the 1 token it computes, not by 17
+        assert await route(router, fakes, "r2", PROMPT) == ("prefill-a", "kv_index_device_hit", 16)
+        assert queued() == (25, 17)
+        # 26 against 34 again: a queued hit is no work, so the holder keeps drawing the prompt
+        assert await route(router, fakes, "r3", PROMPT) == ("prefill-a", "kv_index_device_hit", 16)
+        assert queued() == (26, 17)
         assert router.route_decisions() == {
             ("disaggregated", "kv_index_miss"): 2,
-            ("disaggregated", "kv_index_device_hit"): 1,
+            ("disaggregated", "kv_index_device_hit"): 2,
         }
 
     run(scenario)
