@@ -12,7 +12,9 @@ Reported per turn index: TTFT p50 / p90 at the client, count, the cached prompt 
 reports; per run: TTFT of turn 1 and of the later turns, the prefix hit rate by tier and the KV bytes
 offloaded and loaded (the server's ``pdserve_*`` counters before and after), the routes' reasons and how
 often a turn went to the prefill worker of the conversation's previous turn, and the working set (the KV
-blocks of every conversation's last prompt) against the device KV blocks of the pool that prefills.
+blocks of every conversation's last prompt) against the device KV blocks of the pool that prefills. The
+comparison table adds, for the later turns, the first run's TTFT p50 over each run's (2.00x: half the
+first run's), and where it went as the router splits it (its queue, and the prefill up to the first token).
 
 Targets: a running server (``--url``), or local clusters started in turn, one at a time (``--config
 A.yaml``; ``--run LABEL='pdserve serve flags'``, e.g. ``--run on='--config deploy/cpu-colocated.yaml
@@ -30,7 +32,7 @@ import math
 import shlex
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,7 @@ def summarize(
         "per_turn": per_turn,
         "ttft_ms_turn1": _ms([t.record.ttft_s or 0.0 for t in ok if t.turn == 1]),
         "ttft_ms_later": _ms([t.record.ttft_s or 0.0 for t in ok if t.turn > 1]),
+        "server_ms_later": server_split(t.record for t in ok if t.turn > 1),
         "kv": {
             "block_size": block_size,
             "working_set_blocks": working_set,
@@ -241,6 +244,16 @@ def summarize(
         "routes": dict(Counter(t.route for t in ok if t.route)),
         "prefill_workers": dict(sorted(Counter(t.prefill_worker for t in ok if t.prefill_worker).items())),
         "same_prefill_worker_ratio": len(same) / len(follows) if follows else None,
+    }
+
+
+def server_split(records: Iterable[Record]) -> dict[str, float | None]:
+    """Where the TTFT of ``records`` went as the router split it (``pdserve_timings``), p50 in ms: waiting
+    for a worker (``queue``), the prefill until the first token (``prefill``: its worker's queue, the
+    host-tier loads and the forward), and the router's whole TTFT (``ttft``: no HTTP, no client)."""
+    timed = [r.server for r in records if r.server]
+    return {
+        k: _ms([float(t.get(f"{k}_s") or 0.0) for t in timed])["p50"] for k in ("queue", "prefill", "ttft")
     }
 
 
@@ -296,15 +309,21 @@ def comparison_table(results: dict[str, dict[str, Any]]) -> str:
         "TTFT p50 turn 1",
         "TTFT p50 turns 2+",
         "TTFT p90 turns 2+",
+        "turns 2+ p50: first run / this run",
+        "router queue / prefill p50 turns 2+",
         "device hit",
         "host hit",
     ]
     head += ["usage cached", "offloaded MiB", "loaded MiB", "device KV / working set", "same prefill worker"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    first = next(iter(results.values()), {}).get("ttft_ms_later", {}).get("p50")
     for label, s in results.items():
-        h, kv = s["hits"], s["kv"]
+        h, kv, split = s["hits"], s["kv"], s.get("server_ms_later", {})
+        later = s["ttft_ms_later"]["p50"]
         cells = [label, f"{s['num_ok']}/{s['num_requests']}", _fmt(s["ttft_ms_turn1"]["p50"])]
-        cells += [_fmt(s["ttft_ms_later"]["p50"]), _fmt(s["ttft_ms_later"]["p90"])]
+        cells += [_fmt(later), _fmt(s["ttft_ms_later"]["p90"])]
+        cells += ["-" if not first or not later else f"{first / later:.2f}x"]
+        cells += [f"{_fmt(split.get('queue'))} / {_fmt(split.get('prefill'))}"]
         cells += [_pct(h["device_hit_rate"]), _pct(h["host_hit_rate"]), _pct(h["usage"]["cached_ratio"])]
         cells += [f"{h.get('offloaded_bytes', 0) / 2**20:.1f}", f"{h.get('loaded_bytes', 0) / 2**20:.1f}"]
         cells += [f"{kv['device_blocks']} / {kv['working_set_blocks']} ({kv['device_to_working_set']:.0%})"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multiturn import Turn, Workload, build_messages, main, summarize
+from bench.multiturn import Turn, Workload, build_messages, comparison_table, main, summarize
 from cluster.http.app import create_app
 from deploy.loadgen import Record
 from tests.support.stub_router import VOCAB_SIZE, ServerThread, StubRouter, expected_tokens, make_tokenizer
@@ -93,3 +93,24 @@ def test_hit_rates_by_tier_and_stickiness_from_usage_counters_and_routes() -> No
     assert s["same_prefill_worker_ratio"] == 1.0 and s["prefill_workers"] == {"colocated-0": 2}
     assert s["kv"]["working_set_blocks"] == 3  # ceil((2 * 16 + 4) / 16)
     assert s["ttft_ms_later"]["p50"] == pytest.approx(20.0)
+    assert s["server_ms_later"] == {"queue": None, "prefill": None, "ttft": None}  # no server split
+
+
+def test_the_router_split_of_later_turns_and_the_ratio_against_the_first_run() -> None:
+    w = Workload(1, 2, 0, 16, 4, 0.0)
+
+    def turn(k: int, ttft_s: float, split: dict[str, float] | None) -> Turn:
+        return Turn(
+            0, k, Record(16, 4, ttft_s=ttft_s, server=split), "prefill-0", "disaggregated/kv_index_miss"
+        )
+
+    split = {"queue_s": 0.002, "prefill_s": 0.030, "ttft_s": 0.033}
+    off = summarize([turn(1, 0.02, split), turn(2, 0.060, split)], 1.0, {}, {}, w, 16)
+    on = summarize(
+        [turn(1, 0.02, None), turn(2, 0.024, {"queue_s": 0.001, "prefill_s": 0.018})], 1.0, {}, {}, w, 16
+    )
+    assert off["server_ms_later"] == pytest.approx({"queue": 2.0, "prefill": 30.0, "ttft": 33.0})
+    assert on["server_ms_later"] == pytest.approx({"queue": 1.0, "prefill": 18.0, "ttft": 0.0})
+    rows = comparison_table({"off": off, "on": on}).splitlines()
+    assert rows[2].split(" | ")[5:7] == ["1.00x", "2.0 / 30.0"]
+    assert rows[3].split(" | ")[5:7] == ["2.50x", "1.0 / 18.0"]
