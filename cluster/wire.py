@@ -103,6 +103,7 @@ class WorkerInfo(WireMessage, frozen=True):
     kv_endpoint: str = ""  # a prefill worker's KV-sender handshake socket (ZMQ ROUTER); "" elsewhere
     pull_endpoint: str = ""  # the handshake socket of the KV sender that serves prefix pulls; "" none
     model_fingerprint: str = ""  # cluster.hub.model_fingerprint: the checkpoint, whatever its path here
+    kv_events: bool = False  # it publishes KvEvents (prefix caching on) and answers KvResync
     gc_frozen_objects: int = 0  # objects the start-up moved out of the collector's scans (gc.freeze)
 
 
@@ -182,6 +183,15 @@ class RouterLease(WireMessage, frozen=True):
     incarnation: str
     replica: int
     lease_s: FiniteFloat
+
+
+class KvResync(WireMessage, frozen=True):
+    """This router lost track of what the worker's KV tiers hold (a KvEvents frame lost, frames left out
+    while the worker was not healthy or not admitted yet): send a snapshot (``KvEvents.reset``). A worker
+    sends at most one snapshot a ``workers.worker_vitals.KV_SNAPSHOT_INTERVAL_S``; requests in between
+    are met by the next one."""
+
+    TAG: ClassVar[str] = "kv_resync"
 
 
 class OfferPrefix(WireMessage, frozen=True):
@@ -283,7 +293,9 @@ class KvEvents(WireMessage, frozen=True):
     its previous frame: workers/kv_events.py), for the router's exact prefix index
     (cluster/router/kv_index.py). ``seq`` counts this incarnation's KvEvents frames from 0 with no gap, so
     a router sees a lost frame (and then drops what it holds of the worker: it can no longer trust it).
-    Sent to every router. Decoding refuses a tier other than 0 or 1, a hash of any length but 16 bytes,
+    ``reset``: the frame starts a snapshot of everything the tiers hold (the worker's answer to
+    KvResync; its other frames follow with the next seqs): a router drops what it holds of the worker and
+    takes the snapshot instead, whatever it had lost before. Sent to every router. Decoding refuses a tier other than 0 or 1, a hash of any length but 16 bytes,
     and more than ``MAX_KV_EVENTS_PER_FRAME`` pairs in either list (``kv_event_frames`` splits a batch)."""
 
     TAG: ClassVar[str] = "kv_events"
@@ -292,19 +304,24 @@ class KvEvents(WireMessage, frozen=True):
     seq: Annotated[int, msgspec.Meta(ge=0)]
     stored: KvBlocks = []
     removed: KvBlocks = []
+    reset: bool = False
 
 
-def kv_event_frames(worker_id: str, incarnation: str, first_seq: int, batch: KvEventBatch) -> list[KvEvents]:
+def kv_event_frames(
+    worker_id: str, incarnation: str, first_seq: int, batch: KvEventBatch, reset: bool = False
+) -> list[KvEvents]:
     """``batch`` as KvEvents frames of at most MAX_KV_EVENTS_PER_FRAME pairs (stored and removed
     together), numbered from ``first_seq``; none for an empty batch. A batch's pairs are distinct (a net
-    change), so how they are split changes nothing a router ends up holding."""
+    change), so how they are split changes nothing a router ends up holding. ``reset``: ``batch`` is a
+    snapshot (stored pairs only): its first frame says so, and an empty snapshot is one frame."""
     pairs = [(True, p) for p in batch.stored] + [(False, p) for p in batch.removed]
     frames: list[KvEvents] = []
-    for start in range(0, len(pairs), MAX_KV_EVENTS_PER_FRAME):
+    for start in range(0, max(len(pairs), int(reset)), MAX_KV_EVENTS_PER_FRAME):
         chunk = pairs[start : start + MAX_KV_EVENTS_PER_FRAME]
         stored = [p for is_stored, p in chunk if is_stored]
         removed = [p for is_stored, p in chunk if not is_stored]
-        frames.append(KvEvents(worker_id, incarnation, first_seq + len(frames), stored, removed))
+        first = reset and not frames
+        frames.append(KvEvents(worker_id, incarnation, first_seq + len(frames), stored, removed, first))
     return frames
 
 
@@ -353,6 +370,7 @@ Op = (
     | RouterLease
     | OfferPrefix
     | FetchPrefix
+    | KvResync
 )
 Event = (
     Heartbeat
@@ -377,6 +395,7 @@ OPS: tuple[type[Op], ...] = (
     RouterLease,
     OfferPrefix,
     FetchPrefix,
+    KvResync,
 )
 EVENTS: tuple[type[Event], ...] = (
     Heartbeat,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.block_hash import BlockHash, hash_full_blocks
+from cluster.protocol import KvEventBatch
 from workers.host_tier import HostTier, KvCopies, LoadRule
 from workers.kv_events import TIER_DEVICE, TIER_HOST, KvEventLog
 from workers.prefix_cache import PrefixCache
@@ -211,6 +212,18 @@ class KVCacheManager:
         if slot is not None:
             self._copies.offload_blocks.append(block_id)
             self._copies.offload_slots.append(slot)
+
+    def kv_snapshot(self) -> KvEventBatch:
+        """Everything the tiers hold now, as stored events, for a router that lost track
+        (``KvResync``); the changes logged so far are dropped (the snapshot covers them), and the log
+        goes on from here. Subscribes if nothing did yet."""
+        self.subscribe_events().take()
+        batch = KvEventBatch()
+        if self.prefix_cache is not None:
+            batch.stored.extend((TIER_DEVICE, h) for h in self.prefix_cache.hashes())
+        if self.host is not None:
+            batch.stored.extend((TIER_HOST, h) for h in self.host.hashes())
+        return batch
 
     def take_copies(self) -> KvCopies | None:
         """The copies between the tiers decided since the last call (the runner runs them before the

@@ -534,6 +534,12 @@ class Engine:
         thread does, for the router's index). Raises RuntimeError without prefix caching."""
         return self.scheduler.kv.subscribe_events().take()
 
+    def kv_snapshot(self) -> KvEventBatch:
+        """Everything this engine's KV tiers hold, as one batch of stored events; the changes not yet
+        taken are dropped (the snapshot covers them) and ``take_kv_events`` goes on from here. Raises
+        RuntimeError without prefix caching."""
+        return self.scheduler.kv.kv_snapshot()
+
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens computed so far (prefix-cache hits excluded): ``stats()``'s, without the copy."""

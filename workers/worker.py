@@ -254,6 +254,7 @@ class EngineWorker:
             pull_endpoint=self.pulls.endpoint if self.pulls is not None else "",
             model_fingerprint=model_fingerprint(e.model_dir),
             gc_frozen_objects=gc_frozen_objects,
+            kv_events=e.config.enable_prefix_caching,
         )
 
     def _more_threads(self) -> list[threading.Thread]:

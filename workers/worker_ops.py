@@ -7,7 +7,8 @@ Ops: ``Generate`` adds a request to the engine (``hold``: a prefill worker keeps
 ignore, the second fails the request); ``Abort`` frees a request wherever it is (the role first: it may
 have to wait for a transfer in flight; a prefix pull's id goes to ``PrefixPulls``); ``PeerDead`` and
 ``ExtendLease`` go to the role; ``OfferPrefix`` / ``FetchPrefix`` (and their transfers' callbacks) to
-``PrefixPulls`` (workers/prefix_pulls.py); ``RouterLease``
+``PrefixPulls`` (workers/prefix_pulls.py); ``KvResync`` asks the next KV events for a snapshot
+(workers/worker_vitals.py); ``RouterLease``
 renews a router's lease (and frees the requests of the incarnation it replaces in its slot). An op that
 brings a request from a router holding no lease here (a replaced replica's op that came late) is refused
 and counted ``stale_owner``: nobody would hear its events.
@@ -29,6 +30,7 @@ from cluster.wire import (
     ExtendLease,
     FetchPrefix,
     Generate,
+    KvResync,
     OfferPrefix,
     PeerDead,
     PrefixFetched,
@@ -124,6 +126,8 @@ class OpHandler:
             case ExtendLease(request_id=request_id):
                 if role is not None:
                     role.on_extend_lease(request_id)
+            case KvResync():
+                self._vitals.request_kv_snapshot()
             case OfferPrefix():  # NOTE: a worker that moves no KV (PrefixPulls takes them elsewhere)
                 self._outbox.send(
                     PrefixOffered(self._outbox.worker_id, cmd.pull_id, 0, error="no pulls here")

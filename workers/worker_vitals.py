@@ -8,7 +8,9 @@ latest snapshot; the router treats a worker whose beat is stale as unhealthy (SI
 KV events: at most every ``KV_EVENTS_INTERVAL_S``, the net change of what the engine's KV tiers hold
 (``Engine.take_kv_events``) goes to every router as ``KvEvents`` frames numbered from 0 for this process
 (cluster/wire.py; the routers' exact prefix index, cluster/router/kv_index.py); nothing when nothing
-changed, nothing at all without prefix caching.
+changed, nothing at all without prefix caching. A router that lost track asks for a snapshot
+(``KvResync``): the next turn sends everything the tiers hold, its first frame marked ``reset``, at most
+one snapshot every ``KV_SNAPSHOT_INTERVAL_S`` (asks in between are met by the next one).
 A dead transfer thread is found here, and raised (the step thread dies of it: workers/worker_threads.py).
 Leaks: checked on the step thread (engine, role, the detokenizer stage drained first).
 """
@@ -33,11 +35,14 @@ STAGE_DRAIN_S = 10.0  # bound on the detokenizer stage's catching up (leak check
 # NOTE: the index lags the tiers by up to this much (plus a loop turn); a frame per step instead would
 # double the frames a router reads from a busy worker (a Deltas frame a step already)
 KV_EVENTS_INTERVAL_S = 0.01
+# NOTE: a snapshot costs a frame per 4,096 blocks held: asks more often than this wait for the next one
+KV_SNAPSHOT_INTERVAL_S = 1.0
 
 
 class Vitals:
     """See the module docstring. ``is_healthy``: every worker thread alive and nothing failed
-    (workers/worker_threads.py's ``Guard``); ``rejected``: the control frames dropped, by reason."""
+    (workers/worker_threads.py's ``Guard``); ``rejected``: the control frames dropped, by reason;
+    ``clock``: monotonic seconds (tests)."""
 
     def __init__(
         self,
@@ -50,8 +55,10 @@ class Vitals:
         is_healthy: Callable[[], bool],
         rejected: Callable[[], dict[str, int]],
         pulls: PrefixPulls | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.info = info
+        self._clock = clock
         self._pulls = pulls
         self._engine = engine
         self._role = role
@@ -67,6 +74,9 @@ class Vitals:
         self.num_kv_event_frames = 0  # KvEvents frames sent: the next one's seq
         self._publishes_kv_events = engine.config.enable_prefix_caching
         self._last_kv_events = 0.0
+        self._last_kv_snapshot = -KV_SNAPSHOT_INTERVAL_S
+        self._kv_snapshot_due = False
+        self.num_kv_snapshots = 0
 
     def publish(self) -> None:
         """A fresh snapshot of the stats (step thread)."""
@@ -102,7 +112,7 @@ class Vitals:
 
     def beat(self) -> None:
         """A heartbeat, if one is due (step thread); raises if a transfer thread died."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_beat < self._heartbeat_interval_s:
             return
         self._last_beat = now
@@ -111,19 +121,30 @@ class Vitals:
             raise RuntimeError(f"transfer thread(s) {dead} died")
         self._outbox.send(Heartbeat(self.info, self.stats))
 
+    def request_kv_snapshot(self) -> None:
+        """A router asked for everything the KV tiers hold (``KvResync``): sent by ``send_kv_events``."""
+        self._kv_snapshot_due = self._publishes_kv_events
+
     def send_kv_events(self) -> None:
-        """What the KV tiers stored and removed since the last call, if due (step thread: the engine's
-        one user)."""
+        """What the KV tiers stored and removed since the last call, or a snapshot of them when one is
+        asked for, if due (step thread: the engine's one user)."""
         if not self._publishes_kv_events:
             return
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_kv_events < KV_EVENTS_INTERVAL_S:
             return
         self._last_kv_events = now
-        batch = self._engine.take_kv_events()
-        if not len(batch):
-            return
-        frames = kv_event_frames(self.info.worker_id, self.info.incarnation, self.num_kv_event_frames, batch)
+        reset = self._kv_snapshot_due and now - self._last_kv_snapshot >= KV_SNAPSHOT_INTERVAL_S
+        if reset:
+            self._kv_snapshot_due, self._last_kv_snapshot = False, now
+            self.num_kv_snapshots += 1
+            batch = self._engine.kv_snapshot()
+        else:
+            batch = self._engine.take_kv_events()
+            if not len(batch):
+                return
+        seq = self.num_kv_event_frames
+        frames = kv_event_frames(self.info.worker_id, self.info.incarnation, seq, batch, reset)
         self.num_kv_event_frames += len(frames)
         for frame in frames:
             self._outbox.send(frame)

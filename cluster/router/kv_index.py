@@ -20,6 +20,11 @@ keeps entries it cannot vouch for, so it only ever errs the first, harmless way:
   - a frame lost (``seq`` not the next one: a router's queue on the worker overflowed, or this router
     met the worker mid-stream): what the lost frame removed might still be listed, so every entry of
     that worker goes and the index refills from the frames that follow;
+  - a snapshot (a frame marked ``reset``): the worker's entries are replaced by it.
+Complete: a worker's entries are complete when they grew from a snapshot (its first frame, seq 0, is
+one: everything cached when it began publishing; or a ``reset`` frame) with no frame lost since. After a
+loss they are not, and stay short of what the worker holds until blocks move again; ``wants_snapshot``
+tells the router when to ask the worker for one (``KvResync``), at most every ``RESYNC_INTERVAL_S``.
   - bounds: at most ``max_blocks_per_worker`` entries a worker (past it, the least recently stored go)
     and ``max_workers`` workers (past it, the one heard from least recently goes).
 Not thread-safe: the router's loop owns it.
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 
 from cluster.block_hash import BlockHash
 
+RESYNC_INTERVAL_S = 1.0  # NOTE: a snapshot takes a round trip and a frame per 4,096 blocks: no sooner
 DEVICE_BIT = 1  # tier 0 (workers/kv_events.py TIER_DEVICE)
 HOST_BIT = 2  # tier 1 (TIER_HOST)
 
@@ -59,6 +65,7 @@ class _WorkerBlocks:
     incarnation: str
     next_seq: int
     tiers: OrderedDict[BlockHash, int]  # oldest stored first
+    complete: bool = False  # grown from a snapshot, no frame lost since (the module docstring)
 
 
 class KvIndex:
@@ -75,6 +82,8 @@ class KvIndex:
         self.num_gaps = 0  # frames found missing (each cleared its worker)
         self.num_evicted = 0  # entries dropped for the per-worker bound
         self.num_workers_evicted = 0  # workers dropped for the worker bound
+        self.num_snapshots = 0  # reset frames taken
+        self._asked: dict[str, float] = {}  # worker id -> when a snapshot was last asked of it
 
     # ---- updates ----------------------------------------------------------------------------------------
     def apply(
@@ -84,20 +93,23 @@ class KvIndex:
         seq: int,
         stored: Sequence[tuple[int, BlockHash]],
         removed: Sequence[tuple[int, BlockHash]],
+        reset: bool = False,
     ) -> None:
         """Take one KvEvents frame of ``worker_id``'s process ``incarnation`` (tier 0 or 1, checked by
         the wire's decoder). A new incarnation replaces the old one's entries; a frame out of sequence
-        clears the worker first (see the module docstring)."""
+        clears the worker first; a ``reset`` frame replaces its entries (see the module docstring)."""
         w = self._workers.get(worker_id)
-        if w is None or w.incarnation != incarnation:
-            w = _WorkerBlocks(incarnation, seq, OrderedDict())
+        if w is None or w.incarnation != incarnation or reset:
+            w = _WorkerBlocks(incarnation, seq, OrderedDict(), complete=reset or seq == 0)
             self._workers[worker_id] = w
+            self.num_snapshots += reset
             while len(self._workers) > self.max_workers:
                 self._workers.popitem(last=False)
                 self.num_workers_evicted += 1
         elif seq != w.next_seq:
             self.num_gaps += 1
             w.tiers.clear()
+            w.complete = False
         self._workers.move_to_end(worker_id)
         w.next_seq = seq + 1
         tiers = w.tiers
@@ -116,10 +128,29 @@ class KvIndex:
         self.num_evicted += max(0, excess)
 
     def forget(self, worker_id: str, incarnation: str | None = None) -> None:
-        """Drop a worker's entries (only ``incarnation``'s, when given)."""
+        """Drop a worker's entries (only ``incarnation``'s, when given; without one, the worker is gone
+        for good and what was asked of it goes too)."""
         w = self._workers.get(worker_id)
         if w is not None and (incarnation is None or w.incarnation == incarnation):
             del self._workers[worker_id]
+        if incarnation is None:
+            self._asked.pop(worker_id, None)
+
+    def wants_snapshot(self, worker_id: str, incarnation: str, now: float) -> bool:
+        """Whether to ask ``worker_id``'s process ``incarnation`` for a snapshot now (``now``: monotonic
+        seconds): its entries are not complete and none was asked of it in the last
+        ``RESYNC_INTERVAL_S``. True records the ask."""
+        w = self._workers.get(worker_id)
+        if w is not None and w.incarnation == incarnation and w.complete:
+            return False
+        if now - self._asked.get(worker_id, -RESYNC_INTERVAL_S) < RESYNC_INTERVAL_S:
+            return False
+        self._asked[worker_id] = now
+        return True
+
+    def is_complete(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.complete
 
     # ---- reads ------------------------------------------------------------------------------------------
     def hit(self, worker_id: str, hashes: Sequence[BlockHash], num_tokens: int, block_size: int) -> KvHit:

@@ -9,7 +9,7 @@ The router composes: cluster/router/membership.py (which workers there are and t
 heartbeat, lifecycle, drain, death), cluster/router/flights.py (each request's state across its attempts),
 cluster/router/handoff.py (the decode side: early decode admission, the handoff), route decisions and
 their reasons (cluster/router/routing.py, over the placement policy of cluster/router/placement.py and
-the workers' KV events in cluster/router/kv_index.py), prefix pulls between workers
+the workers' KV events in cluster/router/kv_index.py, fed by cluster/router/kv_feed.py), prefix pulls between workers
 (cluster/router/pulls.py) and SLO-aware admission (cluster/router/admission.py).
 
 Migration: a request whose worker died is dispatched again, as prompt + the tokens already streamed, to
@@ -55,8 +55,9 @@ from cluster.router.admission import SloAdmission, build_admission
 from cluster.router.events import EventSocket
 from cluster.router.flights import Flight, Flights
 from cluster.router.handoff import FailedTransfers, Handoffs
+from cluster.router.kv_feed import KvFeed
 from cluster.router.kv_index import KvIndex
-from cluster.router.membership import Membership, WorkerRef, WorkerState
+from cluster.router.membership import Membership, WorkerRef
 from cluster.router.predict import Predictor, TrafficLog
 from cluster.router.pulls import Pulls
 from cluster.router.routing import Pools, PrefixView, Route, decide
@@ -82,9 +83,6 @@ from cluster.wire import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-_INDEXED_STATES = (WorkerState.HEALTHY, WorkerState.UNHEALTHY)  # whose KV events the index takes
 
 
 class Router:
@@ -117,6 +115,7 @@ class Router:
         self.prefix_view = PrefixView()
         # NOTE: fed under both policies (a benchmark compares them); read only by "index"
         self.kv_index = KvIndex(config.kv_index_max_blocks_per_worker, config.kv_index_max_workers)
+        self.kv_feed = KvFeed(self.kv_index, lambda wid: self.members.get(wid), self._send)
         self.traffic = TrafficLog(config.advice_window_s)
         self._route_counts: dict[tuple[str, str], int] = {}
         self.served_model_name = served_model_name
@@ -133,7 +132,7 @@ class Router:
             reject=self._reject,
             on_death=self._on_worker_dead,
             on_removed=self._forget_worker,
-            on_state=self._on_worker_state,
+            on_state=lambda w: self.kv_feed.on_state(w),
             replica=replica,
         )
         self._handoffs = Handoffs(self.members, self.prefix_view)
@@ -475,11 +474,6 @@ class Router:
             self._migrate(flight, f"worker {w.worker_id} failed: {why}")
         self.pulls.on_dead(w)  # NOTE: after the migrations: a moved flight gets nothing from its old pull
 
-    def _on_worker_state(self, w: WorkerRef) -> None:
-        """A worker not healthy: its KV index entries go (nothing vouches for them; kv_index.py)."""
-        if w.state != WorkerState.HEALTHY:
-            self.kv_index.forget(w.worker_id, w.info.incarnation)
-
     def _forget_worker(self, worker_id: str) -> None:
         """The worker is gone for good: the routing views forget it."""
         self.prefix_view.forget(worker_id)
@@ -504,7 +498,7 @@ class Router:
             self._on_heartbeat(event)
             return
         if isinstance(event, KvEvents):
-            self._on_kv_events(event)
+            self.kv_feed.on_events(event)
             return
         w = self.members.get(event.worker_id)
         if w is None:
@@ -539,20 +533,14 @@ class Router:
 
     def _on_heartbeat(self, event: Heartbeat) -> None:
         w = self.members.on_heartbeat(event)
+        if w is not None:
+            self.kv_feed.check(w)
         if w is not None and len(self._failed_transfers):
             self._failed_transfers.on_heartbeat(w)
         if w is None or self.admission is None or self.predictor is None or w.pool == "prefill":
             return
         step = self.predictor.step_now_s(w)
         self.admission.observe_steps(w.worker_id, w.last_beat, event.stats.engine.num_steps, step)
-
-    def _on_kv_events(self, event: KvEvents) -> None:
-        """Into the KV index, from a live process of an admitted worker only; a frame of one not admitted
-        yet or of a dead or replaced process is no forgery (signed): left out quietly (only hits lost)."""
-        w = self.members.get(event.worker_id)
-        if w is None or w.info.incarnation != event.incarnation or w.state not in _INDEXED_STATES:
-            return
-        self.kv_index.apply(event.worker_id, event.incarnation, event.seq, event.stored, event.removed)
 
     def _on_delta(self, w: WorkerRef, delta: TokenDelta) -> None:
         """A decode step's delta (the token path: one per running request per step)."""

@@ -18,8 +18,10 @@ from cluster.wire import (
     EVENTS,
     KV_HASH_BYTES,
     MAX_KV_EVENTS_PER_FRAME,
+    OPS,
     ROUTER_ID,
     KvEvents,
+    KvResync,
     WireDecoder,
     WireEncoder,
     kv_event_frames,
@@ -51,6 +53,24 @@ def test_a_batch_is_split_into_numbered_frames_under_the_cap() -> None:
     assert [p for f in frames for p in f.removed] == removed
     assert {(f.worker_id, f.incarnation) for f in frames} == {("w", "inc")}
     assert kv_event_frames("w", "inc", 3, KvEventBatch()) == []
+
+
+def test_a_snapshot_marks_its_first_frame_only_and_an_empty_one_is_a_frame() -> None:
+    cap = MAX_KV_EVENTS_PER_FRAME
+    stored = [(i % 2, digest(i)) for i in range(cap + 1)]
+    frames = kv_event_frames("w", "inc", 4, KvEventBatch(stored), reset=True)
+    assert [(f.seq, len(f.stored), f.reset) for f in frames] == [(4, cap, True), (5, 1, False)]
+    assert kv_event_frames("w", "inc", 2, KvEventBatch(), reset=True) == [KvEvents("w", "inc", 2, reset=True)]
+    decoder = WireDecoder(SECRET, ROUTER_ID, EVENTS)
+    for frame in frames:
+        assert decoder.decode(WireEncoder(SECRET).encode(ROUTER_ID, frame)) == frame
+
+
+def test_the_resync_op_roundtrips_and_takes_no_field() -> None:
+    decoder = WireDecoder(SECRET, "prefill-0", OPS)
+    assert decoder.decode(WireEncoder(SECRET).encode("prefill-0", KvResync())) == KvResync()
+    bad = FrameSigner(SECRET).sign("prefill-0", KvResync.TAG, {"snapshot": True})
+    assert decoder.decode(bad) is None and decoder.rejected() == {"bad_field": 1}
 
 
 def test_every_frame_of_a_split_batch_roundtrips() -> None:

@@ -1,6 +1,6 @@
 """The router's KV index (cluster/router/kv_index.py): exact hits by tier along a prompt's chain of
-blocks, removal, a new incarnation, a lost frame, its bounds, and a flood of events that stays within
-them."""
+blocks, removal, a new incarnation, a lost frame, a snapshot and when to ask for one, its bounds, and a
+flood of events that stays within them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from cluster.block_hash import hash_full_blocks
-from cluster.router.kv_index import KvHit, KvIndex
+from cluster.router.kv_index import RESYNC_INTERVAL_S, KvHit, KvIndex
 
 BLOCK = 4
 PROMPT = list(range(100, 121))  # 21 tokens: 5 full blocks, at most 5 usable ((21 - 1) // 4)
@@ -75,6 +75,37 @@ def test_a_lost_frame_clears_the_worker_and_the_next_frames_refill_it() -> None:
     assert hit(ix) == KvHit(5, 0)
     ix.apply("w", "i0", 9, [], [])  # a repeated number is out of sequence too
     assert (ix.num_blocks("w"), ix.num_gaps) == (0, 2)
+
+
+def test_a_snapshot_replaces_the_entries_and_makes_them_complete_again() -> None:
+    ix = index()
+    ix.apply("w", "i0", 0, [(DEVICE, h) for h in HASHES[:2]], [])  # seq 0: the worker's first snapshot
+    assert ix.is_complete("w") and not ix.wants_snapshot("w", "i0", 0.0)
+    ix.apply("w", "i0", 2, [(HOST, HASHES[4])], [])  # frame 1 lost
+    assert (ix.is_complete("w"), ix.num_blocks("w"), ix.num_gaps) == (False, 1, 1)
+    assert ix.wants_snapshot("w", "i0", 10.0)
+    assert not ix.wants_snapshot("w", "i0", 10.0 + RESYNC_INTERVAL_S / 2)  # asked already
+    ix.apply("w", "i0", 3, [(DEVICE, HASHES[3])], [])  # before the snapshot: taken, still incomplete
+    assert ix.wants_snapshot("w", "i0", 10.0 + RESYNC_INTERVAL_S)  # no answer within the interval
+    # the snapshot: blocks 0-2 on the device, 3 on the host; what was held before it goes (block 4)
+    snapshot = [(DEVICE, h) for h in HASHES[:3]] + [(HOST, HASHES[3])]
+    ix.apply("w", "i0", 9, snapshot[:2], [], reset=True)  # a reset is no gap, whatever its number
+    ix.apply("w", "i0", 10, snapshot[2:], [])
+    assert (hit(ix), ix.num_blocks("w"), ix.num_gaps, ix.num_snapshots) == (KvHit(3, 1), 4, 1, 1)
+    assert ix.is_complete("w") and not ix.wants_snapshot("w", "i0", 100.0)
+    assert ix.wants_snapshot("w", "i1", 100.0)  # another process of the worker: nothing known of it
+
+
+def test_entries_met_mid_stream_or_forgotten_are_not_complete() -> None:
+    ix = index()
+    ix.apply("w", "i0", 5, [(DEVICE, HASHES[0])], [])  # this router missed frames 0-4
+    assert not ix.is_complete("w") and ix.wants_snapshot("w", "i0", 0.0)
+    ix.apply("w", "i0", 6, [], [], reset=True)  # an empty snapshot: the worker holds nothing
+    assert (ix.is_complete("w"), ix.num_blocks("w")) == (True, 0)
+    ix.forget("w", "i0")  # unhealthy: its entries went
+    assert not ix.is_complete("w") and ix.wants_snapshot("w", "i0", RESYNC_INTERVAL_S)
+    ix.forget("w")  # gone for good: what was asked of it goes too
+    assert ix.wants_snapshot("w", "i0", RESYNC_INTERVAL_S)
 
 
 def test_a_worker_past_its_bound_loses_its_least_recently_stored_blocks() -> None:

@@ -1,12 +1,14 @@
 """The router's KV index fed by fake workers' KvEvents over the real wire (tests/support/fake_workers.py):
-placement by it, and every way a worker's entries leave it (death, a new incarnation, a stale
-heartbeat, drain), late frames of a dead process left out."""
+placement by it, every way a worker's entries leave it (death, a new incarnation, a stale heartbeat,
+drain), late frames of a dead process left out, and the snapshots the router asks for when it lost
+track of a worker."""
 
 from __future__ import annotations
 
 from cluster.block_hash import hash_full_blocks
+from cluster.router.kv_index import RESYNC_INTERVAL_S
 from cluster.router.router import Router
-from cluster.wire import KvEvents, WorkerFailed
+from cluster.wire import KvEvents, KvResync, WorkerFailed
 from tests.support.fake_workers import BLOCK_SIZE, FakeWorkers, Stream, run, until
 
 PROMPT = list(range(50, 67))  # 17 tokens: 4 full blocks, all usable ((17 - 1) // 4)
@@ -111,3 +113,39 @@ def test_a_worker_whose_heartbeat_goes_stale_or_that_drains_is_dropped() -> None
         assert [w.state.value for w in router.workers] == ["unhealthy"]
 
     run(scenario, health_timeout_s=0.5)
+
+
+def test_the_router_asks_a_worker_for_a_snapshot_whenever_its_index_lost_track() -> None:
+    async def scenario(router: Router, fakes: FakeWorkers) -> None:
+        now = [100.0]
+        router.kv_feed.clock = lambda: now[0]
+        await fakes.add("prefill-a", "prefill", kv_events=True)
+        await fakes.add("decode-0", "decode")  # publishes no events: never asked
+        # admitted with nothing known of it (its first frames may have come before): asked at once
+        assert await fakes.op("prefill-a") == KvResync()
+        snapshot = [(DEVICE, h) for h in HASHES[:2]]
+        await fakes.send(KvEvents("prefill-a", "i0", 0, snapshot, reset=True))
+        await until(lambda: router.kv_index.is_complete("prefill-a"), "the snapshot taken")
+        await fakes.beat("prefill-a")  # complete: a heartbeat asks nothing
+        # a lost frame (1): the index clears the worker, asks, and the answer replaces what it holds
+        now[0] += RESYNC_INTERVAL_S
+        await fakes.send(stored("prefill-a", "i0", 2, HASHES[3:]))
+        assert await fakes.op("prefill-a") == KvResync()
+        await fakes.send(KvEvents("prefill-a", "i0", 3, [(DEVICE, h) for h in HASHES], reset=True))
+        await until(lambda: router.kv_index.is_complete("prefill-a"), "the second snapshot taken")
+        assert router.kv_index.num_blocks("prefill-a") == 4
+        # unhealthy: its entries go; healthy again: asked once (the heartbeat's check is within the
+        # interval of the ask made when it turned healthy)
+        now[0] += RESYNC_INTERVAL_S
+        await fakes.beat("prefill-a", healthy=False)
+        await until(lambda: router.kv_index.num_blocks("prefill-a") == 0, "entries dropped")
+        await fakes.beat("prefill-a")
+        assert await fakes.op("prefill-a") == KvResync()
+        assert await fakes.pending_ops("prefill-a") == [] and await fakes.pending_ops("decode-0") == []
+        assert (router.kv_feed.num_resyncs, router.kv_index.num_gaps, router.kv_index.num_snapshots) == (
+            3,
+            1,
+            2,
+        )
+
+    run(scenario)

@@ -44,6 +44,7 @@ from cluster.wire import (
     Heartbeat,
     KeepAlive,
     KvEvents,
+    KvResync,
     OfferPrefix,
     PeerDead,
     Prefilled,
@@ -96,6 +97,7 @@ ALL_OPS = [
     RouterLease("0a1b2c3d4e5f6a7b", 1, 10.0),
     OfferPrefix("pull-1", [1, 2, 3, 4], 1e9),
     FetchPrefix("pull-1", [1, 2, 3, 4], b"\x81\xa1a\x01", 1e9),
+    KvResync(),
 ]
 ALL_EVENTS = [
     Heartbeat(INFO, STATS),
@@ -107,6 +109,7 @@ ALL_EVENTS = [
     WorkerFailed("decode-0", "step thread died"),
     WorkerGone("decode-0", 4242, "RayActorError: The actor died unexpectedly"),
     KvEvents("decode-0", "ab12", 3, [(0, b"\x01" * 16), (1, b"\x02" * 16)], [(0, b"\x03" * 16)]),
+    KvEvents("decode-0", "ab12", 4, [(1, b"\x04" * 16)], reset=True),
     PrefixOffered("decode-0", "pull-1", 3, b"handoff"),
     PrefixFetched("prefill-0", "pull-1", 0, error="blocks short"),
 ]

@@ -12,8 +12,8 @@ secret and writing msgpack by hand could): the new decoder reads every copy of a
 refuses one whose earlier copy has the wrong type (the old one kept the last copy only), and it takes a
 map whose copies put it past 4096 entries (the old unpack called it malformed).
 
-Messages newer than the oracle (``KvEvents``, the prefix pulls') have no twin there: both decoders here leave them out, and
-their own strict decoding is checked in tests/cluster/test_kv_events_wire.py.
+Messages newer than the oracle (``KvEvents``, ``KvResync``, the prefix pulls') have no twin there: both decoders
+here leave them out, and their own strict decoding is checked in tests/cluster/test_kv_events_wire.py.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from cluster.wire import (
     FetchPrefix,
     Generate,
     KvEvents,
+    KvResync,
     OfferPrefix,
     Prefilled,
     PrefixFetched,
@@ -58,7 +59,14 @@ from cluster.wire import (
 )
 from tests.cluster.test_wire import ALL_EVENTS, ALL_OPS, SECRET
 
-NEWER_THAN_THE_ORACLE: tuple[type, ...] = (KvEvents, OfferPrefix, FetchPrefix, PrefixOffered, PrefixFetched)
+NEWER_THAN_THE_ORACLE: tuple[type, ...] = (
+    KvEvents,
+    KvResync,
+    OfferPrefix,
+    FetchPrefix,
+    PrefixOffered,
+    PrefixFetched,
+)
 OPS = tuple(cls for cls in wire.OPS if cls not in NEWER_THAN_THE_ORACLE)
 EVENTS = tuple(cls for cls in wire.EVENTS if cls not in NEWER_THAN_THE_ORACLE)
 

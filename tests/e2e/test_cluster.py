@@ -168,6 +168,18 @@ def test_a_repeated_prompt_goes_where_the_workers_kv_events_say_it_is_cached(dis
         holder,
         120,
     )
+    # the index loses track of the holder (as after a lost frame): the router asks it for a snapshot at
+    # its next heartbeat, and the worker's answer (a reset frame) gives back every block
+    w = router.members.get(holder)
+    assert w is not None and w.info.kv_events
+    snapshots = router.kv_index.num_snapshots
+
+    async def lose_track() -> None:
+        router.kv_index.forget(holder, w.info.incarnation)
+
+    disagg.run(lose_track(), timeout=10)
+    wait_for(lambda: router.kv_index.hit(holder, hashes, 121, 4) == KvHit(30, 0), 10, "the snapshot")
+    assert router.kv_index.is_complete(holder) and router.kv_index.num_snapshots > snapshots
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

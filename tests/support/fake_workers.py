@@ -77,8 +77,10 @@ class FakeWorkers:
         max_model_len: int = 1024,
         model_dir: str = "/m",
         wait: bool = True,
+        kv_events: bool = False,
     ) -> WorkerInfo:
-        """Register a worker (its first heartbeat) and (``wait``) wait until the router admitted it."""
+        """Register a worker (its first heartbeat) and (``wait``) wait until the router admitted it.
+        ``kv_events``: it says it publishes KvEvents (the router then asks it for snapshots)."""
         if worker_id not in self.pulls:
             pull = self.ctx.socket(zmq.PULL)
             pull.setsockopt(zmq.LINGER, 0)
@@ -100,6 +102,7 @@ class FakeWorkers:
             model_dir,
             "cpu",
             pid,
+            kv_events=kv_events,
         )
         self.infos[worker_id] = info
         await self.beat(worker_id, num_free_blocks=num_free_blocks)

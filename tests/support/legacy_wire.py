@@ -91,6 +91,7 @@ class WorkerInfo:
     kv_endpoint: str = ""  # a prefill worker's KV-sender handshake socket (ZMQ ROUTER); "" elsewhere
     pull_endpoint: str = ""  # the KV sender that serves prefix pulls (newer than the oracle; a plain field)
     model_fingerprint: str = ""  # cluster.hub.model_fingerprint: the checkpoint, whatever its path here
+    kv_events: bool = False  # it publishes KvEvents (newer than the oracle; a plain field)
     gc_frozen_objects: int = 0  # objects the start-up moved out of the collector's scans (gc.freeze)
 
 

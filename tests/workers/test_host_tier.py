@@ -4,6 +4,7 @@ and the leak invariant through the engine."""
 from __future__ import annotations
 
 import random
+from typing import Any, cast
 
 import pytest
 import torch
@@ -11,12 +12,15 @@ import torch
 from cluster.block_hash import hash_full_blocks
 from cluster.config import EngineConfig, ModelConfig
 from cluster.protocol import SamplingParams
+from cluster.router.kv_index import KvIndex
+from cluster.wire import KvEvents, WorkerInfo
 from workers.block_manager import KVCacheManager
 from workers.engine import Engine
 from workers.host_kv import GIB, HostKv, num_host_slots
 from workers.host_tier import HostTier, KvCopies, LoadRule
 from workers.kv_events import TIER_DEVICE, TIER_HOST
 from workers.request import Request
+from workers.worker_vitals import KV_SNAPSHOT_INTERVAL_S, Vitals
 
 
 def req(rid: str, tokens: list[int]) -> Request:
@@ -240,6 +244,70 @@ def test_kv_events_name_each_tier_and_the_first_batch_is_a_snapshot() -> None:
 
     net(TIER_DEVICE, device_before, device_after)
     net(TIER_HOST, host_before, host_after)
+    engine.check_no_leaks()
+
+
+class _Frames:
+    """An outbox that keeps what is sent (the Vitals under test send KvEvents frames only)."""
+
+    def __init__(self) -> None:
+        self.sent: list[KvEvents] = []
+
+    def send(self, message: KvEvents) -> None:
+        self.sent.append(message)
+
+
+def test_a_snapshot_asked_for_holds_both_tiers_and_the_events_go_on_from_it() -> None:
+    """``KvResync`` on the worker (workers/worker_vitals.py): the next KV events are a snapshot of both
+    tiers, its first frame marked reset, numbered on from the last frame; changes not sent yet are in
+    it, not sent again; a second ask within KV_SNAPSHOT_INTERVAL_S waits for the interval."""
+    engine = _engine(kv_offload_gib=0.002)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    info = WorkerInfo(
+        "prefill-0", "prefill", "i0", "tcp://x:1", "127.0.0.1", 16, 32, 512, 512, "/m", "cpu", 1
+    )
+    frames, now = _Frames(), [10.0]
+    vitals = Vitals(
+        info, engine, None, None, cast(Any, frames), 1.0, lambda: True, dict, clock=lambda: now[0]
+    )
+    _run_turns(engine, params, num_turns=2)
+    vitals.send_kv_events()  # the first batch: a snapshot as it subscribes, but no reset asked
+    assert [(f.seq, f.reset) for f in frames.sent] == [(0, False)]
+    _run_turns(engine, params, num_turns=3)  # changes pending
+    kv = engine.scheduler.kv
+    assert kv.prefix_cache is not None and kv.host is not None
+
+    def held() -> list[tuple[int, bytes]]:
+        assert kv.prefix_cache is not None and kv.host is not None
+        device = [(TIER_DEVICE, h) for h in kv.prefix_cache.hashes()]
+        return sorted(device + [(TIER_HOST, h) for h in kv.host.hashes()])
+
+    vitals.request_kv_snapshot()
+    now[0] += 0.005  # within KV_EVENTS_INTERVAL_S of the last frame: nothing yet
+    vitals.send_kv_events()
+    assert len(frames.sent) == 1
+    now[0] += 0.01
+    vitals.send_kv_events()
+    snapshot = frames.sent[1:]
+    assert [(f.seq, f.reset) for f in snapshot] == [(1, True)] and vitals.num_kv_snapshots == 1
+    assert sorted(snapshot[0].stored) == held() and snapshot[0].removed == []
+    now[0] += 0.02
+    vitals.send_kv_events()
+    assert len(frames.sent) == 2  # what was pending is in the snapshot, not sent again
+    _run_turns(engine, params, num_turns=1)
+    vitals.request_kv_snapshot()  # within KV_SNAPSHOT_INTERVAL_S of the last one: the plain changes
+    now[0] += 0.02
+    vitals.send_kv_events()
+    assert [(f.seq, f.reset) for f in frames.sent[2:]] == [(2, False)]
+    now[0] += KV_SNAPSHOT_INTERVAL_S
+    vitals.send_kv_events()  # the ask kept: a snapshot now
+    assert [(f.seq, f.reset) for f in frames.sent[3:]] == [(3, True)] and vitals.num_kv_snapshots == 2
+    assert sorted(frames.sent[3].stored) == held()
+    # the index a router builds from every frame equals the tiers
+    index = KvIndex(1 << 20, 4)
+    for f in frames.sent:
+        index.apply(f.worker_id, f.incarnation, f.seq, f.stored, f.removed, f.reset)
+    assert index.num_blocks("prefill-0") == len({h for _, h in held()}) and index.num_gaps == 0
     engine.check_no_leaks()
 
 

@@ -15,6 +15,7 @@ from cluster.wire import (
     DecodeHandoff,
     ExtendLease,
     Generate,
+    KvResync,
     PeerDead,
     PrepareDecode,
     RouterLease,
@@ -66,6 +67,10 @@ class FakeEngine:
 
 class FakeVitals:
     num_freed_for_router = 0
+    num_snapshots_asked = 0
+
+    def request_kv_snapshot(self) -> None:
+        self.num_snapshots_asked += 1
 
     def leak_report(self) -> str | None:
         return "1 block leaked"
@@ -88,6 +93,8 @@ def test_each_op_does_its_one_thing_on_a_worker_without_a_role() -> None:
     ops.handle(PeerDead("prefill-0"))
     ops.handle(ExtendLease("a"))
     ops.handle(Abort("a"))
+    ops.handle(KvResync())
+    assert cast(Any, ops)._vitals.num_snapshots_asked == 1
     assert engine.calls == [
         ("add", "a", [1, 2], {"hold_after_prefill": False, "output_token_ids": [7]}),
         ("abort", "a"),
