@@ -82,7 +82,6 @@ def create_router_app(
     )
 
 
-
 def connection_limits(cfg: ServerConfig) -> ConnectionLimits:
     return ConnectionLimits(
         cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s, cfg.keep_alive_timeout_s
