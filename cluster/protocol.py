@@ -459,6 +459,9 @@ class EngineStats:
     kv_loaded_blocks: int = 0  # blocks copied host -> device
     kv_offloaded_bytes: int = 0  # bytes of those copies, summed over ranks
     kv_loaded_bytes: int = 0
+    # a host-tier hit's cost against recomputing its tokens, as the load rule measured it (the copy time
+    # of a block over its tokens' prefill time: >= 1 means they are recomputed); -1: not measured / no tier
+    host_load_cost: float = -1.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_running: int = 0

@@ -95,6 +95,7 @@ class Engine:
             self.load_rule,
         )
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: launched, unresolved
+        self._launched, self._resolved_at = (0.0, 0.0), 0.0  # async: in-flight launch (s, end), last resolve
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stage: DetokenizerStage | None = None  # see use_stage
         self.structured = StructuredRequests(
@@ -351,17 +352,21 @@ class Engine:
         self._count_launch(out)
         self._stats.num_generation_tokens += len(sampled)
         forward_s = t2 - t1 - self.runner.prepare_time_s
-        if self.load_rule is not None and out.num_prompt_tokens >= self.config.block_size:
-            self.load_rule.observe_forward(out.num_batched_tokens, forward_s)
+        self._observe_prefill(out, forward_s)
         self._count_times((t1 - t0) + (t3 - t2), forward_s, t4 - t3)
         return output
+
+    def _observe_prefill(self, out: SchedulerOutput, forward_s: float) -> None:
+        """A step that computed prompt blocks teaches the host tier's load rule a recompute's cost."""
+        if self.load_rule is not None and out.num_prompt_tokens >= self.config.block_size:
+            self.load_rule.observe_forward(out.num_batched_tokens, forward_s)
 
     def _step_async(self, scheduler: AsyncScheduler) -> StepOutput:
         """Launch the next step, then wait for and apply the previous one (see the class docstring)."""
         t0 = time.perf_counter()
         out = scheduler.schedule()
         t1 = time.perf_counter()
-        previous, self._in_flight = self._in_flight, None
+        previous, launched, self._in_flight = self._in_flight, self._launched, None
         deferred: ForwardStep | None = None
         if not out.is_empty:
             if previous is not None and self._needs_resolved_history(out):
@@ -371,11 +376,15 @@ class Engine:
             self._count_launch(out)
         t2 = time.perf_counter()
         launch_s = t2 - t1 - (self.runner.prepare_time_s if not out.is_empty else 0.0)
+        self._launched = (launch_s, t2)
         if previous is None:
             self._count_times(t1 - t0, launch_s, 0.0)
             return StepOutput()
         sampled = previous[1].result()
         t3 = time.perf_counter()
+        # NOTE: its forward: its launch (all of it on CPU) + the wait for it once the device could start it
+        self._observe_prefill(previous[0], launched[0] + t3 - max(launched[1], self._resolved_at))
+        self._resolved_at = t3
         if sampled.prompt_logprobs:
             self._add_prompt_logprobs(sampled)
         resolved = scheduler.resolve(previous[0], sampled)
@@ -535,9 +544,8 @@ class Engine:
         return self.scheduler.kv.subscribe_events().take()
 
     def kv_snapshot(self) -> KvEventBatch:
-        """Everything this engine's KV tiers hold, as one batch of stored events; the changes not yet
-        taken are dropped (the snapshot covers them) and ``take_kv_events`` goes on from here. Raises
-        RuntimeError without prefix caching."""
+        """Everything the KV tiers hold, as stored events; it covers the changes not yet taken (dropped:
+        ``take_kv_events`` goes on from here). RuntimeError without prefix caching."""
         return self.scheduler.kv.kv_snapshot()
 
     @property
@@ -559,6 +567,8 @@ class Engine:
             st.kv_offloaded_blocks, st.kv_loaded_blocks = host.num_offloaded, host.num_loaded
             st.kv_offloaded_bytes = host.num_offloaded * host_kv.bytes_per_block * ranks
             st.kv_loaded_bytes = host.num_loaded * host_kv.bytes_per_block * ranks
+            ratio = None if self.load_rule is None else self.load_rule.load_cost_ratio()
+            st.host_load_cost = -1.0 if ratio is None else ratio
         st.num_preemptions = self.scheduler.num_preemptions
         st.num_free_blocks = kv.pool.num_free
         st.num_total_blocks = kv.pool.num_usable

@@ -64,6 +64,10 @@ class LoadRule:
       (launches, the host's share, a mock's per-step overhead) are not spread over its tokens (which would
       make recomputing look dearer than it is); the mean time per token while the steps are too alike in
       size for a slope (or noise makes it <= 0). Until a forward is measured, blocks are loaded.
+
+    ``load_cost_ratio`` is the same comparison as a number, for the router (``EngineStats.host_load_cost``):
+    what a host-tier hit costs against recomputing its tokens. The estimate is updated as steps are
+    observed, not at each read: the engine's stats read it every loop turn.
     """
 
     bytes_per_block: int
@@ -71,12 +75,16 @@ class LoadRule:
     copy_bytes_per_s: float = NOMINAL_HOST_LINK_BYTES_PER_S
     is_copy_measured: bool = False
     steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=64))
+    _per_token: float | None = field(default=None, init=False, repr=False)
 
     EMA: ClassVar[float] = 0.2
     MIN_STEPS_FOR_SLOPE: ClassVar[int] = 4
 
     @property
     def prefill_s_per_token(self) -> float | None:
+        return self._per_token
+
+    def _estimate(self) -> float | None:
         steps = self.steps
         if not steps:
             return None
@@ -92,10 +100,16 @@ class LoadRule:
         return mean_y / mean_x
 
     def worth_loading(self) -> bool:
-        per_token = self.prefill_s_per_token
+        ratio = self.load_cost_ratio()
+        return ratio is None or ratio < 1.0
+
+    def load_cost_ratio(self) -> float | None:
+        """A block's copy time over its tokens' recompute time (< 1: loading is cheaper); None until a
+        forward is measured."""
+        per_token = self._per_token
         if per_token is None:
-            return True
-        return self.bytes_per_block / self.copy_bytes_per_s < self.block_size * per_token
+            return None
+        return (self.bytes_per_block / self.copy_bytes_per_s) / (self.block_size * per_token)
 
     def observe_copy(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
@@ -109,6 +123,7 @@ class LoadRule:
     def observe_forward(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
             self.steps.append((num_tokens, seconds))
+            self._per_token = self._estimate()
 
 
 class HostTier:

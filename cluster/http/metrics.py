@@ -179,6 +179,12 @@ class WorkerStatsCollector(Collector):
             "Fraction of the host tier's blocks holding a cached block (0 without a tier)",
             lambda s: s.engine.num_host_blocks_used / max(1, s.engine.num_host_blocks),
         ),
+        (
+            "pdserve_kv_host_load_cost_ratio",
+            "A host-tier block's copy time over its tokens' prefill time, as the worker measured them "
+            "(>= 1: recomputed, not loaded; -1: not measured or no tier); the router weighs host hits by it",
+            lambda s: s.engine.host_load_cost,
+        ),
     )
     COUNTERS: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
         ("pdserve_preemptions", "Requests preempted (recompute)", lambda s: s.engine.num_preemptions),

@@ -9,8 +9,9 @@ Ray), so tests and a simulation drive the same policy the router runs.
 
 With ``prefix_routing: index`` (the default) the prefill and colocated picks go by the router's exact
 index of the workers' KV tiers instead (cluster/router/kv_index.py; ``explain_by_index``): each worker's
-cost is the prompt tokens it would still compute, plus ``HOST_HIT_COST`` for each token it would copy
-back from its host tier, plus its queue (the same work of every prompt routed there whose first token
+cost is the prompt tokens it would still compute, plus ``host_hit_cost`` for each token it would copy
+back from its host tier (what its own load rule measured a copy to cost against a recompute; 0.25 until
+it did), plus its queue (the same work of every prompt routed there whose first token
 has not come back: a queued prompt's hit is not work, so a worker that holds the conversations it is
 sent does not look busier than it is) and, for a colocated worker, ``REQUEST_COST_TOKENS`` for each request it runs (they share every
 step with the new prompt); the cheapest wins, ties to the fewer requests, then the worker id. A cached
@@ -33,8 +34,9 @@ from cluster.block_hash import ROOT_HASH, hash_block
 from cluster.protocol import ClusterUnavailableError, WorkerStats
 from cluster.router.kv_index import KvHit
 
-# NOTE: a token the host tier holds costs a quarter of computing it: it is copied back to the device
-# (PCIe, ~25 GB/s against a prefill's compute on the same bytes) before the step that uses it
+# NOTE: a token the host tier holds costs a quarter of computing it until its worker measured the ratio
+# (``EngineStats.host_load_cost``): it is copied back to the device (PCIe, ~25 GB/s against a prefill's
+# compute on the same bytes) before the step that uses it
 HOST_HIT_COST = 0.25
 DEVICE_HIT_COST = 0.0  # NOTE: a device hit is free: its blocks are shared as they are
 # NOTE: a request in a colocated worker's batch weighs like this many prompt tokens: it shares each step
@@ -97,22 +99,29 @@ def explain_prefill(workers: Sequence[W], prompt: Sequence[int], affinity_slack_
     return preferred, "prefix_affinity"
 
 
-def prompt_work(hit: KvHit, num_tokens: int, block_size: int) -> float:
-    """The prefill work of a ``num_tokens`` prompt on a worker holding ``hit`` of it, in prompt tokens:
-    those it computes, plus the copies back of its host-tier hit (``HOST_HIT_COST`` each)."""
-    device, host = hit.device_blocks * block_size, hit.host_blocks * block_size
-    return num_tokens - device - host + DEVICE_HIT_COST * device + HOST_HIT_COST * host
+def host_hit_cost(w: WorkerLoad) -> float:
+    """What a token of ``w``'s host tier costs against computing it: the ratio its load rule measured
+    (capped at 1: past it the engine recomputes the block), else ``HOST_HIT_COST``."""
+    measured = w.stats.engine.host_load_cost if w.stats is not None else -1.0
+    return HOST_HIT_COST if measured < 0 else min(1.0, measured)
 
 
-def queued_work(hit: KvHit, num_tokens: int, block_size: int) -> int:
+def prompt_work(w: WorkerLoad, hit: KvHit, num_tokens: int) -> float:
+    """The prefill work of a ``num_tokens`` prompt on ``w`` holding ``hit`` of it, in prompt tokens: those
+    it computes, plus the copies back of its host-tier hit (``host_hit_cost`` each)."""
+    device, host = hit.device_blocks * w.block_size, hit.host_blocks * w.block_size
+    return num_tokens - device - host + DEVICE_HIT_COST * device + host_hit_cost(w) * host
+
+
+def queued_work(w: WorkerLoad, hit: KvHit, num_tokens: int) -> int:
     """``prompt_work`` as the worker's queue counts it (``num_prompt_tokens``): whole tokens, at least one
     (the engine always computes a prompt's last token)."""
-    return max(1, math.ceil(prompt_work(hit, num_tokens, block_size)))
+    return max(1, math.ceil(prompt_work(w, hit, num_tokens)))
 
 
 def index_cost(w: WorkerLoad, hit: KvHit, num_tokens: int, request_cost_tokens: int) -> float:
     """What placing a ``num_tokens`` prompt on ``w`` costs, in prompt tokens (module docstring)."""
-    return prompt_work(hit, num_tokens, w.block_size) + w.num_prompt_tokens + request_cost_tokens * busy(w)
+    return prompt_work(w, hit, num_tokens) + w.num_prompt_tokens + request_cost_tokens * busy(w)
 
 
 def hit_reason(hit: KvHit) -> str:

@@ -186,7 +186,7 @@ def decide(
         return predictor.tbt_s(d, n, num_joining) if predictor is not None else None
 
     def work_of(w: W) -> int | None:
-        return queued_work(kv_hit(w), n, w.block_size) if index is not None else None
+        return queued_work(w, kv_hit(w), n) if index is not None else None
 
     def whole(route_mode: str, reason: str, w: W) -> Route[W]:
         h = hit(w)

@@ -75,6 +75,29 @@ def test_a_host_hit_costs_more_than_a_device_hit_and_less_than_a_miss() -> None:
     assert route.queued_tokens is None
 
 
+def test_a_host_hit_weighs_what_its_worker_measured_a_copy_to_cost() -> None:
+    def measured(wid: str, ratio: float) -> Fake:
+        return Fake(wid, stats=WorkerStats(wid, "prefill", engine=EngineStats(host_load_cost=ratio)))
+
+    d = Fake("decode-0")
+    ix = holding(**{"prefill-a": (2, 0), "prefill-b": (1, 3)})  # a: 32 device; b: 16 device + 48 host
+    a, b = Fake("prefill-a", num_prompt_tokens=25), measured("prefill-b", 0.5)
+    # b: 1 + 0.5 * 48 = 25, + 8 queued = 33; a: 33 + 25 = 58 (at the default 0.25, b would cost 21)
+    b.num_prompt_tokens = 8
+    route = decide("disaggregated", PROMPT, Pools([a, b], [d]), CONFIG, index=ix)
+    assert (route.worker, route.queued_tokens) == (b, 25)
+    # a load rule that recomputes (ratio >= 1): a host-hit token costs what computing it does
+    b = measured("prefill-b", 3.0)
+    route = decide("disaggregated", PROMPT, Pools([a, b], [d]), CONFIG, index=ix)
+    assert (route.worker, route.queued_tokens) == (b, 49)  # 1 + 48: still below a's 58
+    a.num_prompt_tokens = 0  # a: 33 against b's 49
+    route = decide("disaggregated", PROMPT, Pools([a, b], [d]), CONFIG, index=ix)
+    assert (route.worker, route.reason) == (a, "kv_index_device_hit")
+    # nothing measured yet (-1): the default
+    b = measured("prefill-b", -1.0)
+    assert decide("disaggregated", PROMPT, Pools([a, b], [d]), CONFIG, index=ix).queued_tokens == 13
+
+
 def test_a_prompt_shorter_than_a_block_is_a_miss_on_the_least_loaded_worker() -> None:
     a, b, d = Fake("prefill-a", num_prompt_tokens=3), Fake("prefill-b", num_prompt_tokens=2), Fake("d")
     route = decide("disaggregated", PROMPT[:10], Pools([a, b], [d]), CONFIG, index=holding())

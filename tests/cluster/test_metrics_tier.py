@@ -23,6 +23,7 @@ TIERED = WorkerStats(
         prefix_cache_host_hits=250,
         num_host_blocks=512,
         num_host_blocks_used=128,
+        host_load_cost=0.125,
         kv_offloaded_blocks=40,
         kv_loaded_blocks=10,
         kv_offloaded_bytes=40 * BLOCK_BYTES,
@@ -61,6 +62,8 @@ def test_tier_series_per_worker_are_exact() -> None:
     # a worker without a tier reads 0 blocks and 0 occupancy, never a division by zero
     assert got[("pdserve_kv_host_cache_total_blocks", DECODE)] == 0.0
     assert got[("pdserve_kv_host_cache_usage_ratio", DECODE)] == 0.0
+    assert got[("pdserve_kv_host_load_cost_ratio", PREFILL)] == 0.125
+    assert got[("pdserve_kv_host_load_cost_ratio", DECODE)] == -1.0  # no tier: nothing measured
     assert got[("pdserve_kv_offloaded_blocks_total", PREFILL)] == 40.0
     assert got[("pdserve_kv_loaded_blocks_total", PREFILL)] == 10.0
     assert got[("pdserve_kv_offloaded_bytes_total", PREFILL)] == 1310720.0
@@ -90,6 +93,7 @@ def test_counters_are_counters_and_gauges_gauges() -> None:
         "pdserve_kv_host_cache_total_blocks",
         "pdserve_kv_host_cache_used_blocks",
         "pdserve_kv_host_cache_usage_ratio",
+        "pdserve_kv_host_load_cost_ratio",
     ):
         assert types[name] == "gauge", name
 

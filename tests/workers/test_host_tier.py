@@ -80,12 +80,13 @@ def test_manager_offloads_evicted_blocks_and_loads_a_host_hit_into_fresh_blocks(
 
 def test_the_load_rule_compares_a_copy_with_a_recompute_per_block() -> None:
     rule = LoadRule(bytes_per_block=1_000_000, block_size=16)
-    assert rule.worth_loading()  # no forward measured yet
+    assert rule.worth_loading() and rule.load_cost_ratio() is None  # no forward measured yet
     rule.observe_copy(1_000_000, 0.001)  # the first measurement replaces the nominal rate
     assert rule.copy_bytes_per_s == pytest.approx(1e9)
     rule.observe_forward(num_tokens=1000, seconds=0.01)  # 10 us a token
     assert rule.prefill_s_per_token == pytest.approx(1e-5)
     assert not rule.worth_loading()  # 1 ms to copy a block, 0.16 ms to recompute it
+    assert rule.load_cost_ratio() == pytest.approx(1e-3 / 1.6e-4)
     rule.observe_forward(num_tokens=10, seconds=0.1)  # too few steps for a slope: the mean, ~109 us
     assert rule.prefill_s_per_token == pytest.approx(0.11 / 1010)
     assert rule.worth_loading()
@@ -191,6 +192,9 @@ def test_outputs_with_the_tier_equal_outputs_without_and_reloaded_bytes_are_the_
     assert st.kv_offloaded_bytes == st.kv_offloaded_blocks * checked.bytes_per_block
     # fewer prompt tokens computed: a host hit is a block not recomputed
     assert st.num_prompt_tokens < st0.num_prompt_tokens
+    # the load rule's own comparison, as the router reads it; no tier: nothing measured
+    assert tiered.load_rule is not None and st.host_load_cost == tiered.load_rule.load_cost_ratio() >= 0
+    assert st0.host_load_cost == -1.0
     tiered.check_no_leaks()
 
 
