@@ -11,11 +11,12 @@ With ``prefix_routing: index`` (the default) the prefill and colocated picks go 
 index of the workers' KV tiers instead (cluster/router/kv_index.py; ``explain_by_index``): each worker's
 cost is the prompt tokens it would still compute, plus ``host_hit_cost`` for each token it would copy
 back from its host tier (what its own load rule measured a copy to cost against a recompute; 0.25 until
-it did), plus its queue (the same work of every prompt routed there whose first token
-has not come back: a queued prompt's hit is not work, so a worker that holds the conversations it is
-sent does not look busier than it is) and, for a colocated worker, ``REQUEST_COST_TOKENS`` for each request it runs (they share every
-step with the new prompt); the cheapest wins, ties to the fewer requests, then the worker id. A cached
-prefix thus draws a request to a busier worker as long as the tokens saved outweigh the extra queue.
+it did), plus its queue (the same work of every prompt routed there whose first token has not come
+back: a queued prompt's hit is not work, so a worker that holds the conversations it is sent does not
+look busier than it is) and, for a colocated worker, ``REQUEST_COST_TOKENS`` for each request it runs
+(they share every step with the new prompt); the cheapest wins, ties to the fewer requests, then the
+worker id. A cached prefix thus draws a request to a busier worker as long as the tokens saved outweigh
+the extra queue.
 
 A worker's requests (``busy``) are the more of those this router routed there and those the worker
 last reported (running, waiting, waiting for KV): the report counts other routers' requests (front-end
