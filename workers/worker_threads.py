@@ -93,6 +93,11 @@ class Guard:
         try:
             target()
         except BaseException as e:
+            if self._stop.is_set():
+                # NOTE: the worker is being shut down: a thread still running when its sockets close
+                # (shutdown's join is bounded) raises for that; the process is not failing, only ending
+                logger.warning("%s: %s thread raised while shutting down: %r", self.worker_id, name, e)
+                return
             logger.exception("%s: %s thread died", self.worker_id, name)
             self.fatal(f"{name} thread died: {type(e).__name__}: {e}")
             return

@@ -20,13 +20,14 @@ keeps entries it cannot vouch for, so it only ever errs the first, harmless way:
   - a frame lost (``seq`` not the next one: a router's queue on the worker overflowed, or this router
     met the worker mid-stream): what the lost frame removed might still be listed, so every entry of
     that worker goes and the index refills from the frames that follow;
-  - a snapshot (a frame marked ``reset``): the worker's entries are replaced by it.
-Complete: a worker's entries are complete when they grew from a snapshot (its first frame, seq 0, is
-one: everything cached when it began publishing; or a ``reset`` frame) with no frame lost since. After a
-loss they are not, and stay short of what the worker holds until blocks move again; ``wants_snapshot``
-tells the router when to ask the worker for one (``KvResync``), at most every ``RESYNC_INTERVAL_S``.
+  - a snapshot (a frame marked ``reset``): the worker's entries are replaced by it;
   - bounds: at most ``max_blocks_per_worker`` entries a worker (past it, the least recently stored go)
     and ``max_workers`` workers (past it, the one heard from least recently goes).
+Complete: a worker's entries are complete when they grew from a snapshot (its first frame, seq 0, is
+one: everything cached when it began publishing; or a ``reset`` frame) with no frame lost since. After a
+loss they are not (short of what the worker holds) until a snapshot comes: ``wants_snapshot`` tells the
+router when to ask the worker for one (``KvResync``, cluster/router/kv_feed.py), at most every
+``RESYNC_INTERVAL_S``.
 Not thread-safe: the router's loop owns it.
 """
 

@@ -9,8 +9,8 @@ The router composes: cluster/router/membership.py (which workers there are and t
 heartbeat, lifecycle, drain, death), cluster/router/flights.py (each request's state across its attempts),
 cluster/router/handoff.py (the decode side: early decode admission, the handoff), route decisions and
 their reasons (cluster/router/routing.py, over the placement policy of cluster/router/placement.py and
-the workers' KV events in cluster/router/kv_index.py, fed by cluster/router/kv_feed.py), prefix pulls between workers
-(cluster/router/pulls.py) and SLO-aware admission (cluster/router/admission.py).
+the workers' KV events in cluster/router/kv_index.py, fed by cluster/router/kv_feed.py), prefix pulls
+between workers (cluster/router/pulls.py) and SLO-aware admission (cluster/router/admission.py).
 
 Migration: a request whose worker died is dispatched again, as prompt + the tokens already streamed, to
 a surviving path (``Generate.output_token_ids``: computed, not re-sampled, so greedy continues token for

@@ -101,11 +101,15 @@ def test_issue31_row4_every_receiving_socket_has_its_cap() -> None:
         ctx.destroy(linger=0)
     engine = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=16, max_num_seqs=2)
     control = WorkerControl(("tcp://127.0.0.1:1",), heartbeat_interval_s=60.0)
-    worker = EngineWorker("colocated-0", "colocated", engine, TransferConfig(), new_secret(), control)
+    fatal: list[str] = []  # NOTE: a dead thread must fail the test, not end the test process
+    worker = EngineWorker(
+        "colocated-0", "colocated", engine, TransferConfig(), new_secret(), control, on_fatal=fatal.append
+    )
     try:
         assert worker._pull.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_MAX_FRAME_BYTES
     finally:
         worker.shutdown()
+    assert fatal == []
     assert MAX_IPC_MESSAGE_BYTES == 64 << 10  # CudaIpcChannel's PULL (needs a GPU to build)
 
 

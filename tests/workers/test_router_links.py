@@ -167,7 +167,10 @@ def test_a_worker_frees_the_requests_of_a_router_whose_lease_ran_out_and_keeps_s
     r0, r1 = FakeRouter(SECRET, 0), FakeRouter(SECRET, 1)
     control = WorkerControl((r0.endpoint, r1.endpoint), heartbeat_interval_s=0.05)
     engine = EngineConfig.from_options(device="cpu", block_size=4, num_kv_blocks=1024, max_num_seqs=8)
-    worker = EngineWorker("colocated-0", "colocated", engine, TransferConfig(), SECRET, control)
+    fatal: list[str] = []  # NOTE: a dead thread must fail the test, not end the test process
+    worker = EngineWorker(
+        "colocated-0", "colocated", engine, TransferConfig(), SECRET, control, on_fatal=fatal.append
+    )
     try:
         r0.connect(worker)
         r1.connect(worker)
@@ -193,7 +196,7 @@ def test_a_worker_frees_the_requests_of_a_router_whose_lease_ran_out_and_keeps_s
         wait_for(lambda: worker.stats().num_freed_for_router == 1, 10, "b counted as freed for its router")
         r1.send(Generate("late", PROMPT, short, time.time() + 60, owner="bbbb"))
         wait_for(lambda: worker.stats().rejected_frames.get("stale_owner") == 1, 10, "the late op refused")
-        assert worker.check_leaks() is None
+        assert worker.check_leaks() is None and fatal == []
     finally:
         worker.shutdown()
         r0.close()

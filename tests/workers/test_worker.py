@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import pytest
 import zmq
@@ -40,6 +40,7 @@ from cluster.wire import (
 from tests.support.cluster_utils import wait_for
 from workers.llm import LLM
 from workers.worker import EXIT_CODE_FATAL, EngineWorker
+from workers.worker_threads import Guard
 
 PROMPT = [3, 40, 99, 7, 250, 18]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -314,13 +315,17 @@ def _lines_until(stream: IO[str], marker: str, timeout_s: float) -> Iterator[str
 def test_fault_injection_is_off_unless_asked() -> None:
     router = FakeRouter(new_secret())
     control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)
-    worker = EngineWorker("colocated-1", "colocated", ENGINE, TransferConfig(), new_secret(), control)
+    fatal: list[str] = []  # NOTE: a dead thread must fail the test, not end the test process
+    worker = EngineWorker(
+        "colocated-1", "colocated", ENGINE, TransferConfig(), new_secret(), control, on_fatal=fatal.append
+    )
     try:
         with pytest.raises(PermissionError):
             worker.inject_fault("step")
     finally:
         worker.shutdown()
         router.close()
+    assert fatal == []
 
 
 def test_ops_and_events_are_disjoint() -> None:
@@ -361,3 +366,36 @@ def test_text_is_made_on_the_detokenizer_thread_and_equals_the_offline_text(
     wait_for(lambda: worker.check_leaks() is None, 10, "no request left in the engine or the stage")
     assert worker.engine.stage.num_requests == 0
     assert worker.health() and fatal == []
+
+
+class _NoOutbox:
+    """An outbox a Guard may say its last words to (kept, not sent)."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send(self, message: object, last_words_s: float | None = None) -> None:
+        self.sent.append(message)
+
+
+def test_a_thread_that_raises_once_shutdown_began_is_no_failure_of_the_worker() -> None:
+    """Shutdown's join is bounded: a thread still running when its sockets close raises for that. The
+    process is ending, not failing: no WorkerFailed and no on_fatal (whose default ends the process).
+    Before the stop, the same exception is the worker's failure."""
+    for stop_first in (True, False):
+        stop, release, fatal, outbox = threading.Event(), threading.Event(), [], _NoOutbox()
+        guard = Guard("colocated-0", stop, cast(Any, outbox), fatal.append, lambda: None, list)
+
+        def closed_under_it(release: threading.Event = release) -> None:
+            release.wait(10)
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+
+        guard.start("step", closed_under_it)
+        if stop_first:
+            stop.set()
+        release.set()
+        guard.join(timeout_s=10)
+        if stop_first:
+            assert (fatal, outbox.sent, guard.failed) == ([], [], None)
+        else:
+            assert fatal == [guard.failed] and [type(m).__name__ for m in outbox.sent] == ["WorkerFailed"]

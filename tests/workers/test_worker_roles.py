@@ -30,8 +30,17 @@ def started(request: pytest.FixtureRequest) -> Iterator[tuple[EngineWorker, Fake
     secret = new_secret()
     router = FakeRouter(secret)
     control = WorkerControl((router.endpoint,), heartbeat_interval_s=0.05)  # moves_kv False: no KV mover
+    fatal: list[str] = []  # NOTE: a dead thread must fail the test, not end the test process
     try:
-        worker = EngineWorker(f"{request.param}-0", request.param, ENGINE, TransferConfig(), secret, control)
+        worker = EngineWorker(
+            f"{request.param}-0",
+            request.param,
+            ENGINE,
+            TransferConfig(),
+            secret,
+            control,
+            on_fatal=fatal.append,
+        )
     except BaseException:
         router.close()  # NOTE: an open ZMQ context would hold the process at exit
         raise
@@ -39,6 +48,7 @@ def started(request: pytest.FixtureRequest) -> Iterator[tuple[EngineWorker, Fake
     yield worker, router
     worker.shutdown()
     router.close()
+    assert fatal == []
 
 
 def test_ops_the_role_cannot_serve_fail_the_request_and_whole_requests_still_run(
