@@ -132,14 +132,17 @@ class KVCacheManager:
             raise RuntimeError("KV events need prefix caching (nothing is cached without it)")
         if self.prefix_cache.events is None:
             log = KvEventLog()
-            for block_hash in self.prefix_cache.hashes():
-                log.stored(TIER_DEVICE, block_hash)
+            for tier, block_hash in self._held():
+                log.stored(tier, block_hash)
             if self.host is not None:
-                for block_hash in self.host.hashes():
-                    log.stored(TIER_HOST, block_hash)
                 self.host.events = log
             self.prefix_cache.events = log
         return self.prefix_cache.events
+
+    def _held(self) -> list[tuple[int, BlockHash]]:
+        """Every (tier, hash) the tiers hold now."""
+        device = [] if self.prefix_cache is None else [(TIER_DEVICE, h) for h in self.prefix_cache.hashes()]
+        return device + ([] if self.host is None else [(TIER_HOST, h) for h in self.host.hashes()])
 
     def get_computed_blocks(
         self, request: Request, num_pending_tokens: int = 0, use_host: bool = True
@@ -218,12 +221,7 @@ class KVCacheManager:
         (``KvResync``); the changes logged so far are dropped (the snapshot covers them), and the log
         goes on from here. Subscribes if nothing did yet."""
         self.subscribe_events().take()
-        batch = KvEventBatch()
-        if self.prefix_cache is not None:
-            batch.stored.extend((TIER_DEVICE, h) for h in self.prefix_cache.hashes())
-        if self.host is not None:
-            batch.stored.extend((TIER_HOST, h) for h in self.host.hashes())
-        return batch
+        return KvEventBatch(stored=self._held())
 
     def take_copies(self) -> KvCopies | None:
         """The copies between the tiers decided since the last call (the runner runs them before the
