@@ -171,8 +171,15 @@ def decide(
     has_view = view is not None or index is not None
     hashes = hash_full_blocks(token_ids, block_size) if has_view and n >= block_size else []
 
+    hits: dict[str, KvHit] = {}  # NOTE: each worker's walk of the prompt's hashes, once per decision
+
     def kv_hit(w: W) -> KvHit:
-        return index.hit(w.worker_id, hashes, n, w.block_size) if index is not None else KvHit()
+        if index is None:
+            return KvHit()
+        h = hits.get(w.worker_id)
+        if h is None:
+            h = hits[w.worker_id] = index.hit(w.worker_id, hashes, n, w.block_size)
+        return h
 
     def hit(w: W) -> int:
         if index is not None:
